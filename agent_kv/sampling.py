@@ -1,0 +1,54 @@
+"""Next-token sampling: greedy, or temperature with nucleus (top-p) filtering, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from agent_kv.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """How a reply is decoded.
+
+    Attributes:
+        max_new_tokens: cap on generated tokens (>= 1).
+        temperature: 0 for greedy decoding; otherwise logits are divided by it.
+        top_p: nucleus mass in (0, 1]; the smallest set of tokens whose probability reaches it.
+        seed: seeds the sampler's generator, for reproducible sampling.
+        stop: strings that end the reply; the returned text stops before the first one.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise `ConfigError` for out-of-range values."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """Pick the next token id from `logits` `[vocab]`."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better tokens
+        sorted_probs[before >= params.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
