@@ -1,0 +1,119 @@
+"""The engine on the default model: exactness against transformers, no-op and budget properties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from agent_kv.engine import Engine
+from agent_kv.policies import Policy, make_policy
+from agent_kv.sampling import SamplingParams
+
+PROMPT = (
+    "The classifieds board lists bicycles, furniture, phones and books. "
+    "A blue road bike in good condition costs 120 dollars and is sold by Maria in Oakland. "
+    "A walnut desk with two drawers costs 80 dollars. Buyers message sellers through the site. "
+) * 6
+DECODE_STEPS = 50
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm) -> list[int]:
+    ids = smollm.tokenizer(PROMPT, add_special_tokens=False)["input_ids"][:300]
+    assert len(ids) == 300
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, prompt_ids):
+    """Logits and greedy tokens from transformers' own DynamicCache + SDPA path."""
+    model = AutoModelForCausalLM.from_pretrained(smollm.source, attn_implementation="sdpa").eval()
+    cache = DynamicCache(config=model.config)
+    logits, tokens = [], []
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([prompt_ids]), cache=cache, use_cache=True)
+        for _ in range(DECODE_STEPS):
+            step_logits = out.logits[0, -1].float()
+            logits.append(step_logits)
+            tokens.append(int(step_logits.argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+    return torch.stack(logits), tokens
+
+
+def run_engine(smollm, policy: Policy, prompt_ids, chunk: int = 128, check=None):
+    """Teacher-free greedy run; returns the logits before each sampled token and the tokens."""
+    engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
+    session = engine.new_session()
+    logits, tokens = [engine.feed(session, prompt_ids)], []
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(logits[-1].argmax()))
+        if len(tokens) < DECODE_STEPS:
+            logits.append(engine.feed(session, [tokens[-1]]))
+    return torch.stack(logits), tokens, session
+
+
+def test_full_policy_matches_transformers_dynamic_cache(smollm, prompt_ids, reference):
+    ref_logits, ref_tokens = reference
+    logits, tokens, _ = run_engine(smollm, make_policy("full"), prompt_ids)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+
+
+def test_conf_kv_with_room_to_spare_is_a_no_op(smollm, prompt_ids):
+    full_logits, full_tokens, _ = run_engine(smollm, make_policy("full"), prompt_ids)
+    policy = make_policy("conf-kv", n_high=1024, n_low=2048)
+    logits, tokens, session = run_engine(smollm, policy, prompt_ids)
+    assert tokens == full_tokens
+    assert torch.equal(logits, full_logits)
+    assert session.store.evicted_tokens == 0
+
+
+def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt_ids):
+    chunk, protect = 64, 16
+    policy = make_policy("conf-kv", n_high=48, n_low=96, tau=0.5, protect_recent=protect)
+    engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
+    session = engine.new_session()
+    store = session.store
+    store.pin(0, 8)
+    per_token_layer = store.bytes_per_token() // len(store.layers)
+    checks = []
+
+    original_step = policy.step
+
+    def checked_step(st, conf):
+        evicted = original_step(st, conf)
+        seen = st.seen_tokens
+        for idx, layer in enumerate(st.layers):
+            kept = set(layer.positions[: layer.length].tolist())
+            assert layer.length <= policy.budget(conf), "layer above its budget after a step"
+            assert set(range(max(0, seen - protect), seen)) <= kept, "a recent token was evicted"
+            assert set(range(8)) <= kept, "a pinned token was evicted"
+        live = sum(k.nbytes + v.nbytes for k, v in (layer.live() for layer in st.layers))
+        assert st.nbytes() == live == sum(st.lengths()) * per_token_layer
+        checks.append(conf)
+        return evicted
+
+    policy.step = checked_step
+    reply = engine.generate(session, prompt_ids, SamplingParams(max_new_tokens=DECODE_STEPS))
+    fed = [t for t in reply.token_ids if t not in engine.eos_ids]
+    assert len(checks) == -(-len(prompt_ids) // chunk) + len(fed)
+    assert store.evicted_tokens > 0
+    assert store.peak_bytes <= (policy.n_low + chunk) * store.bytes_per_token()
+    assert store.peak_bytes > policy.n_high * store.bytes_per_token()
+    budgets = {record.budget for record in session.steps}
+    assert budgets <= {48, 96}
+
+
+def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    first = engine.generate(engine.new_session(), prompt_ids[:40], params)
+    second = engine.generate(engine.new_session(), prompt_ids[:40], params)
+    assert first.token_ids == second.token_ids
+    greedy = engine.generate(engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12))
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
+    stop = greedy.raw_text.strip().split()[1]
+    cut = engine.generate(engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and cut.raw_text.startswith(cut.text)

@@ -1,0 +1,100 @@
+"""Policies on a synthetic store: budgets, protection, ranking, configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent_kv.confidence import confidence
+from agent_kv.errors import ConfigError
+from agent_kv.policies import ConfKV, make_policy
+from agent_kv.store import KVStore
+
+
+def store_with(tokens: int, scores: torch.Tensor | None = None) -> KVStore:
+    store = KVStore(2, 2, 4)
+    for idx in range(2):
+        store.append(idx, torch.randn(1, 2, tokens, 4), torch.randn(1, 2, tokens, 4))
+        if scores is not None:
+            store.layers[idx].scores[:, :tokens] = scores
+    return store
+
+
+def test_confidence_extremes():
+    vocab = 1000
+    flat = confidence(torch.zeros(vocab))
+    # H_norm = 1, margin 0 -> sigmoid 0.5, p_top1 = 1/V
+    assert flat.item() == pytest.approx(0.3 * 0.5 + 0.3 / vocab, abs=1e-6)
+    peaked = torch.full((vocab,), -30.0)
+    peaked[7] = 30.0
+    assert confidence(peaked).item() == pytest.approx(1.0, abs=1e-4)
+    two_way = torch.full((vocab,), -50.0)
+    two_way[:2] = 10.0
+    c = confidence(two_way).item()
+    assert c == pytest.approx(0.4 * (1 - torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(1000.0)).item()) + 0.15 + 0.15, abs=1e-4)
+
+
+def test_conf_kv_budget_follows_confidence_gate():
+    policy = make_policy("conf-kv", n_high=32, n_low=48, tau=0.5, protect_recent=4)
+    assert policy.budget(0.9) == 32
+    assert policy.budget(0.1) == 48
+    store = store_with(100)
+    policy.step(store, confidence=0.1)
+    assert store.lengths() == [48, 48]
+    policy.step(store, confidence=0.9)
+    assert store.lengths() == [32, 32]
+    policy.step(store, confidence=0.1)  # evicted tokens never come back
+    assert store.lengths() == [32, 32]
+
+
+def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
+    scores = torch.full((100,), 0.001)
+    scores[[5, 17, 42]] = 0.5
+    store = store_with(100, scores)
+    store.pin(0, 3)
+    policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0)
+    evicted = policy.step(store, confidence=1.0)
+    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    assert {0, 1, 2, 5, 17, 42} <= set(kept)
+    assert set(range(92, 100)) <= set(kept)
+    assert len(kept) == 16
+    assert evicted == 2 * 84
+
+
+def test_window_keeps_newest_and_sinks():
+    store = store_with(50)
+    policy = make_policy("window", budget=10, sinks=2)
+    policy.step(store, 0.0)
+    assert store.layers[1].positions[:10].tolist() == [0, 1] + list(range(42, 50))
+
+
+def test_full_never_evicts():
+    store = store_with(70)
+    assert make_policy("full").step(store, 1.0) == 0
+    assert store.lengths() == [70, 70]
+
+
+def test_protected_tokens_may_exceed_budget():
+    store = store_with(40)
+    store.pin(0, 30)
+    make_policy("window", budget=10).step(store, 0.0)
+    assert store.lengths() == [30, 30]
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,message",
+    [
+        ("lru", {}, "unknown policy 'lru'"),
+        ("conf-kv", {"budget": 0}, "positive number of tokens"),
+        ("conf-kv", {"budget": -5}, "positive number of tokens"),
+        ("conf-kv", {"n_high": 128, "n_low": 96}, "must be >= n_high"),
+        ("conf-kv", {"budget": 100, "protect_recent": 64}, "protection window"),
+        ("conf-kv", {"tau": 1.5}, "tau"),
+        ("window", {"budget": 8, "sinks": 8}, "protection window"),
+        ("full", {"budget": 10}, "takes no budget"),
+        ("window", {"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(name, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make_policy(name, **kwargs)
