@@ -18,6 +18,7 @@ from agent_kv.session import Session
 class _Pending:
     ids: list[int]
     pin: bool
+    message: int | None  # index in `messages`; None for the assistant header
 
 
 class ChatSession:
@@ -32,6 +33,7 @@ class ChatSession:
         self.engine = engine
         self.session = session or engine.new_session()
         self.messages: list[dict[str, str]] = []
+        self.spans: dict[int, tuple[int, int]] = {}  # message index -> token positions [start, end)
         self._rendered = ""  # template text of everything queued or cached
         self._pending: list[_Pending] = []
 
@@ -40,7 +42,7 @@ class ChatSession:
             self.messages, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def _queue_delta(self, rendered: str, pin: bool) -> None:
+    def _queue_delta(self, rendered: str, pin: bool, message: int | None) -> None:
         if not rendered.startswith(self._rendered):
             raise RuntimeError(
                 "the chat template re-rendered earlier turns differently; "
@@ -49,7 +51,7 @@ class ChatSession:
         delta = rendered[len(self._rendered) :]
         if delta:
             ids = self.engine.tokenizer(delta, add_special_tokens=False)["input_ids"]
-            self._pending.append(_Pending(ids, pin))
+            self._pending.append(_Pending(ids, pin, message))
         self._rendered = rendered
 
     def add(self, role: str, content: str, pin: bool = False) -> None:
@@ -61,7 +63,16 @@ class ChatSession:
             pin: pin the message's tokens (never evicted).
         """
         self.messages.append({"role": role, "content": content})
-        self._queue_delta(self._render(generation_prompt=False), pin)
+        self._queue_delta(self._render(generation_prompt=False), pin, len(self.messages) - 1)
+
+    def unpin_message(self, index: int) -> None:
+        """Release the pin on message `index` (already prefilled); its tokens become evictable.
+
+        Raises:
+            KeyError: the message has not been prefilled yet.
+        """
+        start, end = self.spans[index]
+        self.session.store.unpin(start, end)
 
     def reply(self, params: SamplingParams) -> Generation:
         """Prefill the queued messages and the assistant header, then generate the reply.
@@ -69,17 +80,22 @@ class ChatSession:
         The reply is appended to the conversation as an assistant message (its full generated
         text, stop strings included, which is what the cache holds).
         """
-        self._queue_delta(self._render(generation_prompt=True), pin=False)
+        self._queue_delta(self._render(generation_prompt=True), pin=False, message=None)
         store = self.session.store
-        start = store.seen_tokens
         prompt: list[int] = []
         for item in self._pending:
+            start = store.seen_tokens + len(prompt)
+            span = (start, start + len(item.ids))
+            if item.message is not None:
+                self.spans[item.message] = span
             if item.pin:
-                store.pin(start + len(prompt), start + len(prompt) + len(item.ids))
+                store.pin(*span)
             prompt.extend(item.ids)
         self._pending.clear()
         self.session.text = self._rendered
+        reply_start = store.seen_tokens + len(prompt)
         generation = self.engine.generate(self.session, prompt, params)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
+        self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered = self.session.text
         return generation

@@ -77,7 +77,7 @@ class Engine:
         """An empty session for this engine's model."""
         return Session.for_model(self.model)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def feed(self, session: Session, token_ids: list[int]) -> torch.Tensor:
         """Run `token_ids` through the model in chunks, applying the policy after each chunk.
 
@@ -107,7 +107,9 @@ class Engine:
             conf = float(confidence(logits))
             evicted = self.policy.step(store, conf)
             session.steps.append(
-                StepRecord(store.seen_tokens, store.nbytes(), conf, self.policy.budget(conf), evicted)
+                StepRecord(
+                    store.seen_tokens, store.nbytes(), conf, self.policy.budget(conf), evicted
+                )
             )
             session.last_logits = logits
         session.token_ids.extend(token_ids)

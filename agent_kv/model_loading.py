@@ -87,7 +87,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     tmp = target.with_name(target.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -122,7 +124,9 @@ def _load_directory(path: Path, dtype: torch.dtype, gguf_file: str | None = None
     return model, tokenizer
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
     """Load a causal LM for the engine.
 
     Args:

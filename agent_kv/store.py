@@ -189,7 +189,9 @@ class KVStore:
             self._note_peak()
         return layer.live()
 
-    def record_attention(self, layer_idx: int, mass: torch.Tensor, query_len: int, group: int) -> None:
+    def record_attention(
+        self, layer_idx: int, mass: torch.Tensor, query_len: int, group: int
+    ) -> None:
         """Fold one forward call's attention into the layer's scores.
 
         Args:
@@ -207,10 +209,14 @@ class KVStore:
         n = layer.length
         visible = torch.full((n,), float(query_len), device=mass.device)
         first_new = n - query_len
-        visible[first_new:] = torch.arange(query_len, 0, -1, device=mass.device, dtype=torch.float32)
+        visible[first_new:] = torch.arange(
+            query_len, 0, -1, device=mass.device, dtype=torch.float32
+        )
         step = mass[0].float() / (visible * group)  # [kv_heads, length]
         scores = layer.scores[:, :n]
-        scores[:, :first_new].mul_(self.ema_decay).add_(step[:, :first_new], alpha=1 - self.ema_decay)
+        scores[:, :first_new].mul_(self.ema_decay).add_(
+            step[:, :first_new], alpha=1 - self.ema_decay
+        )
         scores[:, first_new:] = step[:, first_new:]
 
     def pin(self, start: int, end: int) -> None:
@@ -231,7 +237,9 @@ class KVStore:
 
     def _grow_pins(self, size: int) -> None:
         if size > self._pinned.numel():
-            extra = torch.zeros(size - self._pinned.numel(), dtype=torch.bool, device=self._pinned.device)
+            extra = torch.zeros(
+                size - self._pinned.numel(), dtype=torch.bool, device=self._pinned.device
+            )
             self._pinned = torch.cat([self._pinned, extra])
 
     def compact(self, layer_idx: int, keep: torch.Tensor) -> None:

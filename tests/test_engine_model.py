@@ -84,7 +84,7 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     def checked_step(st, conf):
         evicted = original_step(st, conf)
         seen = st.seen_tokens
-        for idx, layer in enumerate(st.layers):
+        for layer in st.layers:
             kept = set(layer.positions[: layer.length].tolist())
             assert layer.length <= policy.budget(conf), "layer above its budget after a step"
             assert set(range(max(0, seen - protect), seen)) <= kept, "a recent token was evicted"
@@ -111,9 +111,13 @@ def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
     first = engine.generate(engine.new_session(), prompt_ids[:40], params)
     second = engine.generate(engine.new_session(), prompt_ids[:40], params)
     assert first.token_ids == second.token_ids
-    greedy = engine.generate(engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12))
+    greedy = engine.generate(
+        engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12)
+    )
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
     stop = greedy.raw_text.strip().split()[1]
-    cut = engine.generate(engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12, stop=[stop]))
+    cut = engine.generate(
+        engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12, stop=[stop])
+    )
     assert cut.finish_reason == "stop"
     assert stop not in cut.text and cut.raw_text.startswith(cut.text)

@@ -31,7 +31,12 @@ def test_confidence_extremes():
     two_way = torch.full((vocab,), -50.0)
     two_way[:2] = 10.0
     c = confidence(two_way).item()
-    assert c == pytest.approx(0.4 * (1 - torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(1000.0)).item()) + 0.15 + 0.15, abs=1e-4)
+    assert c == pytest.approx(
+        0.4 * (1 - torch.log(torch.tensor(2.0)).item() / torch.log(torch.tensor(1000.0)).item())
+        + 0.15
+        + 0.15,
+        abs=1e-4,
+    )
 
 
 def test_conf_kv_budget_follows_confidence_gate():

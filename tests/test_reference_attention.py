@@ -17,7 +17,9 @@ def sdpa_reference(query, keys, values, scaling):
     q_len, kv_len = query.shape[2], keys.shape[2]
     mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len)
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
-    probs = torch.softmax((query @ k.transpose(-1, -2)) * scaling + torch.where(mask, 0.0, float("-inf")), -1)
+    probs = torch.softmax(
+        (query @ k.transpose(-1, -2)) * scaling + torch.where(mask, 0.0, float("-inf")), -1
+    )
     return out.transpose(1, 2), probs
 
 
@@ -53,4 +55,6 @@ def test_new_tokens_see_only_their_past():
 
 def test_rejects_mismatched_heads():
     with pytest.raises(ValueError, match="cannot share"):
-        attention_with_mass(torch.zeros(1, 5, 1, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 1.0)
+        attention_with_mass(
+            torch.zeros(1, 5, 1, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 1.0
+        )

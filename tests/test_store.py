@@ -12,7 +12,11 @@ def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> 
     store = KVStore(layers, heads, dim)
     for idx in range(layers):
         # key channel 0 holds the token's position, so gathers can be checked
-        keys = torch.arange(tokens, dtype=torch.float32).view(1, 1, tokens, 1).expand(1, heads, tokens, dim)
+        keys = (
+            torch.arange(tokens, dtype=torch.float32)
+            .view(1, 1, tokens, 1)
+            .expand(1, heads, tokens, dim)
+        )
         store.append(idx, keys.clone(), -keys.clone())
     return store
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.base import Policy
+from agent_kv.policies.base import Policy, check_budget
 from agent_kv.policies.conf_kv import ConfKV
 from agent_kv.policies.full import FullKV
 from agent_kv.policies.window import SlidingWindow
@@ -29,6 +29,7 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     if budget is not None:
         if cls is FullKV:
             raise ConfigError("policy 'full' keeps every token and takes no budget")
+        check_budget(name, "budget", budget)
         if cls is SlidingWindow:
             params.setdefault("window", budget)
         else:

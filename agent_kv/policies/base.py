@@ -33,7 +33,9 @@ class Policy(ABC):
     def validate(self) -> None:
         """Check parameters; raises `ConfigError` with a message naming the parameter."""
         if self.protect_recent < 0:
-            raise ConfigError(f"{self.name}: protect_recent must be >= 0, got {self.protect_recent}")
+            raise ConfigError(
+                f"{self.name}: protect_recent must be >= 0, got {self.protect_recent}"
+            )
 
     @abstractmethod
     def budget(self, confidence: float) -> int | None:
@@ -72,7 +74,9 @@ class Policy(ABC):
 def check_budget(policy_name: str, label: str, value: int, protect_recent: int = 0) -> None:
     """Raise `ConfigError` unless `value` is a positive token count above `protect_recent`."""
     if not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{policy_name}: {label} must be a positive number of tokens, got {value!r}")
+        raise ConfigError(
+            f"{policy_name}: {label} must be a positive number of tokens, got {value!r}"
+        )
     if value <= protect_recent:
         raise ConfigError(
             f"{policy_name}: {label}={value} cannot hold the protection window of "

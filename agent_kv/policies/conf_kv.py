@@ -57,7 +57,9 @@ class ConfKV(Policy):
         if not 0.0 <= self.tau <= 1.0:
             raise ConfigError(f"conf-kv: tau must lie in [0, 1], got {self.tau}")
         if not 0.0 <= self.recency_weight <= 1.0:
-            raise ConfigError(f"conf-kv: recency_weight must lie in [0, 1], got {self.recency_weight}")
+            raise ConfigError(
+                f"conf-kv: recency_weight must lie in [0, 1], got {self.recency_weight}"
+            )
 
     def budget(self, confidence: float) -> int:
         return self.n_high if confidence >= self.tau else self.n_low

