@@ -116,5 +116,32 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
     return summary
 
 
+@app.command("serve")
+def serve_command(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    policy: Annotated[str, typer.Option(help="KV policy: conf-kv, window or full.")] = "conf-kv",
+    budget: Annotated[int | None, typer.Option(help="Tokens per layer (see run-episode).")] = 2048,
+    model: Annotated[
+        str | None,
+        typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
+    ] = None,
+) -> None:
+    """Serve the OpenAI-compatible API (`/v1/chat/completions`, `/v1/models`, `/health`)."""
+    import uvicorn
+
+    from agent_kv.engine import Engine
+    from agent_kv.model_loading import load_model
+    from api.app import create_app
+
+    try:
+        policy_obj = _policy(policy, budget, None, None)
+        loaded = load_model(model)
+    except AgentKVError as err:
+        fail(str(err))
+    engine = Engine(loaded.model, loaded.tokenizer, policy_obj)
+    uvicorn.run(create_app(engine, loaded.name), host=host, port=port)
+
+
 if __name__ == "__main__":
     sys.exit(app())

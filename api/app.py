@@ -1,0 +1,157 @@
+"""FastAPI application: `/health`, `/v1/models` and `POST /v1/chat/completions`.
+
+Each chat request runs in a fresh session (one managed KV cache, the engine's policy) and the
+reply carries the cache's memory figures under `kv`. Requests are served one at a time (the
+engine owns one model). Client errors are 4xx with an OpenAI-shaped body
+`{"error": {"message", "type", "param", "code"}}`, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from agent_kv.chat import ChatSession
+from agent_kv.engine import Engine
+from agent_kv.errors import ConfigError
+from agent_kv.sampling import SamplingParams
+from api.schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    ErrorDetail,
+    ErrorResponse,
+    KVStats,
+    Usage,
+)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class APIError(Exception):
+    """A client error with its HTTP status and the offending parameter."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None):
+    """A JSONResponse with an OpenAI-shaped error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    """The API serving `engine` under the model id `model_name`."""
+    app = FastAPI(title="agent_kv", version="0.1.0")
+    lock = asyncio.Lock()
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError):
+        return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        return error_response(400, f"{param or 'body'}: {first['msg']}", param, "invalid_value")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_name, "policy": engine.policy.name}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "agent_kv"}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion)
+    async def chat_completions(request: ChatCompletionRequest) -> ChatCompletion:
+        params = _sampling(request)
+        async with lock:
+            chat, reply = await run_in_threadpool(_complete, engine, request, params)
+        store = chat.session.store
+        completion = len(reply.token_ids)
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            model=model_name,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=ChatMessage(role="assistant", content=reply.text),
+                    finish_reason=reply.finish_reason,
+                )
+            ],
+            usage=Usage(
+                prompt_tokens=reply.prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=reply.prompt_tokens + completion,
+            ),
+            kv=KVStats(
+                policy=engine.policy.name,
+                peak_kv_bytes=store.peak_bytes,
+                kv_bytes=store.nbytes(),
+                full_kv_bytes=store.full_kv_nbytes(),
+                evicted_tokens=store.evicted_tokens,
+            ),
+        )
+
+    return app
+
+
+def _sampling(request: ChatCompletionRequest) -> SamplingParams:
+    if request.stream:
+        raise APIError(
+            400, "stream=true is not supported by this server yet", "stream", "unsupported"
+        )
+    if request.n != 1:
+        raise APIError(400, "only n=1 is supported", "n", "unsupported")
+    for field in ("tools", "response_format", "functions"):
+        if field in (request.model_extra or {}):
+            raise APIError(400, f"{field} is not supported", field, "unsupported")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    params = SamplingParams(
+        max_new_tokens=request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=stop,
+    )
+    try:
+        params.validate()
+    except ConfigError as err:
+        raise APIError(400, str(err), "stop", "invalid_value") from None
+    return params
+
+
+def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingParams):
+    messages = [message.model_dump() for message in request.messages]
+    prompt = engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    prompt_tokens = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    limit = engine.model.config.max_position_embeddings
+    if prompt_tokens + params.max_new_tokens > limit:
+        raise APIError(
+            400,
+            f"prompt of {prompt_tokens} tokens plus max_tokens={params.max_new_tokens} exceeds "
+            f"the model's context of {limit} tokens",
+            "messages",
+            "context_length_exceeded",
+        )
+    chat = ChatSession(engine)
+    for message in request.messages:
+        chat.add(message.role, message.content)
+    return chat, chat.reply(params)

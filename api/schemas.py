@@ -1,0 +1,84 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ChatMessage(BaseModel):
+    """One message: role and text content."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int = 1
+
+
+class Usage(BaseModel):
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class KVStats(BaseModel):
+    """What the request's KV cache held (agent_kv extension of the response)."""
+
+    policy: str
+    peak_kv_bytes: int
+    kv_bytes: int
+    full_kv_bytes: int
+    evicted_tokens: int
+
+
+class ChatChoice(BaseModel):
+    """One generated reply."""
+
+    index: int
+    message: ChatMessage
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    """`POST /v1/chat/completions` response."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kv: KVStats
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI-shaped error detail."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI-shaped error body: `{"error": {...}}`."""
+
+    error: ErrorDetail

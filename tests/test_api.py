@@ -1,0 +1,84 @@
+"""The OpenAI-compatible API in-process (httpx AsyncClient over ASGITransport)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from api.app import create_app
+
+
+@pytest.fixture
+async def client(smollm):
+    engine = Engine(
+        smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256, protect_recent=32)
+    )
+    app = create_app(engine, "smollm2-135m")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield http
+
+
+async def test_health_and_models(client):
+    assert (await client.get("/health")).json() == {
+        "status": "ok",
+        "model": "smollm2-135m",
+        "policy": "conf-kv",
+    }
+    models = (await client.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+
+
+async def test_chat_completion_reports_usage_and_kv(client):
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Name a colour of the sky. " * 40}],
+        "max_tokens": 8,
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["object"] == "chat.completion"
+    choice = data["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in {"stop", "length"}
+    usage = data["usage"]
+    assert usage["prompt_tokens"] > 256
+    assert 1 <= usage["completion_tokens"] <= 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    kv = data["kv"]
+    assert kv["evicted_tokens"] > 0
+    assert kv["peak_kv_bytes"] < kv["full_kv_bytes"]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+        ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
+    ],
+)
+async def test_bad_requests_are_openai_shaped_400s(client, body, param):
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+
+
+async def test_malformed_json_is_a_400(client):
+    response = await client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
