@@ -1,0 +1,1 @@
+"""The web environment: bundled local sites, browser env, observations, actions, evaluators."""

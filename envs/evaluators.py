@@ -1,0 +1,189 @@
+"""Task evaluators in VisualWebArena's format: `string_match` and `url_match`.
+
+`evaluate(task, answer, final_url, sites)` runs every evaluator in `task.eval.eval_types` and
+multiplies their scores (each 0.0 or 1.0).
+
+string_match compares the `stop` answer with `eval.reference_answers`, after cleaning both as
+VisualWebArena does (surrounding quotes stripped, lowercased, outer whitespace stripped):
+
+- `exact_match`: cleaned answer == cleaned reference.
+- `must_include`: every listed reference occurs in the answer; `a |OR| b` accepts either.
+- `must_exclude`: no listed reference occurs in the answer.
+- `one_of`: at least one listed reference occurs in the answer.
+- `fuzzy_match`: deterministic (VisualWebArena asks an LLM). Both sides are normalised —
+  lowercased, punctuation replaced by spaces, whitespace collapsed — and a reference matches
+  when it equals the normalised answer or occurs in it as a run of whole words.
+
+"Occurs" for must_include / must_exclude / one_of means substring, except that a reference
+beginning or ending with a digit must not touch further digits of the answer, so "12" does
+not occur in "$120" or "1,200" (".00" after whole numbers in the answer is ignored).
+
+url_match compares the final URL with `eval.reference_url` (`|OR|` alternatives, placeholders
+such as `__CLASSIFIEDS__` substituted). URLs are lowercased and stripped of a trailing "/";
+query strings are compared parsed. `url_note` "EXACT": same host and path and the same query
+parameters; "GOLD in PRED" (the default): the predicted path equals the reference path or
+continues it after a "/", and every reference query parameter is present with that value.
+
+`program_html` is not implemented; `envs.tasks` rejects tasks that use it.
+"""
+
+import re
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlparse
+
+from envs.tasks import Task
+
+OR = " |OR| "
+_ZERO_CENTS = re.compile(r"(\d)\.0+(?!\d)")
+_PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}\u2018\u2019\u201c\u201d\u2013\u2014]")
+
+
+class Substitutes(Protocol):
+    """Anything that replaces URL placeholders, e.g. `envs.server.SiteServers`."""
+
+    def substitute(self, text: str) -> str:
+        """`text` with placeholders replaced by base URLs."""
+        ...
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Score in [0, 1] (product of the evaluators) and per-evaluator details."""
+
+    score: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def clean_answer(text: str) -> str:
+    """VisualWebArena's cleaning: strip, drop one pair of surrounding quotes, lowercase."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    return text.strip().lower()
+
+
+def occurs(reference: str, answer: str) -> bool:
+    """Whether cleaned `reference` occurs in cleaned `answer` (digit-aware substring)."""
+    reference, answer = clean_answer(reference), _ZERO_CENTS.sub(r"\1", clean_answer(answer))
+    if not reference:
+        return True
+    before = r"(?<![\d])(?<!\d[.,])" if reference[0].isdigit() else ""
+    after = r"(?![\d])(?![.,]\d)" if reference[-1].isdigit() else ""
+    return re.search(before + re.escape(reference) + after, answer) is not None
+
+
+def normalise(text: str) -> str:
+    """fuzzy_match normalisation: lowercase, punctuation to spaces, whitespace collapsed."""
+    return " ".join(_PUNCTUATION.sub(" ", text.lower()).split())
+
+
+def fuzzy_match(reference: str, answer: str) -> bool:
+    """Normalised reference equals the normalised answer or is a run of its whole words."""
+    ref, ans = normalise(reference), normalise(answer)
+    if ref == ans:
+        return True
+    return bool(ref) and f" {ref} " in f" {ans} "
+
+
+def string_match(reference_answers: Mapping[str, Any], answer: str | None) -> tuple[float, dict]:
+    """Score (0.0 or 1.0) of `answer` against VisualWebArena `reference_answers`, and details.
+
+    A missing answer (None, i.e. the agent never stopped) scores 0.
+    """
+    if answer is None:
+        return 0.0, {"answer": None, "reason": "no answer"}
+    checks: dict[str, bool] = {}
+    for approach, value in reference_answers.items():
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        match approach:
+            case "exact_match":
+                ok = all(clean_answer(answer) == clean_answer(v) for v in values)
+            case "must_include":
+                ok = all(any(occurs(alt, answer) for alt in v.split(OR)) for v in values)
+            case "must_exclude":
+                ok = not any(occurs(v, answer) for v in values)
+            case "one_of":
+                ok = any(occurs(v, answer) for v in values)
+            case "fuzzy_match":
+                ok = all(fuzzy_match(v, answer) for v in values)
+            case _:
+                raise ValueError(f"unknown reference_answers key {approach!r}")
+        checks[approach] = ok
+    score = float(all(checks.values()))
+    return score, {"answer": answer, "checks": checks}
+
+
+def _split_url(url: str) -> tuple[str, dict[str, list[str]]]:
+    """(host + path without trailing '/', parsed query) of a lowercased URL."""
+    parsed = urlparse(url.strip().lower())
+    return parsed.netloc + parsed.path.rstrip("/"), parse_qs(parsed.query)
+
+
+def url_matches(reference: str, predicted: str, note: str = "GOLD in PRED") -> bool:
+    """Whether `predicted` matches one `reference` URL under `note` (see module docstring)."""
+    ref_base, ref_query = _split_url(reference)
+    pred_base, pred_query = _split_url(predicted)
+    if note == "EXACT":
+        return ref_base == pred_base and ref_query == pred_query
+    if note != "GOLD in PRED":
+        raise ValueError(f"unknown url_note {note!r}: use 'EXACT' or 'GOLD in PRED'")
+    base_ok = pred_base == ref_base or pred_base.startswith(ref_base + "/")
+    return base_ok and all(
+        any(v in pred_query.get(key, []) for v in values) for key, values in ref_query.items()
+    )
+
+
+def url_match(
+    reference_url: str, final_url: str, note: str, sites: Substitutes | Mapping[str, str]
+) -> tuple[float, dict]:
+    """Score (0.0 or 1.0) of `final_url` against `reference_url` (`|OR|` alternatives)."""
+    references = [substitute(ref, sites) for ref in reference_url.split(OR)]
+    ok = any(url_matches(ref, final_url, note or "GOLD in PRED") for ref in references)
+    return float(ok), {"final_url": final_url, "reference_urls": references, "url_note": note}
+
+
+def substitute(text: str, sites: Substitutes | Mapping[str, str]) -> str:
+    """Replace placeholders using a `SiteServers`-like object or a placeholder -> URL map."""
+    if isinstance(sites, Mapping):
+        for placeholder, url in sites.items():
+            text = text.replace(placeholder, url)
+        return text
+    return sites.substitute(text)
+
+
+def evaluate(
+    task: Task, answer: str | None, final_url: str, sites: Substitutes | Mapping[str, str]
+) -> EvalResult:
+    """Score one finished episode of `task`.
+
+    Args:
+        task: the task (validated by `envs.tasks`).
+        answer: the `stop` answer, or None when the episode ended without `stop`.
+        final_url: the URL of the active tab at the end.
+        sites: a `SiteServers` (or placeholder -> base URL map) for placeholder substitution.
+
+    Returns:
+        EvalResult with score = product of the evaluators' scores and details per evaluator.
+
+    Raises:
+        ValueError: an evaluator this module does not implement (program_html).
+    """
+    score = 1.0
+    details: dict[str, Any] = {}
+    spec = task.eval
+    for eval_type in spec.eval_types:
+        if eval_type == "string_match":
+            refs = spec.reference_answers.model_dump() if spec.reference_answers else {}
+            part, info = string_match(refs, answer)
+        elif eval_type == "url_match":
+            part, info = url_match(spec.reference_url or "", final_url, spec.url_note, sites)
+        else:
+            raise ValueError(f"task {task.task_id}: evaluator {eval_type!r} is not implemented")
+        details[eval_type] = {"score": part, **info}
+        score *= part
+    return EvalResult(score=score, details=details)

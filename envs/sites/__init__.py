@@ -1,0 +1,1 @@
+"""Bundled local websites served by `envs.server` (one sub-package per site)."""

@@ -1,0 +1,242 @@
+"""Web tasks in VisualWebArena's config format, validated with pydantic, and the bundled suites.
+
+A task file holds one JSON task object or a list of them. Fields follow VisualWebArena's
+config files (`task_id`, `sites`, `start_url`, `intent`, `eval`, ...). Two fields are ours:
+
+- `reference_actions`: a trajectory that solves the task, one action string per step, ending
+  in `stop [...]`. Elements are named `[role 'name']` instead of by numeric id (ids are backend
+  DOM node ids that differ between runs); see `envs.actions`.
+- `horizon`: how many earlier pages' observations the task needs remembered (0 = the answer
+  is on the page where the agent stops).
+
+Bundled suites live in `tasks/<suite>/*.json` (see tasks/README.md). Every error is a
+`TaskError` with a one-line message naming the file, the task and the field.
+"""
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from envs.actions import ActionParseError, parse_action
+from envs.server import SITES
+
+TASKS_DIR = Path(__file__).resolve().parent.parent / "tasks"
+"""Where the bundled suites live (one sub-folder per suite)."""
+DEFAULT_SUITE = "classifieds"
+_PLACEHOLDER = re.compile(r"__[A-Z]+__")
+
+
+class TaskError(ValueError):
+    """A task that cannot be found, read or validated; the message is one line."""
+
+
+class ReferenceAnswers(BaseModel):
+    """`eval.reference_answers` of string_match (see `envs.evaluators` for the semantics)."""
+
+    model_config = ConfigDict(extra="forbid")
+    exact_match: str | None = None
+    must_include: list[str] | None = None
+    must_exclude: list[str] | None = None
+    one_of: list[str] | None = None
+    fuzzy_match: list[str] | str | None = None
+
+
+class ProgramHtml(BaseModel):
+    """One `eval.program_html` check (VisualWebArena format; not evaluated here yet)."""
+
+    url: str
+    locator: str = ""
+    required_contents: dict[str, Any]
+
+
+class EvalSpec(BaseModel):
+    """The `eval` object of a task."""
+
+    model_config = ConfigDict(extra="forbid")
+    eval_types: list[Literal["string_match", "url_match", "program_html"]] = Field(min_length=1)
+    reference_answers: ReferenceAnswers | None = None
+    reference_url: str | None = ""
+    url_note: Literal["EXACT", "GOLD in PRED"] = "GOLD in PRED"
+    program_html: list[ProgramHtml] = []
+    string_note: str | None = None
+    reference_answer_raw_annotation: str | None = None
+
+    @model_validator(mode="after")
+    def _evaluators_have_references(self) -> "EvalSpec":
+        if "program_html" in self.eval_types:
+            raise ValueError(
+                "eval_types 'program_html' is not supported yet (only string_match and url_match)"
+            )
+        if "string_match" in self.eval_types and not self.reference_answers:
+            raise ValueError("string_match needs eval.reference_answers")
+        if "url_match" in self.eval_types and not self.reference_url:
+            raise ValueError("url_match needs eval.reference_url")
+        return self
+
+
+Difficulty = Literal["easy", "medium", "hard"]
+
+
+class Task(BaseModel):
+    """One web task (VisualWebArena config fields plus `reference_actions` and `horizon`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    task_id: int
+    sites: list[str] = Field(min_length=1)
+    start_url: str
+    intent: str = Field(min_length=1)
+    intent_template: str = ""
+    intent_template_id: int | None = None
+    instantiation_dict: dict[str, Any] = {}
+    require_login: bool = False
+    require_reset: bool = False
+    storage_state: str | None = None
+    geolocation: Any = None
+    image: str | list[str] | None = None
+    reasoning_difficulty: Difficulty | None = None
+    visual_difficulty: Difficulty | None = None
+    overall_difficulty: Difficulty | None = None
+    comments: str | None = None
+    eval: EvalSpec
+    reference_actions: list[str] = []
+    horizon: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Task":
+        for site in self.sites:
+            if site not in SITES:
+                raise ValueError(f"site {site!r} is not bundled (bundled: {sorted(SITES)})")
+        known = {SITES[site].placeholder for site in self.sites}
+        for text in (self.start_url, self.eval.reference_url or ""):
+            for placeholder in _PLACEHOLDER.findall(text):
+                if placeholder not in known:
+                    raise ValueError(f"placeholder {placeholder} is not one of the task's sites")
+        for i, text in enumerate(self.reference_actions):
+            try:
+                action = parse_action(text)
+            except ActionParseError as error:
+                raise ValueError(
+                    f"reference_actions[{i}] {text!r} does not parse: {error}"
+                ) from None
+            if (action.kind == "stop") != (i == len(self.reference_actions) - 1):
+                raise ValueError("reference_actions must end with stop [...] and stop only there")
+        return self
+
+    @property
+    def start_urls(self) -> list[str]:
+        """The start URLs, one per tab (`start_url` split on ' |AND| '), placeholders kept."""
+        return [url.strip() for url in self.start_url.split(" |AND| ")]
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _error_line(where: str, error: ValidationError) -> str:
+    """One line for the first pydantic error: "<where>: field 'eval.eval_types' missing"."""
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "missing":
+        return f"{where}: field '{loc}' missing"
+    if first["type"] == "extra_forbidden":
+        return f"{where}: unknown field '{loc}'"
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: field '{loc}': {message}" if loc else f"{where}: {message}"
+
+
+def load_tasks(path: str | Path) -> list[Task]:
+    """All tasks in a JSON file holding one task object or a list of them.
+
+    Raises:
+        TaskError: unreadable file, invalid JSON, an invalid task, or duplicate task ids.
+    """
+    path = Path(path)
+    shown = _shown(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TaskError(f"{shown}: no such task file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise TaskError(f"{shown}: cannot read: {error}") from None
+    except json.JSONDecodeError as error:
+        raise TaskError(f"{shown}: invalid JSON at line {error.lineno}: {error.msg}") from None
+    entries = raw if isinstance(raw, list) else [raw]
+    tasks: list[Task] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise TaskError(f"{shown} entry {index}: a task must be a JSON object")
+        task_id = entry.get("task_id")
+        where = f"{shown} task {task_id}" if isinstance(task_id, int) else f"{shown} entry {index}"
+        try:
+            tasks.append(Task.model_validate(entry))
+        except ValidationError as error:
+            raise TaskError(_error_line(where, error)) from None
+    seen: set[int] = set()
+    for task in tasks:
+        if task.task_id in seen:
+            raise TaskError(f"{shown} task {task.task_id}: duplicate task_id")
+        seen.add(task.task_id)
+    return tasks
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    parts: list[str] = []
+    for task_id in sorted(ids):
+        if parts and task_id == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{task_id}"
+        else:
+            parts.append(str(task_id))
+    return ", ".join(parts)
+
+
+def suite_names() -> list[str]:
+    """Names of the bundled suites (sub-folders of TASKS_DIR holding JSON files)."""
+    return sorted(p.name for p in TASKS_DIR.iterdir() if p.is_dir() and any(p.glob("*.json")))
+
+
+def load_suite(name: str = DEFAULT_SUITE) -> list[Task]:
+    """All tasks of bundled suite `name`, sorted by task_id.
+
+    Raises:
+        TaskError: unknown suite, an invalid file, or a task id used twice in the suite.
+    """
+    folder = TASKS_DIR / name
+    if not folder.is_dir() or name not in suite_names():
+        raise TaskError(f"unknown task suite {name!r}: bundled suites are {suite_names()}")
+    tasks: dict[int, Task] = {}
+    for path in sorted(folder.glob("*.json")):
+        for task in load_tasks(path):
+            if task.task_id in tasks:
+                raise TaskError(f"{_shown(path)} task {task.task_id}: duplicate task_id in suite")
+            tasks[task.task_id] = task
+    return [tasks[task_id] for task_id in sorted(tasks)]
+
+
+def load_task(id_or_path: int | str | Path) -> Task:
+    """One task: an int (or a string of digits) is a bundled task id, anything else a path.
+
+    A path must hold exactly one task.
+
+    Raises:
+        TaskError: unknown id, missing or invalid file, or a file holding several tasks.
+    """
+    if isinstance(id_or_path, int) or (isinstance(id_or_path, str) and id_or_path.isdigit()):
+        task_id = int(id_or_path)
+        bundled = [task for suite in suite_names() for task in load_suite(suite)]
+        for task in bundled:
+            if task.task_id == task_id:
+                return task
+        ids = _id_ranges([task.task_id for task in bundled])
+        raise TaskError(f"unknown task id {task_id}: bundled ids are {ids}")
+    tasks = load_tasks(id_or_path)
+    if len(tasks) != 1:
+        raise TaskError(f"{_shown(Path(id_or_path))}: holds {len(tasks)} tasks, expected one")
+    return tasks[0]

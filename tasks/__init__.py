@@ -1,0 +1,1 @@
+"""Bundled web-task suites as VisualWebArena-format JSON files, one folder per suite."""

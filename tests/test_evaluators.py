@@ -1,0 +1,144 @@
+"""Evaluators on crafted cases: string_match variants, url_match, evaluate's product."""
+
+import pytest
+
+from envs.evaluators import (
+    EvalResult,
+    clean_answer,
+    evaluate,
+    fuzzy_match,
+    normalise,
+    occurs,
+    string_match,
+    url_match,
+    url_matches,
+)
+from envs.tasks import Task
+
+SITES = {"__CLASSIFIEDS__": "http://127.0.0.1:8123"}
+
+
+def make_task(**eval_fields) -> Task:
+    return Task.model_validate(
+        {
+            "task_id": 99,
+            "sites": ["classifieds"],
+            "start_url": "__CLASSIFIEDS__/",
+            "intent": "crafted",
+            "eval": eval_fields,
+        }
+    )
+
+
+def score(refs: dict, answer: str | None) -> float:
+    return string_match(refs, answer)[0]
+
+
+def test_clean_answer_strips_quotes_and_case():
+    assert clean_answer('  "Blue Road Bike" ') == "blue road bike"
+    assert clean_answer("'x'") == "x"
+    assert clean_answer("it's") == "it's"
+
+
+def test_exact_match():
+    assert score({"exact_match": "Clothing"}, "clothing") == 1.0
+    assert score({"exact_match": "Clothing"}, " 'Clothing' ") == 1.0
+    assert score({"exact_match": "Clothing"}, "Clothing category") == 0.0
+
+
+def test_must_include_with_or_alternatives():
+    refs = {"must_include": ["Aisha |OR| Khan", "Erie"]}
+    assert score(refs, "Khan, from Erie") == 1.0
+    assert score(refs, "Aisha in Erie, PA") == 1.0
+    assert score(refs, "Aisha in Akron") == 0.0
+    assert score({"must_include": ["5 |OR| five"]}, "Five listings") == 1.0
+
+
+def test_numbers_do_not_match_inside_longer_numbers():
+    assert occurs("120", "$120")
+    assert occurs("120", "It costs $120.00.")
+    assert not occurs("12", "$120")
+    assert not occurs("20", "$120")
+    assert not occurs("1", "$1,100")
+    assert occurs("1,100", "$1,100")
+    assert not occurs("5", "5.5")
+
+
+def test_must_exclude():
+    refs = {"must_include": ["Red"], "must_exclude": ["Green", "dresser"]}
+    assert score(refs, "Red bookshelf") == 1.0
+    assert score(refs, "Red dresser") == 0.0
+    assert score(refs, "red or green") == 0.0
+
+
+def test_one_of():
+    refs = {"one_of": ["Erie", "Akron"]}
+    assert score(refs, "akron, oh") == 1.0
+    assert score(refs, "Buffalo") == 0.0
+
+
+def test_fuzzy_match_is_normalised_equality_or_whole_word_containment():
+    assert normalise("  Is THIS still-available?? ") == "is this still available"
+    assert fuzzy_match("Is this still available", "is this still available?")
+    assert fuzzy_match("Aisha Khan", "The seller is Aisha Khan.")
+    assert not fuzzy_match("Aisha Khan", "Aisha Khanh")
+    assert not fuzzy_match("Aisha Khan", "Khan Aisha")
+    assert score({"fuzzy_match": ["Aisha Khan", "Erie"]}, "Aisha Khan from Erie") == 1.0
+    assert score({"fuzzy_match": ["Aisha Khan", "Erie"]}, "Aisha Khan") == 0.0
+    assert score({"fuzzy_match": "N/A"}, "n/a") == 1.0
+
+
+def test_no_answer_scores_zero():
+    assert string_match({"must_include": ["x"]}, None) == (
+        0.0,
+        {"answer": None, "reason": "no answer"},
+    )
+
+
+def test_url_match_gold_in_pred_compares_paths_and_parsed_queries():
+    ref = "http://h/category/bikes?sort=price_desc"
+    assert url_matches(ref, "http://h/category/bikes?page=1&sort=price_desc")
+    assert url_matches(ref, "HTTP://H/category/bikes/?sort=price_desc")
+    assert not url_matches(ref, "http://h/category/bikes")
+    assert not url_matches(ref, "http://h/category/bikes?sort=price_asc")
+    assert url_matches("http://h/listing/1", "http://h/listing/1?posted=1")
+    assert not url_matches("http://h/listing/1", "http://h/listing/12")
+    assert url_matches("http://h/search?q=road+bike", "http://h/search?q=road%20bike")
+
+
+def test_url_match_exact():
+    assert url_matches("http://h/a?x=1&y=2", "http://h/a/?y=2&x=1", "EXACT")
+    assert not url_matches("http://h/a?x=1", "http://h/a?x=1&y=2", "EXACT")
+    with pytest.raises(ValueError, match="unknown url_note"):
+        url_matches("http://h/a", "http://h/a", "FUZZY")
+
+
+def test_url_match_substitutes_placeholders_and_accepts_or():
+    ref = "__CLASSIFIEDS__/listing/3 |OR| __CLASSIFIEDS__/listing/4"
+    assert url_match(ref, "http://127.0.0.1:8123/listing/4", "GOLD in PRED", SITES)[0] == 1.0
+    assert url_match(ref, "http://127.0.0.1:8123/listing/5", "GOLD in PRED", SITES)[0] == 0.0
+    assert url_match(ref, "http://127.0.0.1:9999/listing/4", "GOLD in PRED", SITES)[0] == 0.0
+
+
+def test_evaluate_multiplies_the_evaluators():
+    task = make_task(
+        eval_types=["string_match", "url_match"],
+        reference_answers={"must_include": ["4"]},
+        reference_url="__CLASSIFIEDS__/listing/58?posted=1",
+    )
+    good = evaluate(task, "4", "http://127.0.0.1:8123/listing/58?posted=1", SITES)
+    assert isinstance(good, EvalResult) and good.score == 1.0
+    assert good.details["string_match"]["score"] == 1.0
+    assert good.details["url_match"]["score"] == 1.0
+    wrong_url = evaluate(task, "4", "http://127.0.0.1:8123/listing/58", SITES)
+    assert wrong_url.score == 0.0 and wrong_url.details["string_match"]["score"] == 1.0
+    assert evaluate(task, "3", "http://127.0.0.1:8123/listing/58?posted=1", SITES).score == 0.0
+
+
+def test_evaluate_uses_a_site_servers_like_substituter():
+    class Sites:
+        def substitute(self, text: str) -> str:
+            return text.replace("__CLASSIFIEDS__", "http://local")
+
+    task = make_task(eval_types=["url_match"], reference_url="__CLASSIFIEDS__/listing/1")
+    assert evaluate(task, None, "http://local/listing/1", Sites()).score == 1.0

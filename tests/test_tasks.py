@@ -1,0 +1,168 @@
+"""Task files: loading, validation messages, the bundled suite, and replaying its trajectories."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from envs.browser_env import BrowserEnv
+from envs.evaluators import evaluate
+from envs.server import SiteServers
+from envs.tasks import TaskError, load_suite, load_task, load_tasks
+
+WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
+
+
+def valid_task(task_id: int = 3) -> dict:
+    return {
+        "task_id": task_id,
+        "sites": ["classifieds"],
+        "start_url": "__CLASSIFIEDS__/",
+        "intent": "Find the blue road bike's price.",
+        "eval": {"eval_types": ["string_match"], "reference_answers": {"must_include": ["120"]}},
+        "reference_actions": ["stop [$120]"],
+    }
+
+
+def write(tmp_path: Path, content, name: str = "x.json") -> Path:
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(TaskError) as caught:
+        load_task(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_field_names_file_task_and_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = valid_task()
+    del task["eval"]["eval_types"]
+    write(tmp_path, task)
+    assert error_of(Path("x.json")) == "x.json task 3: field 'eval.eval_types' missing"
+
+
+def test_wrong_types_and_unknown_fields_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = valid_task()
+    task["sites"] = "classifieds"
+    write(tmp_path, task)
+    assert error_of(Path("x.json")).startswith("x.json task 3: field 'sites': ")
+    task = valid_task()
+    task["intnet"] = "typo"
+    write(tmp_path, task)
+    assert error_of(Path("x.json")) == "x.json task 3: unknown field 'intnet'"
+
+
+def test_a_task_without_id_is_named_by_its_position(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    second = valid_task()
+    del second["task_id"]
+    write(tmp_path, [valid_task(1), second], "list.json")
+    with pytest.raises(TaskError, match=r"^list.json entry 1: field 'task_id' missing$"):
+        load_tasks("list.json")
+
+
+def test_program_html_is_rejected_not_silently_passed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = valid_task()
+    task["eval"] = {
+        "eval_types": ["program_html"],
+        "program_html": [
+            {"url": "last", "locator": "", "required_contents": {"must_include": ["x"]}}
+        ],
+    }
+    write(tmp_path, task)
+    message = error_of(Path("x.json"))
+    assert message.startswith("x.json task 3: field 'eval': ")
+    assert "program_html" in message and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"sites": ["forum"]}, "site 'forum' is not bundled"),
+        ({"start_url": "__SHOPPING__/"}, "placeholder __SHOPPING__ is not one of the task's sites"),
+        ({"reference_actions": ["click [1]"]}, "must end with stop"),
+        ({"reference_actions": ["frobnicate"]}, "reference_actions[0] 'frobnicate' does not parse"),
+        (
+            {"eval": {"eval_types": ["url_match"], "reference_url": ""}},
+            "url_match needs eval.reference_url",
+        ),
+    ],
+)
+def test_inconsistent_tasks_are_rejected(tmp_path, change, expected):
+    write(tmp_path, {**valid_task(), **change})
+    message = error_of(tmp_path / "x.json")
+    assert "x.json task 3: " in message and expected in message
+
+
+def test_unreadable_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert error_of(Path("missing.json")) == "missing.json: no such task file"
+    write(tmp_path, "{not json", "bad.json")
+    assert error_of(Path("bad.json")).startswith("bad.json: invalid JSON at line 1")
+    write(tmp_path, [valid_task(1), valid_task(1)], "dup.json")
+    assert error_of(Path("dup.json")) == "dup.json task 1: duplicate task_id"
+    write(tmp_path, [valid_task(1), valid_task(2)], "two.json")
+    assert error_of(Path("two.json")) == "two.json: holds 2 tasks, expected one"
+
+
+def test_load_task_by_path_id_and_digit_string(tmp_path):
+    path = write(tmp_path, valid_task(7))
+    assert load_task(path).task_id == 7
+    assert load_task(str(path)).task_id == 7
+    assert load_task(1) == load_task("1")
+    assert load_task(1).start_urls == ["__CLASSIFIEDS__/listing/1"]
+
+
+def test_unknown_id_lists_the_bundled_ids():
+    ids = [task.task_id for task in load_suite()]
+    with pytest.raises(TaskError, match=rf"^unknown task id 999: bundled ids are 1-{max(ids)}$"):
+        load_task(999)
+
+
+def test_bundled_suite_is_complete_and_mixed():
+    tasks = load_suite("classifieds")
+    assert [task.task_id for task in tasks] == list(range(1, len(tasks) + 1))
+    assert len(tasks) >= 10
+    assert {task.overall_difficulty for task in tasks} == {"easy", "medium", "hard"}
+    assert any("url_match" in task.eval.eval_types for task in tasks)
+    assert any(task.horizon >= 1 for task in tasks)
+    assert any(len(task.start_urls) > 1 for task in tasks)
+    for task in tasks:
+        assert task.reference_actions[-1].startswith("stop [")
+        assert "string_match" in task.eval.eval_types  # so a wrong answer must fail
+    with pytest.raises(TaskError, match="unknown task suite 'nope'"):
+        load_suite("nope")
+
+
+def test_task_1_is_a_one_step_answer_on_the_start_page():
+    task = load_task(1)
+    assert task.reference_actions == ["stop [$120]"]
+    assert task.start_url == "__CLASSIFIEDS__/listing/1"
+
+
+@pytest.fixture(scope="module")
+def env():
+    with SiteServers(["classifieds"]) as sites, BrowserEnv(sites, screenshots=False) as browser:
+        yield browser
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("task", load_suite(), ids=lambda task: f"task{task.task_id}")
+def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
+    env.reset(task)
+    for number, action in enumerate(task.reference_actions, start=1):
+        result = env.step(action)
+        assert result.observation["error"] is None, f"step {number} {action}"
+        assert result.done == (number == len(task.reference_actions))
+    assert result.info["reason"] == "stop"
+    verdict = evaluate(task, result.answer, env.url, env.servers)
+    assert verdict.score == 1.0, verdict.details
+    for wrong in WRONG_ANSWERS:
+        assert evaluate(task, wrong, env.url, env.servers).score == 0.0, wrong
