@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from playwright.sync_api import Error as PlaywrightError
+
 from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
 from agent_kv.sampling import SamplingParams
@@ -82,6 +84,7 @@ class EpisodeResult:
     eval_details: dict[str, Any]
     answer: str | None
     end_reason: str
+    error: str | None
     steps: int
     tokens_seen: int
     peak_kv_bytes: int
@@ -123,8 +126,8 @@ def run_episode(
     (the screenshot the agent acted on) per step, `kv_steps.jsonl` (one record per forward
     call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
 
-    Raises:
-        playwright errors when the browser dies; the caller decides what that means for a sweep.
+    A browser that dies (a Playwright error) ends the episode with `end_reason="error"`,
+    score 0 and the error in `error`; the trace written so far stays.
     """
     config = config or AgentConfig()
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -135,39 +138,45 @@ def run_episode(
     for example, action in FEW_SHOT:
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
-    observation = env.reset(task)
-    answer, end_reason, steps = None, "max_steps", 0
+    answer, end_reason, steps, error = None, "max_steps", 0, None
     ttfts: list[float] = []
     rates: list[float] = []
-    for step in range(1, config.max_steps + 1):
-        text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
-        chat.add(
-            "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
-        )
-        if step > 1:
-            chat.unpin_message(len(chat.messages) - 3)  # the previous observation
-        reply = chat.reply(config.sampling)
-        ttfts.append(reply.ttft_s)
-        rates.append(reply.decode_tokens_per_s)
-        result = env.step(reply.text)
-        steps = step
-        _write_step(trace_dir, step, observation, reply.text, result.info, store)
-        if result.done:
-            answer, end_reason = result.answer, result.info.get("reason", "stop")
-            break
-        observation = result.observation
-    verdict = evaluate(task, answer, env.url, env.servers)
+    try:
+        observation = env.reset(task)
+        for step in range(1, config.max_steps + 1):
+            text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
+            chat.add(
+                "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
+            )
+            if step > 1:
+                chat.unpin_message(len(chat.messages) - 3)  # the previous observation
+            reply = chat.reply(config.sampling)
+            ttfts.append(reply.ttft_s)
+            rates.append(reply.decode_tokens_per_s)
+            result = env.step(reply.text)
+            steps = step
+            _write_step(trace_dir, step, observation, reply.text, result.info, store)
+            if result.done:
+                answer, end_reason = result.answer, result.info.get("reason", "stop")
+                break
+            observation = result.observation
+        verdict = evaluate(task, answer, env.url, env.servers)
+        score, details = verdict.score, verdict.details
+    except PlaywrightError as err:
+        error = f"browser failed: {str(err).splitlines()[0]}"
+        end_reason, score, details = "error", 0.0, {"error": error}
     _write_kv_steps(trace_dir, chat.session.steps)
-    result = EpisodeResult(
+    episode = EpisodeResult(
         task_id=task.task_id,
         policy=engine.policy.name,
         policy_params=asdict(engine.policy),
         model=model_name,
-        success=verdict.score == 1.0,
-        score=verdict.score,
-        eval_details=verdict.details,
+        success=score == 1.0,
+        score=score,
+        eval_details=details,
         answer=answer,
         end_reason=end_reason,
+        error=error,
         steps=steps,
         tokens_seen=store.seen_tokens,
         peak_kv_bytes=store.peak_bytes,
@@ -178,8 +187,8 @@ def run_episode(
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
     )
-    (trace_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
-    return result
+    (trace_dir / "summary.json").write_text(json.dumps(episode.summary(), indent=2))
+    return episode
 
 
 def _write_step(

@@ -32,7 +32,6 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from types import TracebackType
 from typing import Any
 from urllib.parse import urljoin
 
@@ -40,6 +39,7 @@ from playwright.sync_api import BrowserContext, CDPSession, Page, sync_playwrigh
 from playwright.sync_api import Error as PlaywrightError
 
 from envs.actions import Action, ActionParseError, parse_action
+from envs.lifecycle import Closing
 from envs.observation import AXTree, observation_text, render_ax_tree
 from envs.server import SiteServers
 from envs.tasks import Task
@@ -121,7 +121,7 @@ class _Tab:
     navigation_requested: bool = False
 
 
-class BrowserEnv:
+class BrowserEnv(Closing):
     """Headless Chromium over `SiteServers`, driven one text action at a time.
 
     Args:
@@ -421,14 +421,3 @@ class BrowserEnv:
             self._playwright.stop()
             self._playwright = None
             self._page = None
-
-    def __enter__(self) -> "BrowserEnv":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
 
+from envs.lifecycle import Closing
 from envs.sites import classifieds
 
 
@@ -57,7 +57,7 @@ SITES: dict[str, SiteSpec] = {
 START_TIMEOUT_S = 10.0
 
 
-class SiteServer:
+class SiteServer(Closing):
     """One site served by uvicorn in a background thread on 127.0.0.1 and a free port.
 
     The template database is built once into a private temporary directory and copied to a
@@ -121,19 +121,8 @@ class SiteServer:
             self._thread.join(timeout=START_TIMEOUT_S)
         self._tmp.cleanup()
 
-    def __enter__(self) -> "SiteServer":
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class SiteServers:
+class SiteServers(Closing):
     """Several `SiteServer`s (default: every site in `SITES`) and their URL placeholders.
 
     Raises:
@@ -191,14 +180,3 @@ class SiteServers:
         """Stop every server; safe to call twice."""
         for server in self.servers.values():
             server.close()
-
-    def __enter__(self) -> "SiteServers":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -1,0 +1,82 @@
+"""Append-only chat over one cache, pins by message, and the agent surviving a dead browser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent_kv.agent import AgentConfig, run_episode
+from agent_kv.chat import ChatSession
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.sampling import SamplingParams
+from envs.browser_env import BrowserEnv
+from envs.server import SiteServers
+from envs.tasks import load_task
+
+
+def test_each_turn_prefills_only_the_new_suffix(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    chat = ChatSession(engine)
+    chat.add("system", "You answer in one short sentence.", pin=True)
+    chat.add("user", "What colour is grass?")
+    chat.reply(SamplingParams(max_new_tokens=10))
+    store = chat.session.store
+    seen_after_first = store.seen_tokens
+    chat.add("user", "And the sky?")
+    second = chat.reply(SamplingParams(max_new_tokens=10))
+    # the cache holds exactly the template rendering of the conversation so far
+    rendered = smollm.tokenizer.apply_chat_template(chat.messages, tokenize=False)
+    assert rendered.startswith(chat.session.text)
+    assert rendered[len(chat.session.text) :] in ("<|im_end|>\n", "\n")
+    fed = [t for t in second.token_ids if t not in engine.eos_ids]
+    assert store.seen_tokens == seen_after_first + second.prompt_tokens + len(fed)
+    assert second.prompt_tokens < 20
+    assert len(chat.session.token_ids) == store.seen_tokens
+
+
+def test_pins_follow_messages(smollm):
+    policy = make_policy("window", budget=40)
+    engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=16)
+    chat = ChatSession(engine)
+    chat.add("system", "Remember the code word: heliotrope. " * 3, pin=True)
+    chat.add("user", "Filler text about nothing in particular. " * 8, pin=True)
+    chat.reply(SamplingParams(max_new_tokens=4))
+    system_span, user_span = chat.spans[0], chat.spans[1]
+    kept = set(
+        chat.session.store.layers[0].positions[: chat.session.store.layers[0].length].tolist()
+    )
+    assert set(range(*system_span)) <= kept and set(range(*user_span)) <= kept
+    chat.unpin_message(1)
+    chat.add("user", "Short question?")
+    chat.reply(SamplingParams(max_new_tokens=4))
+    layer = chat.session.store.layers[0]
+    kept = set(layer.positions[: layer.length].tolist())
+    assert set(range(*system_span)) <= kept
+    assert not set(range(*user_span)) <= kept
+    with pytest.raises(KeyError):
+        chat.unpin_message(99)
+
+
+@pytest.mark.browser
+def test_dead_browser_fails_the_episode_and_keeps_the_trace(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=2048))
+    task = load_task(1)
+    with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
+        real_step = env.step
+
+        def crash_then_step(text):
+            env._browser.close()
+            return real_step(text)
+
+        env.step = crash_then_step
+        result = run_episode(
+            task, engine, env, tmp_path / "trace", "smollm", AgentConfig(max_steps=2)
+        )
+    assert result.end_reason == "error"
+    assert result.error.startswith("browser failed")
+    assert not result.success and result.score == 0.0
+    assert result.tokens_seen > 0 and result.peak_kv_bytes > 0
+    summary = json.loads((tmp_path / "trace" / "summary.json").read_text())
+    assert summary["end_reason"] == "error"
