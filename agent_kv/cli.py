@@ -1,6 +1,6 @@
 """The `agent-kv` command line.
 
-    agent-kv run-episode --task 1 --policy conf-kv --budget 2048 --out runs/
+    agent-kv run-episode --task 1 --policy conf-kv --budget 1024 --out runs/
 
 Every user error (unknown task, malformed task file, bad policy settings, missing Chromium or
 model) is one line on stderr and exit status 2, never a traceback.
@@ -9,6 +9,7 @@ model) is one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def fail(message: str) -> None:
 
 
 @app.callback()
-def main() -> None:
+def _root() -> None:
     """agent_kv command line."""
 
 
@@ -44,9 +45,10 @@ def run_episode_command(
     budget: Annotated[
         int | None,
         typer.Option(
-            help="Tokens per layer: conf-kv's uncertain budget (confident = half), or the window."
+            help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
+            "budget N_high is half), or the window size. Default: the policy's own (1024 / 512)."
         ),
-    ] = 2048,
+    ] = None,
     tau: Annotated[float | None, typer.Option(help="conf-kv confidence threshold.")] = None,
     protect_recent: Annotated[
         int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
@@ -74,11 +76,12 @@ def run_episode_command(
         task_obj = load_task(task)
         find_chromium()
         policy_obj = _policy(policy, budget, tau, protect_recent)
+        _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError) as err:
         fail(str(err))
     try:
         summary = _run(task_obj, policy_obj, model, max_steps, max_obs_tokens, prefill_chunk, out)
-    except AgentKVError as err:
+    except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
 
@@ -91,7 +94,15 @@ def _policy(name: str, budget: int | None, tau: float | None, protect_recent: in
         params["tau"] = tau
     if protect_recent is not None:
         params["protect_recent"] = protect_recent
-    return make_policy(name, budget=None if name == "full" else budget, **params)
+    return make_policy(name, budget=budget, **params)
+
+
+def _writable_dir(path: Path) -> None:
+    """Create `path` (and parents) or raise AgentKVError saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AgentKVError(f"cannot use --out {path}: {err.strerror}") from None
 
 
 def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out: Path) -> dict:
@@ -119,9 +130,11 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
 @app.command("serve")
 def serve_command(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     policy: Annotated[str, typer.Option(help="KV policy: conf-kv, window or full.")] = "conf-kv",
-    budget: Annotated[int | None, typer.Option(help="Tokens per layer (see run-episode).")] = 2048,
+    budget: Annotated[
+        int | None, typer.Option(help="Unpinned tokens per layer (see run-episode).")
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
@@ -136,6 +149,7 @@ def serve_command(
 
     try:
         policy_obj = _policy(policy, budget, None, None)
+        _free_port(host, port)
         loaded = load_model(model)
     except AgentKVError as err:
         fail(str(err))
@@ -143,5 +157,29 @@ def serve_command(
     uvicorn.run(create_app(engine, loaded.name), host=host, port=port)
 
 
+def _free_port(host: str, port: int) -> None:
+    """Raise AgentKVError unless `host:port` can be bound now (checked before the model loads)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as err:
+        raise AgentKVError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+
+
+def main() -> int:
+    """Console entry point: usage errors become one `error:` line and exit status 2."""
+    try:
+        return app(standalone_mode=False) or 0
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        return 1
+    except typer.TyperException as err:
+        message = err.format_message() if hasattr(err, "format_message") else str(err)
+        if message:  # empty when the help page was shown for a bare `agent-kv`
+            typer.echo(f"error: {message}", err=True)
+        return getattr(err, "exit_code", 2)
+
+
 if __name__ == "__main__":
-    sys.exit(app())
+    sys.exit(main())

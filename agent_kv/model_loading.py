@@ -12,6 +12,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,21 +80,49 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{digest}"
 
 
+@contextmanager
+def _quiet_transformers():
+    """Silence transformers' warnings and progress bars while loading."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _load_errors(source: Path):
+    """Turn a load failure (bad config, missing weights, not a GGUF file) into one line."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(f"cannot load a model from {source}: {reason}") from None
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize `gguf` with transformers and write config, tokenizer and safetensors to `target`.
 
     `save_pretrained` refuses a model loaded from GGUF, so the state dict (without the tied
     `lm_head.weight` copy) and a config without `quantization_config` are written directly.
+    The files go to a private temporary directory renamed into place at the end, so concurrent
+    first loads never see a half-written cache (the first rename wins).
     """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tmp = target.with_name(target.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    with _load_errors(gguf), _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -101,25 +132,25 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     config.pop("_name_or_path", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp)  # another process converted it first
+        if not target.is_dir():
+            raise
 
 
-def _load_directory(path: Path, dtype: torch.dtype, gguf_file: str | None = None):
+def _load_directory(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     from agent_kv.attention import register_attention
 
     register_attention()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    with _load_errors(path), _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf_file, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
+            path, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
         )
-    finally:
-        hf_logging.set_verbosity(verbosity)
     model.eval()
     return model, tokenizer
 
@@ -138,8 +169,9 @@ def load_model(
         LoadedModel with attention routed through agent_kv's store-aware attention function.
 
     Raises:
-        ModelNotFoundError: the path does not exist, is not a model, or the default model's
-            package is missing. The message is one line naming the fix.
+        ModelNotFoundError: the path does not exist, is not a loadable model (bad config,
+            missing weights or tokenizer, not a GGUF file), or the default model's package is
+            missing. The message is one line.
     """
     if model is None:
         gguf = default_gguf_path()

@@ -37,6 +37,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
 
 
 def sample_next(

@@ -16,16 +16,17 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
 from agent_kv.errors import ConfigError
 from agent_kv.sampling import SamplingParams
 from api.schemas import (
+    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
-    ChatMessage,
     ErrorDetail,
     ErrorResponse,
     KVStats,
@@ -64,8 +65,14 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, err: RequestValidationError):
         first = err.errors()[0]
-        param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        if first["type"] == "json_invalid":
+            return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        param = _param_name(first["loc"])
         return error_response(400, f"{param or 'body'}: {first['msg']}", param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException):
+        return error_response(err.status_code, str(err.detail), None, None)
 
     @app.get("/health")
     async def health() -> dict:
@@ -90,7 +97,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             choices=[
                 ChatChoice(
                     index=0,
-                    message=ChatMessage(role="assistant", content=reply.text),
+                    message=AssistantMessage(content=reply.text),
                     finish_reason=reply.finish_reason,
                 )
             ],
@@ -111,6 +118,30 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     return app
 
 
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_name(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "role")` -> "messages.0.role"; union type tags are dropped."""
+    parts = [
+        str(part)
+        for part in loc[1:]
+        if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
 def _sampling(request: ChatCompletionRequest) -> SamplingParams:
     if request.stream:
         raise APIError(
@@ -118,9 +149,9 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
         )
     if request.n != 1:
         raise APIError(400, "only n=1 is supported", "n", "unsupported")
-    for field in ("tools", "response_format", "functions"):
-        if field in (request.model_extra or {}):
-            raise APIError(400, f"{field} is not supported", field, "unsupported")
+    for field in UNSUPPORTED_FIELDS:
+        if (request.model_extra or {}).get(field):
+            raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = SamplingParams(
         max_new_tokens=request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
@@ -137,7 +168,7 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
 
 
 def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingParams):
-    messages = [message.model_dump() for message in request.messages]
+    messages = [{"role": m.role, "content": m.text} for m in request.messages]
     prompt = engine.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
@@ -152,6 +183,6 @@ def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingPa
             "context_length_exceeded",
         )
     chat = ChatSession(engine)
-    for message in request.messages:
-        chat.add(message.role, message.content)
+    for message in messages:
+        chat.add(message["role"], message["content"])
     return chat, chat.reply(params)

@@ -4,14 +4,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content (OpenAI's `{"type": "text", "text": ...}`)."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    """One message: role and text content."""
+    """One message: role and text content (a string or a list of text parts, joined).
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    The `developer` role is read as `system`.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
+
+    @property
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -21,14 +45,14 @@ class ChatCompletionRequest(BaseModel):
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
-    n: int = 1
+    n: StrictInt = 1
 
 
 class Usage(BaseModel):
@@ -49,11 +73,18 @@ class KVStats(BaseModel):
     evicted_tokens: int
 
 
+class AssistantMessage(BaseModel):
+    """The reply message."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
 class ChatChoice(BaseModel):
     """One generated reply."""
 
     index: int
-    message: ChatMessage
+    message: AssistantMessage
     finish_reason: str
 
 

@@ -132,7 +132,7 @@ class BrowserEnv(Closing):
         timeout_s: limit for one navigation or browser call.
 
     Raises:
-        ChromiumNotFoundError: see `find_chromium`.
+        ChromiumNotFoundError: see `find_chromium`; also when the executable fails to start.
     """
 
     def __init__(
@@ -153,6 +153,13 @@ class BrowserEnv(Closing):
             self._browser = self._playwright.chromium.launch(
                 executable_path=executable, headless=headless, args=CHROMIUM_ARGS
             )
+        except PlaywrightError as err:
+            self._playwright.stop()
+            reason = err.message.strip().splitlines()[0]
+            raise ChromiumNotFoundError(
+                f"Chromium at {executable} failed to start ({reason}): "
+                "install it with `apt-get install chromium` or fix AGENT_KV_CHROMIUM"
+            ) from None
         except BaseException:
             self._playwright.stop()
             raise

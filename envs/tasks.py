@@ -159,6 +159,8 @@ def load_tasks(path: str | Path) -> list[Task]:
     """
     path = Path(path)
     shown = _shown(path)
+    if path.is_dir():
+        raise TaskError(f"{shown}: is a directory; pass a task JSON file or a bundled task id")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -171,7 +173,8 @@ def load_tasks(path: str | Path) -> list[Task]:
     tasks: list[Task] = []
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise TaskError(f"{shown} entry {index}: a task must be a JSON object")
+            where = f"{shown} entry {index}" if isinstance(raw, list) else shown
+            raise TaskError(f"{where}: a task must be a JSON object")
         task_id = entry.get("task_id")
         where = f"{shown} task {task_id}" if isinstance(task_id, int) else f"{shown} entry {index}"
         try:
@@ -228,7 +231,9 @@ def load_task(id_or_path: int | str | Path) -> Task:
     Raises:
         TaskError: unknown id, missing or invalid file, or a file holding several tasks.
     """
-    if isinstance(id_or_path, int) or (isinstance(id_or_path, str) and id_or_path.isdigit()):
+    if isinstance(id_or_path, int) or (
+        isinstance(id_or_path, str) and id_or_path.removeprefix("-").isdigit()
+    ):
         task_id = int(id_or_path)
         bundled = [task for suite in suite_names() for task in load_suite(suite)]
         for task in bundled:

@@ -62,9 +62,19 @@ async def test_chat_completion_reports_usage_and_kv(client):
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tools",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     ],
 )
 async def test_bad_requests_are_openai_shaped_400s(client, body, param):
@@ -81,4 +91,32 @@ async def test_malformed_json_is_a_400(client):
         "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert response.status_code == 400
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None and error["code"] == "invalid_json"
+
+
+async def test_unknown_routes_are_openai_shaped(client):
+    missing = await client.get("/v1/nothing")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "Not Found"
+    wrong_method = await client.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_text_parts_developer_role_and_null_tools_are_accepted(client):
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Answer briefly."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}],
+            },
+        ],
+        "tools": None,
+        "max_tokens": 3,
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 3

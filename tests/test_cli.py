@@ -27,7 +27,7 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     summary = json.loads(proc.stdout)
     assert summary["task_id"] == 1
     assert summary["policy"] == "conf-kv"
-    assert summary["policy_params"]["n_low"] == 2048
+    assert summary["policy_params"]["n_low"] == 1024
     assert isinstance(summary["success"], bool)
     assert summary["success"] == (summary["score"] == 1.0)
     assert 1 <= summary["steps"] <= 2
@@ -99,3 +99,40 @@ def test_bad_policy_settings_fail_before_any_model_call(tmp_path):
         run_cli("run-episode", "--task", "1", "--policy", "lru"), "unknown policy"
     )
     assert_one_line_error(run_cli("run-episode", "--task", "1", "--budget", "-3"), "budget")
+    assert_one_line_error(run_cli("run-episode", "--task", "1", "--budget", "1"), "too small")
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "1", "--policy", "full", "--tau", "0.5"),
+        "no parameter 'tau'",
+    )
+
+
+@pytest.mark.browser
+def test_chromium_that_does_not_start(tmp_path):
+    proc = run_cli(
+        "run-episode",
+        "--task",
+        "1",
+        "--out",
+        str(tmp_path),
+        env_extra={"AGENT_KV_CHROMIUM": "/bin/true"},
+    )
+    assert_one_line_error(proc, "failed to start", "apt-get install chromium")
+
+
+def test_unusable_model_directory(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    proc = run_cli(
+        "run-episode", "--task", "1", "--model", str(tmp_path), "--out", str(tmp_path / "o")
+    )
+    assert_one_line_error(proc, "cannot load a model from")
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    assert_one_line_error(run_cli("run-episode", "--task", "1", "--max-steps", "0"), "--max-steps")
+    assert_one_line_error(run_cli("run-episode", "--task", "1", "--budget", "abc"), "--budget")
+    assert_one_line_error(run_cli("run-episode"), "Missing option '--task'")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "1", "--out", str(afile)), "cannot use --out"
+    )

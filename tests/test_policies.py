@@ -62,8 +62,8 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     kept = store.layers[0].positions[: store.layers[0].length].tolist()
     assert {0, 1, 2, 5, 17, 42} <= set(kept)
     assert set(range(92, 100)) <= set(kept)
-    assert len(kept) == 16
-    assert evicted == 2 * 84
+    assert len(kept) == 3 + 16  # pins come on top of the budget
+    assert evicted == 2 * (100 - 19)
 
 
 def test_window_keeps_newest_and_sinks():
@@ -79,11 +79,12 @@ def test_full_never_evicts():
     assert store.lengths() == [70, 70]
 
 
-def test_protected_tokens_may_exceed_budget():
+def test_pins_never_crowd_out_the_newest_tokens():
     store = store_with(40)
-    store.pin(0, 30)
+    store.pin(0, 20)
     make_policy("window", budget=10).step(store, 0.0)
     assert store.lengths() == [30, 30]
+    assert store.layers[0].positions[:30].tolist() == list(range(20)) + list(range(30, 40))
 
 
 @pytest.mark.parametrize(
@@ -93,11 +94,12 @@ def test_protected_tokens_may_exceed_budget():
         ("conf-kv", {"budget": 0}, "positive number of tokens"),
         ("conf-kv", {"budget": -5}, "positive number of tokens"),
         ("conf-kv", {"n_high": 128, "n_low": 96}, "must be >= n_high"),
-        ("conf-kv", {"budget": 100, "protect_recent": 64}, "protection window"),
+        ("conf-kv", {"n_high": 64, "n_low": 128, "protect_recent": 64}, "protection window"),
         ("conf-kv", {"tau": 1.5}, "tau"),
         ("window", {"budget": 8, "sinks": 8}, "protection window"),
         ("full", {"budget": 10}, "takes no budget"),
-        ("window", {"bogus": 1}, "bogus"),
+        ("window", {"bogus": 1}, "no parameter .bogus."),
+        ("conf-kv", {"budget": 100}, "too small"),
     ],
 )
 def test_bad_configuration_is_a_clear_error(name, kwargs, message):

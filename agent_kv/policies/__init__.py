@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from agent_kv.errors import ConfigError
 from agent_kv.policies.base import Policy, check_budget
 from agent_kv.policies.conf_kv import ConfKV
@@ -26,6 +28,13 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     if name not in POLICIES:
         raise ConfigError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
     cls = POLICIES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ConfigError(
+            f"policy {name!r} has no parameter {unknown[0]!r} (its parameters: "
+            f"{', '.join(sorted(fields)) or 'none'})"
+        )
     if budget is not None:
         if cls is FullKV:
             raise ConfigError("policy 'full' keeps every token and takes no budget")
@@ -35,10 +44,13 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
         else:
             params.setdefault("n_low", budget)
             params.setdefault("n_high", budget // 2)
-    try:
-        policy = cls(**params)
-    except TypeError as err:
-        raise ConfigError(f"{name}: {err}") from None
+            protect = params.get("protect_recent", ConfKV.protect_recent)
+            if params["n_high"] <= protect:
+                raise ConfigError(
+                    f"conf-kv: budget {budget} is too small: its confident half "
+                    f"({params['n_high']}) must exceed protect_recent={protect}"
+                )
+    policy = cls(**params)
     policy.validate()
     return policy
 

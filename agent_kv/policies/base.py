@@ -4,7 +4,8 @@ A policy answers two questions each step (after every forward call, prefill chun
 token): how many tokens may each layer keep (`budget`, from the current confidence), and how
 much is each live token worth keeping (`rank`). The shared step here does the rest, the same
 for every policy (style.md, kvpress): protect the `protect_recent` newest tokens and the pinned
-ones, take the top-ranked others up to the budget, and compact the store.
+ones, take the top-ranked others up to the budget (which counts unpinned tokens only), and
+compact the store.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class Policy(ABC):
     def step(self, store: KVStore, confidence: float) -> int:
         """Evict down to this step's budget in every layer; return the tokens evicted.
 
-        Protected tokens (the newest `protect_recent` and the pinned ones) always stay, so a
-        layer can end above budget when they alone exceed it.
+        The budget counts unpinned tokens: pinned tokens are held in addition to it (and
+        counted in every memory figure), so pins can never crowd out the newest tokens. Among
+        the unpinned, the newest `protect_recent` always stay and the top-ranked others fill
+        the rest of the budget.
         """
         budget = self.budget(confidence)
         if budget is None:
@@ -57,14 +60,15 @@ class Policy(ABC):
         evicted = 0
         for idx, layer in enumerate(store.layers):
             n = layer.length
-            if n <= budget:
+            pinned = store.pinned_mask(idx)  # [n]
+            n_pinned = int(pinned.sum())
+            if n - n_pinned <= budget:
                 continue
             ranks = self.rank(store, idx).clone()  # [n]
-            protected = store.pinned_mask(idx)
             if self.protect_recent:
-                protected[max(0, n - self.protect_recent) :] = True
-            ranks[protected] = float("inf")
-            keep_count = max(budget, int(protected.sum()))
+                ranks[max(0, n - self.protect_recent) :] = float("inf")
+            ranks[pinned] = float("inf")
+            keep_count = n_pinned + budget
             keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
             store.compact(idx, keep)
             evicted += n - keep_count

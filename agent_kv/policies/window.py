@@ -16,7 +16,8 @@ from agent_kv.store import KVStore
 
 @dataclass
 class SlidingWindow(Policy):
-    """Keep the newest `window` tokens per layer (pins and sinks included in that count).
+    """Keep the newest `window` unpinned tokens per layer (sinks included in that count;
+    pinned tokens are kept on top of it).
 
     Parameters:
         window (int, default 512): tokens kept per layer.
