@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ class EpisodeResult:
     evicted_tokens: int
     ttft_s: list[float]
     decode_tokens_per_s: list[float]
+    step_s: list[float]
     wall_s: float
     trace_dir: str
 
@@ -119,12 +121,14 @@ def run_episode(
     trace_dir: Path,
     model_name: str,
     config: AgentConfig | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> EpisodeResult:
     """Run `task` to its end in `env` with `engine`, writing a trace to `trace_dir`.
 
     The trace holds `step_NNN.json` (observation, reply, action, KV stats) and `step_NNN.png`
     (the screenshot the agent acted on) per step, `kv_steps.jsonl` (one record per forward
     call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
+    `on_step`, if given, receives each step's record as it is written (for progress output).
 
     A browser that dies (a Playwright error) ends the episode with `end_reason="error"`,
     score 0 and the error in `error`; the trace written so far stays.
@@ -141,9 +145,11 @@ def run_episode(
     answer, end_reason, steps, error = None, "max_steps", 0, None
     ttfts: list[float] = []
     rates: list[float] = []
+    step_times: list[float] = []
     try:
         observation = env.reset(task)
         for step in range(1, config.max_steps + 1):
+            step_started = time.perf_counter()
             text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
             chat.add(
                 "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
@@ -155,7 +161,10 @@ def run_episode(
             rates.append(reply.decode_tokens_per_s)
             result = env.step(reply.text)
             steps = step
-            _write_step(trace_dir, step, observation, reply.text, result.info, store)
+            step_times.append(time.perf_counter() - step_started)
+            record = _write_step(trace_dir, step, observation, reply.text, result.info, store)
+            if on_step is not None:
+                on_step(record)
             if result.done:
                 answer, end_reason = result.answer, result.info.get("reason", "stop")
                 break
@@ -184,6 +193,7 @@ def run_episode(
         evicted_tokens=store.evicted_tokens,
         ttft_s=[round(t, 3) for t in ttfts],
         decode_tokens_per_s=[round(r, 2) for r in rates],
+        step_s=[round(t, 3) for t in step_times],
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
     )
@@ -209,6 +219,7 @@ def _write_step(
         "tokens_seen": store.seen_tokens,
     }
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str))
+    return record
 
 
 def _write_kv_steps(trace_dir: Path, steps) -> None:

@@ -97,6 +97,17 @@ def _policy(name: str, budget: int | None, tau: float | None, protect_recent: in
     return make_policy(name, budget=budget, **params)
 
 
+def _print_step(record: dict) -> None:
+    """One progress line per agent step on stderr (stdout carries only the JSON summary)."""
+    reply = record["reply"].strip().replace("\n", " ")[:60]
+    kv_mb = record["kv_bytes"] / 1e6
+    typer.echo(
+        f"step {record['step']}: {reply!r} -> {record['action'] or 'unparsable'} "
+        f"| {record['tokens_seen']} tokens seen, KV {kv_mb:.1f} MB",
+        err=True,
+    )
+
+
 def _writable_dir(path: Path) -> None:
     """Create `path` (and parents) or raise AgentKVError saying why it cannot be."""
     try:
@@ -113,14 +124,19 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
     from envs.server import SiteServers
 
     started = time.perf_counter()
+    typer.echo("loading model...", err=True)
     loaded = load_model(model_path)
     load_s = time.perf_counter() - started
+    typer.echo(
+        f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
+        err=True,
+    )
     engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     trace_dir = out / f"task{task.task_id}-{policy.name}-{stamp}"
     config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
     with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
-        result = run_episode(task, engine, env, trace_dir, loaded.name, config)
+        result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     summary = result.summary()
     summary["model_load_s"] = round(load_s, 2)
     summary["model_from_cache"] = loaded.from_cache
