@@ -1,5 +1,4 @@
 # The README's two commands are `make run` and `make test`; both set up a fresh machine first.
-PY     ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TASK   ?= 1

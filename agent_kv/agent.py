@@ -146,16 +146,17 @@ def run_episode(
     ttfts: list[float] = []
     rates: list[float] = []
     step_times: list[float] = []
+    previous_observation: int | None = None  # message index of the pinned observation
     try:
         observation = env.reset(task)
         for step in range(1, config.max_steps + 1):
             step_started = time.perf_counter()
             text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
-            chat.add(
-                "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
-            )
-            if step > 1:
-                chat.unpin_message(len(chat.messages) - 3)  # the previous observation
+            if previous_observation is not None:
+                chat.unpin_message(previous_observation)
+            observation_text = OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent)
+            chat.add("user", observation_text, pin=True)
+            previous_observation = len(chat.messages) - 1
             reply = chat.reply(config.sampling)
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)

@@ -19,6 +19,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from kernels.reference import attention_with_mass
 
 NAME = "agent_kv"
+UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
+"""Attention keywords of some model families this function does not implement."""
 
 
 def store_attention(
@@ -46,12 +48,19 @@ def store_attention(
         `(out [1, q, Hq, D], None)`.
 
     Raises:
-        ValueError: an explicit attention mask or dropout was requested.
+        ValueError: an explicit attention mask, dropout, or a feature in
+            `UNSUPPORTED_FEATURES` was requested.
     """
     if attention_mask is not None:
         raise ValueError("agent_kv attention takes no attention mask: the store holds no padding")
     if dropout:
         raise ValueError("agent_kv attention is inference-only (dropout must be 0)")
+    unsupported = [name for name in UNSUPPORTED_FEATURES if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"agent_kv attention does not implement {', '.join(unsupported)} "
+            "(sliding-window layers, logit soft-capping, attention sinks)"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out, mass = attention_with_mass(query, key, value, scale)
     if kv_store is not None:

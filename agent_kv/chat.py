@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent_kv.engine import Engine, Generation
+from agent_kv.errors import ConfigError
 from agent_kv.sampling import SamplingParams
 from agent_kv.session import Session
 
@@ -44,7 +45,7 @@ class ChatSession:
 
     def _queue_delta(self, rendered: str, pin: bool, message: int | None) -> None:
         if not rendered.startswith(self._rendered):
-            raise RuntimeError(
+            raise ConfigError(
                 "the chat template re-rendered earlier turns differently; "
                 "this template cannot be extended append-only"
             )
@@ -79,7 +80,12 @@ class ChatSession:
 
         The reply is appended to the conversation as an assistant message (its full generated
         text, stop strings included, which is what the cache holds).
+
+        Raises:
+            ConfigError: invalid sampling parameters (checked before anything is prefilled,
+                so the queued messages stay queued).
         """
+        params.validate()
         self._queue_delta(self._render(generation_prompt=True), pin=False, message=None)
         store = self.session.store
         prompt: list[int] = []
@@ -92,10 +98,14 @@ class ChatSession:
                 store.pin(*span)
             prompt.extend(item.ids)
         self._pending.clear()
-        self.session.text = self._rendered
         reply_start = store.seen_tokens + len(prompt)
         generation = self.engine.generate(self.session, prompt, params)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
-        self._rendered = self.session.text
+        self._rendered += generation.raw_text
         return generation
+
+    @property
+    def text(self) -> str:
+        """The template text the cache holds (plus messages queued for the next reply)."""
+        return self._rendered

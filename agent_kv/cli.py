@@ -123,19 +123,19 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
     from envs.browser_env import BrowserEnv
     from envs.server import SiteServers
 
-    started = time.perf_counter()
-    typer.echo("loading model...", err=True)
-    loaded = load_model(model_path)
-    load_s = time.perf_counter() - started
-    typer.echo(
-        f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
-        err=True,
-    )
-    engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     trace_dir = out / f"task{task.task_id}-{policy.name}-{stamp}"
     config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
+    # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
+        started = time.perf_counter()
+        loaded = load_model(model_path)
+        load_s = time.perf_counter() - started
+        typer.echo(
+            f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
+            err=True,
+        )
+        engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     summary = result.summary()
     summary["model_load_s"] = round(load_s, 2)

@@ -5,7 +5,8 @@ model forward on the new token(s) -> the store appends their keys/values and the
 function folds the attention mass into the scores -> the last logits give the confidence `c`
 -> the policy evicts down to this step's budget -> the next token is sampled from the logits.
 Prefill runs the same path chunk by chunk, so eviction also happens between chunks and the
-store never holds more than budget + one chunk.
+store never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a
+prompt gates the budget with its confidence; earlier chunks get the policy's no-signal budget.
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.policy = policy
         self.prefill_chunk = prefill_chunk
-        eos = {tokenizer.eos_token_id, model.config.eos_token_id}
-        self.eos_ids = {int(e) for item in eos if item is not None for e in _as_list(item)}
+        generation_config = getattr(model, "generation_config", None)
+        candidates = [
+            *_as_list(tokenizer.eos_token_id),
+            *_as_list(model.config.eos_token_id),
+            *_as_list(getattr(generation_config, "eos_token_id", None)),
+        ]
+        self.eos_ids = {int(e) for e in candidates if e is not None}
 
     def new_session(self) -> Session:
         """An empty session for this engine's model."""
@@ -92,6 +98,7 @@ class Engine:
         store = session.store
         for start in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[start : start + self.prefill_chunk]
+            last_chunk = start + self.prefill_chunk >= len(token_ids)
             seen = store.seen_tokens
             input_ids = torch.tensor([chunk], device=store.layers[0].device)  # [1, n]
             position_ids = torch.arange(seen, seen + len(chunk), device=input_ids.device)[None]
@@ -105,11 +112,13 @@ class Engine:
             )
             logits = out.logits[0, -1].float()  # [vocab]
             conf = float(confidence(logits))
-            evicted = self.policy.step(store, conf)
+            # Inside a prompt the logits after a chunk boundary say nothing about the reply:
+            # only the last chunk's confidence gates the budget (None = no signal).
+            gate = conf if last_chunk else None
+            evicted = self.policy.step(store, gate)
+            budget = self.policy.budget(gate)
             session.steps.append(
-                StepRecord(
-                    store.seen_tokens, store.nbytes(), conf, self.policy.budget(conf), evicted
-                )
+                StepRecord(store.seen_tokens, store.nbytes(), conf, budget, evicted)
             )
             session.last_logits = logits
         session.token_ids.extend(token_ids)
@@ -120,8 +129,8 @@ class Engine:
     ) -> Generation:
         """Prefill `prompt_ids`, then decode a reply.
 
-        Every generated token except a final EOS is fed to the cache, so `session.text` grows
-        by exactly `raw_text` plus the prompt's text.
+        Every generated token except a final EOS is fed to the cache, so the cache ends with
+        the prompt followed by `raw_text`.
 
         Raises:
             ConfigError: invalid sampling parameters.
@@ -156,7 +165,6 @@ class Engine:
         end = time.perf_counter()
         raw_ids = [t for t in generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
-        session.text += raw_text
         cut = min((raw_text.find(s) for s in params.stop if s in raw_text), default=len(raw_text))
         return Generation(
             text=raw_text[:cut],
@@ -170,4 +178,6 @@ class Engine:
 
 
 def _as_list(value) -> list:
+    if value is None:
+        return []
     return list(value) if isinstance(value, (list, tuple, set)) else [value]

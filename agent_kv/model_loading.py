@@ -152,6 +152,11 @@ def _load_directory(path: Path, dtype: torch.dtype):
             path, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
         )
     model.eval()
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelNotFoundError(
+            f"{path} has no chat template: agent_kv needs a chat (instruct) model whose "
+            "tokenizer defines one"
+        )
     return model, tokenizer
 
 

@@ -41,16 +41,28 @@ class SamplingParams:
             raise ConfigError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (dividing by them would overflow)."""
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> int:
-    """Pick the next token id from `logits` `[vocab]`."""
-    if params.temperature == 0.0:
+    """Pick the next token id from `logits` `[vocab]`.
+
+    Greedy when `temperature < GREEDY_BELOW`; otherwise a draw from
+    `softmax(logits / temperature)` restricted to the top-p nucleus, which always holds at
+    least the most likely token.
+    """
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scaled = (logits.float() - logits.max()) / params.temperature
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better tokens
-        sorted_probs[before >= params.top_p] = 0.0
+        outside = before >= params.top_p
+        outside[0] = False
+        sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -18,7 +18,7 @@ class StepRecord:
         seen_tokens: tokens appended so far, after this call.
         kv_bytes: live KV bytes after this call's eviction.
         confidence: `c` of the call's last next-token distribution.
-        budget: the policy's budget this step (tokens per layer), None for no limit.
+        budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
         evicted: tokens evicted this step, summed over layers.
     """
 
@@ -37,7 +37,6 @@ class Session:
         store: the managed KV cache.
         cache: its transformers `Cache` adapter, passed to the model.
         token_ids: every token fed to the model so far, in order.
-        text: the decoded text those tokens stand for (for chat-template prefix matching).
         last_logits: `[vocab]` logits after the last fed token (None before the first call).
         steps: one record per forward call.
     """
@@ -45,7 +44,6 @@ class Session:
     store: KVStore
     cache: StoreCache
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     last_logits: torch.Tensor | None = None
     steps: list[StepRecord] = field(default_factory=list)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-CAPACITY_STEP = 256  # tokens; buffers grow (and shrink) in multiples of this
+CAPACITY_STEP = 256  # tokens; capacities are multiples of this, grown by doubling
 
 
 def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
@@ -68,7 +68,7 @@ class LayerStore:
         """Append new tokens. `keys`, `values`: `[1, kv_heads, n, head_dim]`."""
         n = keys.shape[2]
         if self.length + n > self.capacity:
-            self._allocate(_round_up(self.length + n))
+            self._allocate(_round_up(max(self.length + n, 2 * self.capacity)))
         end = self.length + n
         self.keys[:, :, self.length : end] = keys
         self.values[:, :, self.length : end] = values
@@ -220,14 +220,29 @@ class KVStore:
         scores[:, first_new:] = step[:, first_new:]
 
     def pin(self, start: int, end: int) -> None:
-        """Pin positions `[start, end)`: exempt from eviction until `unpin`."""
+        """Pin positions `[start, end)`: exempt from eviction until `unpin`.
+
+        Raises:
+            ValueError: `start < 0` or `end < start`.
+        """
+        self._check_span(start, end)
         self._grow_pins(end)
         self._pinned[start:end] = True
 
     def unpin(self, start: int, end: int) -> None:
-        """Release the pin on positions `[start, end)`."""
+        """Release the pin on positions `[start, end)`.
+
+        Raises:
+            ValueError: `start < 0` or `end < start`.
+        """
+        self._check_span(start, end)
         self._grow_pins(end)
         self._pinned[start:end] = False
+
+    @staticmethod
+    def _check_span(start: int, end: int) -> None:
+        if start < 0 or end < start:
+            raise ValueError(f"invalid position span [{start}, {end})")
 
     def pinned_mask(self, layer_idx: int) -> torch.Tensor:
         """`[length]` bool: which live slots of the layer are pinned."""

@@ -3,7 +3,8 @@
 Each chat request runs in a fresh session (one managed KV cache, the engine's policy) and the
 reply carries the cache's memory figures under `kv`. Requests are served one at a time (the
 engine owns one model). Client errors are 4xx with an OpenAI-shaped body
-`{"error": {"message", "type", "param", "code"}}`, never a 500.
+`{"error": {"message", "type", "param", "code"}}`, never a 500; a server-side failure (a
+model whose chat template cannot be extended, say) is a 500 with the same shape.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
         return error_response(err.status_code, str(err.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, err: Exception):
+        return error_response(500, f"internal error: {type(err).__name__}: {err}", None, None)
 
     @app.get("/health")
     async def health() -> dict:
@@ -163,7 +168,7 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
     try:
         params.validate()
     except ConfigError as err:
-        raise APIError(400, str(err), "stop", "invalid_value") from None
+        raise APIError(400, str(err), None, "invalid_value") from None
     return params
 
 

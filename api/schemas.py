@@ -54,6 +54,14 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     n: StrictInt = 1
 
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        values = [stop] if isinstance(stop, str) else stop or []
+        if any(not value for value in values):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
 
 class Usage(BaseModel):
     """Token counts of one completion."""

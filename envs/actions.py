@@ -39,8 +39,6 @@ ACTION_GRAMMAR: dict[str, str] = {
 }
 """Action kind -> its syntax."""
 
-ELEMENT_ACTIONS = frozenset({"click", "type", "hover"})
-"""Kinds that act on an element."""
 
 ANSWER_PHRASE = "the next action i will perform is"
 

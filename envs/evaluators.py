@@ -16,7 +16,8 @@ VisualWebArena does (surrounding quotes stripped, lowercased, outer whitespace s
 
 "Occurs" for must_include / must_exclude / one_of means substring, except that a reference
 beginning or ending with a digit must not touch further digits of the answer, so "12" does
-not occur in "$120" or "1,200" (".00" after whole numbers in the answer is ignored).
+not occur in "$120" or "1,200" (".00" cents after a whole number are ignored on both sides,
+so "$45.00" and "$45" match each other).
 
 url_match compares the final URL with `eval.reference_url` (`|OR|` alternatives, placeholders
 such as `__CLASSIFIEDS__` substituted). URLs are lowercased and stripped of a trailing "/";
@@ -37,7 +38,7 @@ from urllib.parse import parse_qs, urlparse
 from envs.tasks import Task
 
 OR = " |OR| "
-_ZERO_CENTS = re.compile(r"(\d)\.0+(?!\d)")
+_ZERO_CENTS = re.compile(r"(\d)\.00(?!\d|\.\d)")
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}\u2018\u2019\u201c\u201d\u2013\u2014]")
 
 
@@ -67,7 +68,8 @@ def clean_answer(text: str) -> str:
 
 def occurs(reference: str, answer: str) -> bool:
     """Whether cleaned `reference` occurs in cleaned `answer` (digit-aware substring)."""
-    reference, answer = clean_answer(reference), _ZERO_CENTS.sub(r"\1", clean_answer(answer))
+    reference = _ZERO_CENTS.sub(r"\1", clean_answer(reference))
+    answer = _ZERO_CENTS.sub(r"\1", clean_answer(answer))
     if not reference:
         return True
     before = r"(?<![\d])(?<!\d[.,])" if reference[0].isdigit() else ""
@@ -114,6 +116,8 @@ def string_match(reference_answers: Mapping[str, Any], answer: str | None) -> tu
             case _:
                 raise ValueError(f"unknown reference_answers key {approach!r}")
         checks[approach] = ok
+    if not checks:
+        return 0.0, {"answer": answer, "reason": "no reference answers"}
     score = float(all(checks.values()))
     return score, {"answer": answer, "checks": checks}
 

@@ -82,12 +82,11 @@ _STATIC_TEXT = re.compile(r"\[\d+\] StaticText (.+)", re.DOTALL)
 
 @dataclass(frozen=True)
 class AXElement:
-    """One rendered node: `id` is the number shown in brackets (= `backend_node_id`)."""
+    """One rendered node: `id` is the number shown in brackets, the node's CDP backendDOMNodeId."""
 
     id: int
     role: str
     name: str
-    backend_node_id: int
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ def render_ax_tree(nodes: Sequence[dict[str, Any]]) -> AXTree:
             backend_id, role, name, line = element
             if backend_id not in elements:
                 lines.append("\t" * depth + line)
-                elements[backend_id] = AXElement(backend_id, role, name, backend_id)
+                elements[backend_id] = AXElement(backend_id, role, name)
         child_depth = depth + 1 if element is not None else depth
         children = [child for child in node.get("childIds", []) if child in by_id]
         stack.extend((child, child_depth) for child in reversed(children))

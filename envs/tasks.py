@@ -43,6 +43,19 @@ class ReferenceAnswers(BaseModel):
     one_of: list[str] | None = None
     fuzzy_match: list[str] | str | None = None
 
+    @model_validator(mode="after")
+    def _not_empty(self) -> "ReferenceAnswers":
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if not given:
+            raise ValueError(
+                "reference_answers needs at least one of " + ", ".join(type(self).model_fields)
+            )
+        for key, value in given.items():
+            values = value if isinstance(value, list) else [value]
+            if not values or any(not str(v).strip() for v in values):
+                raise ValueError(f"reference_answers.{key} must hold non-empty strings")
+        return self
+
 
 class ProgramHtml(BaseModel):
     """One `eval.program_html` check (VisualWebArena format; not evaluated here yet)."""
@@ -110,6 +123,12 @@ class Task(BaseModel):
             if site not in SITES:
                 raise ValueError(f"site {site!r} is not bundled (bundled: {sorted(SITES)})")
         known = {SITES[site].placeholder for site in self.sites}
+        for url in self.start_urls:
+            if not any(url.startswith(placeholder) for placeholder in known):
+                choices = ", ".join(sorted(known))
+                raise ValueError(
+                    f"start_url {url!r} must begin with a site placeholder ({choices})"
+                )
         for text in (self.start_url, self.eval.reference_url or ""):
             for placeholder in _PLACEHOLDER.findall(text):
                 if placeholder not in known:

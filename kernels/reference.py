@@ -33,6 +33,9 @@ def attention_with_mass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of the new queries over the live store, plus attention mass per key.
 
+    Scores, softmax and the weighted sum run in float32 whatever the input dtype; the output
+    is cast back to the query's dtype.
+
     Args:
         query: `[B, Hq, q, D]`.
         keys, values: `[B, Hkv, L, D]` with `L >= q` and `Hq % Hkv == 0`.
@@ -51,12 +54,12 @@ def attention_with_mass(
     if kv_len < q_len:
         raise ValueError(f"store holds {kv_len} tokens, fewer than the {q_len} new queries")
     group = q_heads // kv_heads
-    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)  # [B, Hkv, G*q, D]
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G*q, L]
+    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, G*q, L]
     visible = causal_visibility(q_len, kv_len, query.device).repeat(group, 1)  # [G*q, L]
     logits = logits.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, Hkv, G*q, L]
-    out = torch.matmul(probs.to(values.dtype), values)  # [B, Hkv, G*q, D]
+    probs = torch.softmax(logits, dim=-1)  # [B, Hkv, G*q, L] float32
+    out = torch.matmul(probs, values.float()).to(query.dtype)  # [B, Hkv, G*q, D]
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
     mass = probs.sum(dim=-2)  # [B, Hkv, L]
     return out, mass

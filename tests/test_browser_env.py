@@ -57,7 +57,7 @@ def test_render_prunes_like_visualwebarena_and_keys_elements_by_backend_id():
         '\t[12] heading "It\'s here"',
     ]
     assert sorted(tree.elements) == [1, 4, 5, 8, 11, 12]
-    assert tree.elements[4].backend_node_id == 4
+    assert tree.elements[4].id == 4
     assert tree.find("link", "Blue road bike - $120").id == 4
     assert tree.find("link", "Blue road bike") is None
     assert render_ax_tree([]).text == ""

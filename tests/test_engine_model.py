@@ -124,3 +124,63 @@ def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
     )
     assert cut.finish_reason == "stop"
     assert stop not in cut.text and cut.raw_text.startswith(cut.text)
+
+
+def test_attention_mass_reaches_the_store(smollm, prompt_ids):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    session = engine.new_session()
+    engine.feed(session, prompt_ids[:64])
+    for layer in session.store.layers:
+        scores = layer.scores[:, : layer.length]
+        assert torch.all(scores > 0)
+        # a 64-query prefill: the newest token was seen by one query per head, with all its mass
+        assert scores.shape == (3, 64)
+
+
+def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_ids):
+    """Kept keys keep their original positions: the next token after compaction equals a
+    full-sequence forward whose last query may only see the kept tokens."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    session = engine.new_session()
+    n = 200
+    engine.feed(session, prompt_ids[:n])
+    keep = torch.tensor([p for p in range(n) if p % 3 == 0 or p >= 150])
+    for idx in range(len(session.store.layers)):
+        session.store.compact(idx, keep)
+    logits = engine.feed(session, [prompt_ids[n]])
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm.source, attn_implementation="sdpa"
+    ).eval()
+    mask = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
+    mask[n] = False
+    mask[n, keep] = True
+    mask[n, n] = True
+    with torch.inference_mode():
+        out = reference(
+            input_ids=torch.tensor([prompt_ids[: n + 1]]), attention_mask=mask[None, None]
+        )
+    assert (logits - out.logits[0, -1].float()).abs().max().item() < 1e-4
+
+
+def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids):
+    def kept_after(policy):
+        engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=100)
+        session = engine.new_session()
+        engine.feed(session, prompt_ids)
+        layer = session.store.layers[15]
+        return set(layer.positions[: layer.length].tolist())
+
+    window = kept_after(make_policy("window", budget=128))
+    conf = kept_after(make_policy("conf-kv", n_high=128, n_low=128, protect_recent=16))
+    assert window == set(range(300 - 128, 300))
+    old = {p for p in conf if p < 300 - 128}
+    assert len(conf) == 128
+    assert 0 in old  # the attention sink
+    assert len(old) >= 16
+
+
+def test_end_of_turn_ids_may_be_lists(smollm, monkeypatch):
+    monkeypatch.setattr(smollm.model.config, "eos_token_id", [2, 7])
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    assert {2, 7} <= engine.eos_ids

@@ -142,3 +142,14 @@ def test_evaluate_uses_a_site_servers_like_substituter():
 
     task = make_task(eval_types=["url_match"], reference_url="__CLASSIFIEDS__/listing/1")
     assert evaluate(task, None, "http://local/listing/1", Sites()).score == 1.0
+
+
+def test_zero_cents_match_on_both_sides_and_versions_are_kept():
+    assert (
+        occurs("$45.00", "$45.00") and occurs("$45", "It costs $45.00") and occurs("$45.00", "$45")
+    )
+    assert occurs("2.0", "version 2.0") and not occurs("10.1", "10.0.1")
+
+
+def test_no_reference_answers_scores_zero():
+    assert string_match({}, "anything")[0] == 0.0

@@ -66,6 +66,35 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     assert evicted == 2 * (100 - 19)
 
 
+def test_protect_recent_means_the_newest_unpinned_tokens():
+    scores = torch.full((100,), 0.001)
+    scores[:9] = 0.5
+    scores[0] = 0.6
+    store = store_with(100, scores)
+    store.pin(90, 100)
+    policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0)
+    policy.step(store, confidence=1.0)
+    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    assert kept == [0] + list(range(82, 100))  # best heavy hitter + 8 newest unpinned + pins
+
+
+def test_conf_kv_ranking_survives_an_attention_sink():
+    scores = torch.full((200,), 0.001)
+    scores[0] = 0.9  # a sink with most of the mass, as real models have
+    scores[[20, 40, 60]] = 0.02  # heavy hitters far below the sink
+    store = store_with(200, scores)
+    policy = ConfKV(n_high=12, n_low=12, protect_recent=4, recency_weight=0.3)
+    policy.step(store, confidence=1.0)
+    kept = set(store.layers[0].positions[: store.layers[0].length].tolist())
+    assert {0, 20, 40, 60} <= kept
+
+
+def test_no_signal_gets_the_loose_budget():
+    policy = make_policy("conf-kv", n_high=32, n_low=48, protect_recent=4)
+    assert policy.budget(None) == 48
+    assert make_policy("window", budget=16).budget(None) == 16
+
+
 def test_window_keeps_newest_and_sinks():
     store = store_with(50)
     policy = make_policy("window", budget=10, sinks=2)

@@ -104,6 +104,8 @@ def test_search_matches_every_word_in_title_or_description(client):
         assert title in page
     assert "No listings found." in client.get("/search", params={"q": "zeppelin"}).text
     assert "Type words in the search box" in client.get("/search?q=").text
+    for wildcard in ("%", "_"):  # LIKE wildcards are searched for literally
+        assert "No listings found." in client.get("/search", params={"q": wildcard}).text
 
 
 def test_posting_a_comment_persists_and_redirects(client):

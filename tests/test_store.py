@@ -96,3 +96,16 @@ def test_rejects_batches_and_bad_shapes():
         store.append(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     with pytest.raises(ValueError, match="ema_decay"):
         KVStore(1, 1, 1, ema_decay=1.0)
+
+
+def test_pin_spans_are_validated_and_pins_grow_with_the_episode():
+    store = filled_store(4, layers=1)
+    with pytest.raises(ValueError, match="invalid position span"):
+        store.pin(5, 2)
+    with pytest.raises(ValueError, match="invalid position span"):
+        store.unpin(-1, 3)
+    store.pin(1000, 1001)  # beyond the tokens seen: applies when that position arrives
+    for _ in range(1000):
+        store.append(0, torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
+    mask = store.pinned_mask(0)
+    assert mask.sum().item() == 1 and mask[1000]

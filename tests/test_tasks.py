@@ -86,7 +86,19 @@ def test_program_html_is_rejected_not_silently_passed(tmp_path, monkeypatch):
     ("change", "expected"),
     [
         ({"sites": ["forum"]}, "site 'forum' is not bundled"),
-        ({"start_url": "__SHOPPING__/"}, "placeholder __SHOPPING__ is not one of the task's sites"),
+        (
+            {"eval": {"eval_types": ["url_match"], "reference_url": "__SHOPPING__/cart"}},
+            "placeholder __SHOPPING__ is not one of the task's sites",
+        ),
+        ({"start_url": "http://example.invalid/"}, "must begin with a site placeholder"),
+        (
+            {"eval": {"eval_types": ["string_match"], "reference_answers": {}}},
+            "needs at least one of",
+        ),
+        (
+            {"eval": {"eval_types": ["string_match"], "reference_answers": {"must_include": [""]}}},
+            "must hold non-empty strings",
+        ),
         ({"reference_actions": ["click [1]"]}, "must end with stop"),
         ({"reference_actions": ["frobnicate"]}, "reference_actions[0] 'frobnicate' does not parse"),
         (

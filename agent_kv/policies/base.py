@@ -39,14 +39,18 @@ class Policy(ABC):
             )
 
     @abstractmethod
-    def budget(self, confidence: float) -> int | None:
-        """Tokens each layer may keep after this step; None keeps everything."""
+    def budget(self, confidence: float | None) -> int | None:
+        """Unpinned tokens each layer may keep after this step; None keeps everything.
 
-    def rank(self, store: KVStore, layer_idx: int) -> torch.Tensor:
-        """`[length]` float: higher means keep first. Default: recency (newest highest)."""
+        `confidence` is None when the step gives no signal (a prompt chunk before the last).
+        """
+
+    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+        """`[length]` float: higher means keep first. Only the `candidates` (`[length]` bool:
+        neither pinned nor protected) compete. Default: recency (newest highest)."""
         return store.layers[layer_idx].positions[: store.layers[layer_idx].length].float()
 
-    def step(self, store: KVStore, confidence: float) -> int:
+    def step(self, store: KVStore, confidence: float | None) -> int:
         """Evict down to this step's budget in every layer; return the tokens evicted.
 
         The budget counts unpinned tokens: pinned tokens are held in addition to it (and
@@ -64,10 +68,12 @@ class Policy(ABC):
             n_pinned = int(pinned.sum())
             if n - n_pinned <= budget:
                 continue
-            ranks = self.rank(store, idx).clone()  # [n]
+            protected = pinned.clone()
             if self.protect_recent:
-                ranks[max(0, n - self.protect_recent) :] = float("inf")
-            ranks[pinned] = float("inf")
+                unpinned = (~pinned).nonzero().squeeze(1)  # [n - n_pinned], increasing
+                protected[unpinned[-self.protect_recent :]] = True
+            ranks = self.rank(store, idx, ~protected).clone()  # [n]
+            ranks[protected] = float("inf")
             keep_count = n_pinned + budget
             keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
             store.compact(idx, keep)

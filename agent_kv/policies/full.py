@@ -13,5 +13,6 @@ class FullKV(Policy):
 
     name = "full"
 
-    def budget(self, confidence: float) -> None:
+    def budget(self, confidence: float | None) -> None:
+        """Always None: no limit."""
         return None

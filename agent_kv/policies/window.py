@@ -32,10 +32,12 @@ class SlidingWindow(Policy):
         super().validate()
         check_budget(self.name, "window", self.window, self.protect_recent + self.sinks)
 
-    def budget(self, confidence: float) -> int:
+    def budget(self, confidence: float | None) -> int:
+        """The window, whatever the confidence."""
         return self.window
 
-    def rank(self, store: KVStore, layer_idx: int) -> torch.Tensor:
+    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+        """Position (newest highest); the first `sinks` positions rank above all."""
         positions = store.layers[layer_idx].positions[: store.layers[layer_idx].length]
         ranks = positions.float()
         ranks[positions < self.sinks] = float("inf")

@@ -162,8 +162,9 @@ def create_app(db_path: str | Path) -> FastAPI:
         words = q.split()
         if not words:
             return render(request, db, "search_empty.html", title="Search")
-        where = " AND ".join(["(l.title LIKE ? OR l.description LIKE ?)"] * len(words))
-        params = [value for word in words for value in (f"%{word}%", f"%{word}%")]
+        clause = "(l.title LIKE ? ESCAPE '\\' OR l.description LIKE ? ESCAPE '\\')"
+        where = " AND ".join([clause] * len(words))
+        params = [value for word in words for value in (_like(word), _like(word))]
         result = _page_of(db, where, params, sort, page)
         return render(
             request,
@@ -255,3 +256,9 @@ def create_app(db_path: str | Path) -> FastAPI:
         return Response(png, media_type="image/png")
 
     return app
+
+
+def _like(word: str) -> str:
+    """A LIKE pattern matching `word` literally anywhere (`%`, `_` and `\\` escaped)."""
+    escaped = word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
