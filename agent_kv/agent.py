@@ -22,7 +22,7 @@ from playwright.sync_api import Error as PlaywrightError
 from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
 from agent_kv.sampling import SamplingParams
-from envs.browser_env import BrowserEnv
+from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
 from envs.tasks import Task
 
@@ -163,7 +163,7 @@ def run_episode(
             result = env.step(reply.text)
             steps = step
             step_times.append(time.perf_counter() - step_started)
-            record = _write_step(trace_dir, step, observation, reply.text, result.info, store)
+            record = _write_step(trace_dir, step, observation, reply.text, result, store)
             if on_step is not None:
                 on_step(record)
             if result.done:
@@ -203,8 +203,9 @@ def run_episode(
 
 
 def _write_step(
-    trace_dir: Path, step: int, observation: dict, reply: str, info: dict, store
-) -> None:
+    trace_dir: Path, step: int, observation: dict, reply: str, result: StepResult, store
+) -> dict[str, Any]:
+    """Write the step's JSON record (and the screenshot acted on); return the record."""
     stem = trace_dir / f"step_{step:03d}"
     if observation.get("screenshot"):
         stem.with_suffix(".png").write_bytes(observation["screenshot"])
@@ -213,9 +214,11 @@ def _write_step(
         "url": observation["url"],
         "observation": observation["text"],
         "reply": reply,
-        "action": info.get("action"),
-        "info": info,
+        "action": result.info.get("action"),
+        "error": result.observation.get("error"),
+        "info": result.info,
         "kv_bytes": store.nbytes(),
+        "peak_kv_bytes": store.peak_bytes,
         "kv_lengths": store.lengths(),
         "tokens_seen": store.seen_tokens,
     }

@@ -100,10 +100,12 @@ def _policy(name: str, budget: int | None, tau: float | None, protect_recent: in
 def _print_step(record: dict) -> None:
     """One progress line per agent step on stderr (stdout carries only the JSON summary)."""
     reply = record["reply"].strip().replace("\n", " ")[:60]
-    kv_mb = record["kv_bytes"] / 1e6
+    outcome = record["action"] or "unparsable"
+    if record["error"]:
+        outcome += f" (failed: {record['error'][:60]})"
     typer.echo(
-        f"step {record['step']}: {reply!r} -> {record['action'] or 'unparsable'} "
-        f"| {record['tokens_seen']} tokens seen, KV {kv_mb:.1f} MB",
+        f"step {record['step']}: {reply!r} -> {outcome} | {record['tokens_seen']} tokens seen, "
+        f"KV {record['kv_bytes'] / 1e6:.1f} MB (peak {record['peak_kv_bytes'] / 1e6:.1f} MB)",
         err=True,
     )
 
@@ -137,10 +139,7 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
         )
         engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
-    summary = result.summary()
-    summary["model_load_s"] = round(load_s, 2)
-    summary["model_from_cache"] = loaded.from_cache
-    return summary
+    return result.summary()
 
 
 @app.command("serve")

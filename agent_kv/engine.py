@@ -115,10 +115,18 @@ class Engine:
             # Inside a prompt the logits after a chunk boundary say nothing about the reply:
             # only the last chunk's confidence gates the budget (None = no signal).
             gate = conf if last_chunk else None
+            appended = store.nbytes()
             evicted = self.policy.step(store, gate)
-            budget = self.policy.budget(gate)
             session.steps.append(
-                StepRecord(store.seen_tokens, store.nbytes(), conf, budget, evicted)
+                StepRecord(
+                    seen_tokens=store.seen_tokens,
+                    appended_kv_bytes=appended,
+                    kv_bytes=store.nbytes(),
+                    confidence=conf,
+                    gated=last_chunk,
+                    budget=self.policy.budget(gate),
+                    evicted=evicted,
+                )
             )
             session.last_logits = logits
         session.token_ids.extend(token_ids)

@@ -95,14 +95,21 @@ def _quiet_transformers():
         hf_logging.enable_progress_bar()
 
 
+def _one_line(err: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @contextmanager
 def _load_errors(source: Path):
-    """Turn a load failure (bad config, missing weights, not a GGUF file) into one line."""
+    """Turn a load failure (bad config, missing weights or tokenizer, not a GGUF file, damaged
+    safetensors) into one line."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelNotFoundError(f"cannot load a model from {source}: {reason}") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        raise ModelNotFoundError(f"cannot load a model from {source}: {_one_line(err)}") from None
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -116,28 +123,40 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _unwritable(target, err) from None
     with _load_errors(gguf), _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(tmp)
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(tmp)
         tmp.rename(target)
-    except OSError:
-        shutil.rmtree(tmp)  # another process converted it first
-        if not target.is_dir():
-            raise
+    except OSError as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():  # else another process converted it first
+            raise _unwritable(target, err) from None
+
+
+def _unwritable(target: Path, err: OSError) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"cannot write the converted model under {target.parent}: {_one_line(err)} "
+        "(set AGENT_KV_CACHE to a writable directory)"
+    )
 
 
 def _load_directory(path: Path, dtype: torch.dtype):
@@ -201,5 +220,12 @@ def load_model(
     from_cache = target.is_dir()
     if not from_cache:
         _convert_gguf(gguf, target)
-    hf_model, tokenizer = _load_directory(target, dtype)
+    try:
+        hf_model, tokenizer = _load_directory(target, dtype)
+    except ModelNotFoundError as err:
+        if not from_cache:
+            raise
+        raise ModelNotFoundError(
+            f"{err}; the converted cache looks damaged: delete {target} to rebuild it"
+        ) from None
     return LoadedModel(hf_model, tokenizer, gguf.stem, target, from_cache=from_cache)

@@ -16,15 +16,21 @@ class StepRecord:
 
     Attributes:
         seen_tokens: tokens appended so far, after this call.
-        kv_bytes: live KV bytes after this call's eviction.
+        appended_kv_bytes: live KV bytes after this call appended, before eviction (the
+            sawtooth's peaks).
+        kv_bytes: live KV bytes after this call's eviction (its troughs).
         confidence: `c` of the call's last next-token distribution.
+        gated: whether `confidence` chose the budget (False for prompt chunks before the
+            last, which get the policy's no-signal budget).
         budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
         evicted: tokens evicted this step, summed over layers.
     """
 
     seen_tokens: int
+    appended_kv_bytes: int
     kv_bytes: int
     confidence: float
+    gated: bool
     budget: int | None
     evicted: int
 

@@ -50,6 +50,8 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     )
     kv_steps = [json.loads(line) for line in (trace / "kv_steps.jsonl").read_text().splitlines()]
     assert max(r["kv_bytes"] for r in kv_steps) <= summary["peak_kv_bytes"]
+    assert max(r["appended_kv_bytes"] for r in kv_steps) == summary["peak_kv_bytes"]
+    assert all(r["kv_bytes"] <= r["appended_kv_bytes"] for r in kv_steps)
     assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -42,3 +43,21 @@ def test_directory_without_config_and_wrong_suffix(tmp_path):
     weights.write_bytes(b"\0")
     with pytest.raises(ModelNotFoundError, match="neither a model directory nor a .gguf"):
         load_model(weights)
+
+
+def test_unwritable_cache_fails_before_converting(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AGENT_KV_CACHE", str(blocker))
+    with pytest.raises(ModelNotFoundError, match="set AGENT_KV_CACHE to a writable directory"):
+        load_model()
+
+
+def test_damaged_cache_says_how_to_rebuild(smollm, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_KV_CACHE", str(tmp_path))
+    target = model_loading._converted_dir(model_loading.default_gguf_path())
+    shutil.copytree(smollm.source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    with (smollm.source / "model.safetensors").open("rb") as full:
+        (target / "model.safetensors").write_bytes(full.read(1000))  # a truncated copy
+    with pytest.raises(ModelNotFoundError, match="looks damaged: delete .* to rebuild it"):
+        load_model()

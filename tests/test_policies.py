@@ -127,6 +127,7 @@ def test_pins_never_crowd_out_the_newest_tokens():
         ("conf-kv", {"tau": 1.5}, "tau"),
         ("window", {"budget": 8, "sinks": 8}, "protection window"),
         ("full", {"budget": 10}, "takes no budget"),
+        ("full", {"protect_recent": 5}, "protect_recent does not apply"),
         ("window", {"bogus": 1}, "no parameter .bogus."),
         ("conf-kv", {"budget": 100}, "too small"),
     ],
