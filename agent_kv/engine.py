@@ -156,7 +156,6 @@ class Engine:
         generated: list[int] = []
         first_token_at = None
         finish = "length"
-        text = ""
         for _ in range(params.max_new_tokens):
             token = sample_next(session.last_logits, params, generator)
             if first_token_at is None:
