@@ -132,6 +132,13 @@ UNSUPPORTED_FIELDS = (
     "logprobs",
     "top_logprobs",
 )
+"""Request fields refused with a 400 unless empty or one of `NO_OP_VALUES`."""
+NO_OP_VALUES = {
+    "tool_choice": ["none"],
+    "function_call": ["none"],
+    "response_format": [{"type": "text"}],
+}
+"""Values of unsupported fields that ask for nothing beyond plain text, so are accepted."""
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -154,8 +161,10 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
         )
     if request.n != 1:
         raise APIError(400, "only n=1 is supported", "n", "unsupported")
+    extra = request.model_extra or {}
     for field in UNSUPPORTED_FIELDS:
-        if (request.model_extra or {}).get(field):
+        value = extra.get(field)
+        if value and value not in NO_OP_VALUES.get(field, []):
             raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = SamplingParams(

@@ -32,22 +32,15 @@ import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from envs.server import SiteServers, replace_placeholders
 from envs.tasks import Task
 
 OR = " |OR| "
 _ZERO_CENTS = re.compile(r"(\d)\.00(?!\d|\.\d)")
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}\u2018\u2019\u201c\u201d\u2013\u2014]")
-
-
-class Substitutes(Protocol):
-    """Anything that replaces URL placeholders, e.g. `envs.server.SiteServers`."""
-
-    def substitute(self, text: str) -> str:
-        """`text` with placeholders replaced by base URLs."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -143,25 +136,17 @@ def url_matches(reference: str, predicted: str, note: str = "GOLD in PRED") -> b
 
 
 def url_match(
-    reference_url: str, final_url: str, note: str, sites: Substitutes | Mapping[str, str]
+    reference_url: str, final_url: str, note: str, placeholders: Mapping[str, str]
 ) -> tuple[float, dict]:
-    """Score (0.0 or 1.0) of `final_url` against `reference_url` (`|OR|` alternatives)."""
-    references = [substitute(ref, sites) for ref in reference_url.split(OR)]
+    """Score (0.0 or 1.0) of `final_url` against `reference_url` (`|OR|` alternatives);
+    `placeholders` maps e.g. `__CLASSIFIEDS__` to its base URL."""
+    references = [replace_placeholders(ref, placeholders) for ref in reference_url.split(OR)]
     ok = any(url_matches(ref, final_url, note or "GOLD in PRED") for ref in references)
     return float(ok), {"final_url": final_url, "reference_urls": references, "url_note": note}
 
 
-def substitute(text: str, sites: Substitutes | Mapping[str, str]) -> str:
-    """Replace placeholders using a `SiteServers`-like object or a placeholder -> URL map."""
-    if isinstance(sites, Mapping):
-        for placeholder, url in sites.items():
-            text = text.replace(placeholder, url)
-        return text
-    return sites.substitute(text)
-
-
 def evaluate(
-    task: Task, answer: str | None, final_url: str, sites: Substitutes | Mapping[str, str]
+    task: Task, answer: str | None, final_url: str, sites: SiteServers | Mapping[str, str]
 ) -> EvalResult:
     """Score one finished episode of `task`.
 
@@ -185,7 +170,8 @@ def evaluate(
             refs = spec.reference_answers.model_dump() if spec.reference_answers else {}
             part, info = string_match(refs, answer)
         elif eval_type == "url_match":
-            part, info = url_match(spec.reference_url or "", final_url, spec.url_note, sites)
+            placeholders = sites if isinstance(sites, Mapping) else sites.placeholders
+            part, info = url_match(spec.reference_url or "", final_url, spec.url_note, placeholders)
         else:
             raise ValueError(f"task {task.task_id}: evaluator {eval_type!r} is not implemented")
         details[eval_type] = {"score": part, **info}

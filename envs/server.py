@@ -16,7 +16,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,13 @@ SITES: dict[str, SiteSpec] = {
 """All bundled sites by name."""
 
 START_TIMEOUT_S = 10.0
+
+
+def replace_placeholders(text: str, placeholders: Mapping[str, str]) -> str:
+    """`text` with each placeholder (e.g. `__CLASSIFIEDS__`) replaced by its base URL."""
+    for placeholder, url in placeholders.items():
+        text = text.replace(placeholder, url)
+    return text
 
 
 class SiteServer(Closing):
@@ -155,9 +162,7 @@ class SiteServers(Closing):
 
     def substitute(self, text: str) -> str:
         """`text` with every served site's placeholder replaced by that site's base URL."""
-        for placeholder, url in self.placeholders.items():
-            text = text.replace(placeholder, url)
-        return text
+        return replace_placeholders(text, self.placeholders)
 
     def owns(self, url: str) -> bool:
         """Whether `url` is on one of the served sites (same scheme, host and port)."""

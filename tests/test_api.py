@@ -75,6 +75,13 @@ async def test_chat_completion_reports_usage_and_kv(client):
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
     ],
 )
 async def test_bad_requests_are_openai_shaped_400s(client, body, param):
@@ -115,6 +122,8 @@ async def test_text_parts_developer_role_and_null_tools_are_accepted(client):
             },
         ],
         "tools": None,
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
         "max_tokens": 3,
     }
     response = await client.post("/v1/chat/completions", json=body)

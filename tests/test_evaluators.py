@@ -1,5 +1,7 @@
 """Evaluators on crafted cases: string_match variants, url_match, evaluate's product."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from envs.evaluators import (
@@ -135,13 +137,11 @@ def test_evaluate_multiplies_the_evaluators():
     assert evaluate(task, "3", "http://127.0.0.1:8123/listing/58?posted=1", SITES).score == 0.0
 
 
-def test_evaluate_uses_a_site_servers_like_substituter():
-    class Sites:
-        def substitute(self, text: str) -> str:
-            return text.replace("__CLASSIFIEDS__", "http://local")
-
+def test_evaluate_takes_the_placeholders_of_running_sites():
+    sites = SimpleNamespace(placeholders={"__CLASSIFIEDS__": "http://local"})  # as SiteServers
     task = make_task(eval_types=["url_match"], reference_url="__CLASSIFIEDS__/listing/1")
-    assert evaluate(task, None, "http://local/listing/1", Sites()).score == 1.0
+    assert evaluate(task, None, "http://local/listing/1", sites).score == 1.0
+    assert evaluate(task, None, "http://other/listing/1", sites).score == 0.0
 
 
 def test_zero_cents_match_on_both_sides_and_versions_are_kept():
