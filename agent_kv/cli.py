@@ -12,12 +12,13 @@ import json
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from agent_kv.errors import AgentKVError
+from agent_kv.errors import AgentKVError, ConfigError
 
 app = typer.Typer(
     add_completion=False,
@@ -41,12 +42,22 @@ def _root() -> None:
 @app.command("run-episode")
 def run_episode_command(
     task: Annotated[str, typer.Option(help="Bundled task id, or a path to a task JSON file.")],
-    policy: Annotated[str, typer.Option(help="KV policy: conf-kv, window or full.")] = "conf-kv",
+    policy: Annotated[
+        str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
+    ] = "conf-kv",
     budget: Annotated[
         int | None,
         typer.Option(
             help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
-            "budget N_high is half), or the window size. Default: the policy's own (1024 / 512)."
+            "budget N_high is half), the window, or the h2o/random budget. Default: the "
+            "policy's own."
+        ),
+    ] = None,
+    budget_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="The budget as KV bytes over all layers (e.g. 38MB), converted to tokens "
+            "for the model; instead of --budget."
         ),
     ] = None,
     tau: Annotated[float | None, typer.Option(help="conf-kv confidence threshold.")] = None,
@@ -75,26 +86,63 @@ def run_episode_command(
     try:
         task_obj = load_task(task)
         find_chromium()
-        policy_obj = _policy(policy, budget, tau, protect_recent)
+        spec = PolicySpec.parse(policy, budget, budget_bytes, tau, protect_recent)
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError) as err:
         fail(str(err))
     try:
-        summary = _run(task_obj, policy_obj, model, max_steps, max_obs_tokens, prefill_chunk, out)
+        summary = _run(task_obj, spec, model, max_steps, max_obs_tokens, prefill_chunk, out)
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
 
 
-def _policy(name: str, budget: int | None, tau: float | None, protect_recent: int | None):
-    from agent_kv.policies import make_policy
+@dataclass
+class PolicySpec:
+    """A policy as the command line gives it; a byte budget needs the model to become tokens."""
 
-    params = {}
-    if tau is not None:
-        params["tau"] = tau
-    if protect_recent is not None:
-        params["protect_recent"] = protect_recent
-    return make_policy(name, budget=budget, **params)
+    name: str
+    budget: int | None
+    budget_bytes: int | None
+    params: dict
+
+    @classmethod
+    def parse(
+        cls,
+        name: str,
+        budget: int | None,
+        budget_bytes: str | None,
+        tau: float | None,
+        protect_recent: int | None,
+    ) -> PolicySpec:
+        """Check everything that can be checked before the model loads.
+
+        Raises:
+            ConfigError: both budgets given, an unreadable size, or invalid policy settings.
+        """
+        from agent_kv.budgets import parse_bytes
+        from agent_kv.policies import make_policy
+
+        params = {"tau": tau, "protect_recent": protect_recent}
+        params = {key: value for key, value in params.items() if value is not None}
+        if budget is not None and budget_bytes is not None:
+            raise ConfigError("give --budget or --budget-bytes, not both")
+        spec = cls(name, budget, parse_bytes(budget_bytes) if budget_bytes else None, params)
+        if spec.budget_bytes is None:
+            spec.build(bytes_per_token=1)
+        else:
+            make_policy(name, **params)
+        return spec
+
+    def build(self, bytes_per_token: int):
+        """The validated policy; `bytes_per_token` converts a byte budget (see `budgets`)."""
+        from agent_kv.budgets import tokens_for_bytes
+        from agent_kv.policies import make_policy
+
+        budget = self.budget
+        if self.budget_bytes is not None:
+            budget = tokens_for_bytes(self.budget_bytes, bytes_per_token)
+        return make_policy(self.name, budget=budget, **self.params)
 
 
 def _print_step(record: dict) -> None:
@@ -118,15 +166,16 @@ def _writable_dir(path: Path) -> None:
         raise AgentKVError(f"cannot use --out {path}: {err.strerror}") from None
 
 
-def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out: Path) -> dict:
+def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, out) -> dict:
     from agent_kv.agent import AgentConfig, run_episode
     from agent_kv.engine import Engine
     from agent_kv.model_loading import load_model
+    from agent_kv.store import KVStore
     from envs.browser_env import BrowserEnv
     from envs.server import SiteServers
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    trace_dir = out / f"task{task.task_id}-{policy.name}-{stamp}"
+    trace_dir = out / f"task{task.task_id}-{spec.name}-{stamp}"
     config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
     # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
@@ -137,6 +186,7 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
             f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
             err=True,
         )
+        policy = spec.build(KVStore.for_model(loaded.model).bytes_per_token())
         engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
@@ -146,9 +196,14 @@ def _run(task, policy, model_path, max_steps, max_obs_tokens, prefill_chunk, out
 def serve_command(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
-    policy: Annotated[str, typer.Option(help="KV policy: conf-kv, window or full.")] = "conf-kv",
+    policy: Annotated[
+        str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
+    ] = "conf-kv",
     budget: Annotated[
         int | None, typer.Option(help="Unpinned tokens per layer (see run-episode).")
+    ] = None,
+    budget_bytes: Annotated[
+        str | None, typer.Option(help="The budget as KV bytes, e.g. 38MB (see run-episode).")
     ] = None,
     model: Annotated[
         str | None,
@@ -160,12 +215,14 @@ def serve_command(
 
     from agent_kv.engine import Engine
     from agent_kv.model_loading import load_model
+    from agent_kv.store import KVStore
     from api.app import create_app
 
     try:
-        policy_obj = _policy(policy, budget, None, None)
+        spec = PolicySpec.parse(policy, budget, budget_bytes, None, None)
         _free_port(host, port)
         loaded = load_model(model)
+        policy_obj = spec.build(KVStore.for_model(loaded.model).bytes_per_token())
     except AgentKVError as err:
         fail(str(err))
     engine = Engine(loaded.model, loaded.tokenizer, policy_obj)

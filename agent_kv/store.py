@@ -33,6 +33,8 @@ class LayerStore:
         keys, values: `[1, kv_heads, capacity, head_dim]` buffers; slots `[:length]` are live.
         positions: `[capacity]` int64, original position of each live slot (increasing).
         scores: `[kv_heads, capacity]` float32, EMA of normalised attention mass per KV head.
+        accumulated: `[kv_heads, capacity]` float32, attention mass summed over every query
+            since the token arrived (H2O's accumulated score; favours old tokens by design).
         length: live tokens.
         appended: tokens ever appended to this layer (the next token's position).
     """
@@ -52,13 +54,16 @@ class LayerStore:
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
         positions = torch.empty(capacity, dtype=torch.long, device=self.device)
         scores = torch.zeros(self.kv_heads, capacity, dtype=torch.float32, device=self.device)
+        accumulated = torch.zeros_like(scores)
         n = self.length
         if n and hasattr(self, "keys"):
             keys[:, :, :n] = self.keys[:, :, :n]
             values[:, :, :n] = self.values[:, :, :n]
             positions[:n] = self.positions[:n]
             scores[:, :n] = self.scores[:, :n]
-        self.keys, self.values, self.positions, self.scores = keys, values, positions, scores
+            accumulated[:, :n] = self.accumulated[:, :n]
+        self.keys, self.values, self.positions = keys, values, positions
+        self.scores, self.accumulated = scores, accumulated
 
     @property
     def capacity(self) -> int:
@@ -76,6 +81,7 @@ class LayerStore:
             self.appended, self.appended + n, device=self.device
         )
         self.scores[:, self.length : end] = 0.0
+        self.accumulated[:, self.length : end] = 0.0
         self.length = end
         self.appended += n
 
@@ -93,6 +99,7 @@ class LayerStore:
         self.values[:, :, :k] = self.values[:, :, keep]
         self.positions[:k] = self.positions[keep]
         self.scores[:, :k] = self.scores[:, keep]
+        self.accumulated[:, :k] = self.accumulated[:, keep]
         self.length = k
         if self.capacity > CAPACITY_STEP and k < self.capacity // 4:
             self._allocate(_round_up(2 * k))
@@ -203,7 +210,8 @@ class KVStore:
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
         the queries that could see token j under the causal mask, removes the bias toward old
         tokens (architecture.md, "Score bias"). Tokens already scored update as
-        `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`.
+        `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The raw mass is also
+        added to `accumulated` (H2O's score).
         """
         layer = self.layers[layer_idx]
         n = layer.length
@@ -218,6 +226,7 @@ class KVStore:
             step[:, :first_new], alpha=1 - self.ema_decay
         )
         scores[:, first_new:] = step[:, first_new:]
+        layer.accumulated[:, :n] += mass[0].float()
 
     def pin(self, start: int, end: int) -> None:
         """Pin positions `[start, end)`: exempt from eviction until `unpin`.

@@ -172,12 +172,16 @@ def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids)
         return set(layer.positions[: layer.length].tolist())
 
     window = kept_after(make_policy("window", budget=128))
-    conf = kept_after(make_policy("conf-kv", n_high=128, n_low=128, protect_recent=16))
     assert window == set(range(300 - 128, 300))
-    old = {p for p in conf if p < 300 - 128}
-    assert len(conf) == 128
-    assert 0 in old  # the attention sink
-    assert len(old) >= 16
+    for policy in (
+        make_policy("conf-kv", n_high=128, n_low=128, protect_recent=16),
+        make_policy("h2o", budget=128),
+    ):
+        kept = kept_after(policy)
+        old = {p for p in kept if p < 300 - 128}
+        assert len(kept) == 128
+        assert 0 in old, policy.name  # the attention sink
+        assert len(old) >= 16, policy.name
 
 
 def test_end_of_turn_ids_may_be_lists(smollm, monkeypatch):

@@ -135,3 +135,58 @@ def test_pins_never_crowd_out_the_newest_tokens():
 def test_bad_configuration_is_a_clear_error(name, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         make_policy(name, **kwargs)
+
+
+def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
+    store = store_with(100)
+    for layer in store.layers:
+        layer.accumulated[:, :100] = 0.01
+        layer.accumulated[:, [3, 30, 60]] = 5.0
+    policy = make_policy("h2o", budget=20)
+    assert (policy.budget_tokens, policy.protect_recent) == (20, 10)
+    policy.step(store, confidence=None)
+    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    assert len(kept) == 20
+    assert {3, 30, 60} <= set(kept) and set(range(90, 100)) <= set(kept)
+
+
+def test_random_keeps_the_budget_reproducibly():
+    def kept(seed):
+        store = store_with(100)
+        store.pin(0, 5)
+        make_policy("random", budget=20, seed=seed, protect_recent=4).step(store, None)
+        return store.layers[0].positions[: store.layers[0].length].tolist()
+
+    first = kept(1)
+    assert len(first) == 5 + 20
+    assert set(range(5)) <= set(first) and set(range(96, 100)) <= set(first)
+    assert first == kept(1)
+    assert first != kept(2)
+
+
+def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
+    policy = make_policy("conf-kv-l", n_high=100, n_low=200, protect_recent=8, pyramid=0.5)
+    budgets = policy.layer_budgets(0.99, 30)
+    assert sum(budgets) == 30 * 100
+    assert budgets == sorted(budgets, reverse=True)
+    assert budgets[0] == 150 and budgets[-1] == 50
+    assert sum(policy.layer_budgets(None, 7)) == 7 * 200
+    store = KVStore(3, 2, 4)
+    for idx in range(3):
+        store.append(idx, torch.randn(1, 2, 400, 4), torch.randn(1, 2, 400, 4))
+    policy.step(store, confidence=0.99)
+    assert store.lengths() == policy.layer_budgets(0.99, 3) == [150, 100, 50]
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,message",
+    [
+        ("h2o", {"budget": 10, "protect_recent": 10}, "protection window"),
+        ("random", {"budget": 0}, "positive number of tokens"),
+        ("conf-kv-l", {"n_high": 100, "n_low": 100, "protect_recent": 64}, "deepest layer"),
+        ("conf-kv-l", {"pyramid": 1.0}, "pyramid"),
+    ],
+)
+def test_bad_baseline_settings(name, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make_policy(name, **kwargs)

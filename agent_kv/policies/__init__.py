@@ -7,20 +7,28 @@ import dataclasses
 from agent_kv.errors import ConfigError
 from agent_kv.policies.base import Policy, check_budget
 from agent_kv.policies.conf_kv import ConfKV
+from agent_kv.policies.conf_kv_l import ConfKVL
 from agent_kv.policies.full import FullKV
+from agent_kv.policies.h2o import H2O
+from agent_kv.policies.random_eviction import RandomEviction
 from agent_kv.policies.window import SlidingWindow
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FullKV, SlidingWindow, ConfKV)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FullKV, SlidingWindow, H2O, RandomEviction, ConfKV, ConfKVL)
+}
 
 
 def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     """Build and validate a policy by name.
 
     Args:
-        name: one of `POLICIES` (`full`, `window`, `conf-kv`).
-        budget: tokens per layer. For `window` the window size; for `conf-kv` the loose budget
-            `n_low`, with `n_high = budget // 2` unless given. Ignored by `full` (must be None).
-        **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`).
+        name: one of `POLICIES` (`full`, `window`, `h2o`, `random`, `conf-kv`, `conf-kv-l`).
+        budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
+            for `window`; the budget (half of it recent) for `h2o`; the budget for `random`;
+            `n_low`, with `n_high = budget // 2`, for `conf-kv` and `conf-kv-l`. `full` takes
+            none.
+        **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`);
+            they win over what `budget` implies.
 
     Raises:
         ConfigError: unknown name, unknown parameter, or invalid values.
@@ -28,7 +36,7 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     if name not in POLICIES:
         raise ConfigError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
     cls = POLICIES[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ConfigError(
@@ -36,23 +44,22 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
             f"{', '.join(sorted(fields)) or 'none'})"
         )
     if budget is not None:
-        if cls is FullKV:
-            raise ConfigError("policy 'full' keeps every token and takes no budget")
+        budget_fields = cls.budget_params(budget, params)  # refuses a budget for `full`
         check_budget(name, "budget", budget)
-        if cls is SlidingWindow:
-            params.setdefault("window", budget)
-        else:
-            params.setdefault("n_low", budget)
-            params.setdefault("n_high", budget // 2)
-            protect = params.get("protect_recent", ConfKV.protect_recent)
-            if params["n_high"] <= protect:
-                raise ConfigError(
-                    f"conf-kv: budget {budget} is too small: its confident half "
-                    f"({params['n_high']}) must exceed protect_recent={protect}"
-                )
+        params = {**budget_fields, **params}
     policy = cls(**params)
     policy.validate()
     return policy
 
 
-__all__ = ["POLICIES", "ConfKV", "FullKV", "Policy", "SlidingWindow", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ConfKV",
+    "ConfKVL",
+    "FullKV",
+    "H2O",
+    "Policy",
+    "RandomEviction",
+    "SlidingWindow",
+    "make_policy",
+]

@@ -31,6 +31,12 @@ class Policy(ABC):
     name: ClassVar[str]
     protect_recent: int = 0
 
+    @classmethod
+    def budget_params(cls, budget: int, params: dict) -> dict:
+        """The dataclass fields one `--budget N` (unpinned tokens per layer) sets, given the
+        other `params` the user chose. Raises `ConfigError` for policies without a budget."""
+        raise ConfigError(f"policy {cls.name!r} keeps every token and takes no budget")
+
     def validate(self) -> None:
         """Check parameters; raises `ConfigError` with a message naming the parameter."""
         if self.protect_recent < 0:
@@ -45,6 +51,11 @@ class Policy(ABC):
         `confidence` is None when the step gives no signal (a prompt chunk before the last).
         """
 
+    def layer_budgets(self, confidence: float | None, num_layers: int) -> list[int] | None:
+        """Per-layer budgets for this step; default: `budget(confidence)` in every layer."""
+        budget = self.budget(confidence)
+        return None if budget is None else [budget] * num_layers
+
     def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
         """`[length]` float: higher means keep first. Only the `candidates` (`[length]` bool:
         neither pinned nor protected) compete. Default: recency (newest highest)."""
@@ -58,11 +69,11 @@ class Policy(ABC):
         the unpinned, the newest `protect_recent` always stay and the top-ranked others fill
         the rest of the budget.
         """
-        budget = self.budget(confidence)
-        if budget is None:
+        budgets = self.layer_budgets(confidence, len(store.layers))
+        if budgets is None:
             return 0
         evicted = 0
-        for idx, layer in enumerate(store.layers):
+        for idx, (layer, budget) in enumerate(zip(store.layers, budgets, strict=True)):
             n = layer.length
             pinned = store.pinned_mask(idx)  # [n]
             n_pinned = int(pinned.sum())

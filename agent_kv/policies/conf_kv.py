@@ -50,20 +50,36 @@ class ConfKV(Policy):
     protect_recent: int = 64
     recency_weight: float = 0.3
 
+    @classmethod
+    def budget_params(cls, budget: int, params: dict) -> dict:
+        """`n_low = budget`, `n_high = budget // 2` (each unless given).
+
+        Raises:
+            ConfigError: the derived `n_high` cannot hold `protect_recent`.
+        """
+        chosen = {"n_low": params.get("n_low", budget), "n_high": params.get("n_high", budget // 2)}
+        protect = params.get("protect_recent", cls.protect_recent)
+        if budget > 0 and "n_high" not in params and chosen["n_high"] <= protect:
+            raise ConfigError(
+                f"{cls.name}: budget {budget} is too small: its confident half "
+                f"({chosen['n_high']}) must exceed protect_recent={protect}"
+            )
+        return chosen
+
     def validate(self) -> None:
         super().validate()
         check_budget(self.name, "n_high", self.n_high, self.protect_recent)
         check_budget(self.name, "n_low", self.n_low, self.protect_recent)
         if self.n_low < self.n_high:
             raise ConfigError(
-                f"conf-kv: n_low ({self.n_low}, the uncertain budget) must be >= n_high "
+                f"{self.name}: n_low ({self.n_low}, the uncertain budget) must be >= n_high "
                 f"({self.n_high}, the confident budget)"
             )
         if not 0.0 <= self.tau <= 1.0:
-            raise ConfigError(f"conf-kv: tau must lie in [0, 1], got {self.tau}")
+            raise ConfigError(f"{self.name}: tau must lie in [0, 1], got {self.tau}")
         if not 0.0 <= self.recency_weight <= 1.0:
             raise ConfigError(
-                f"conf-kv: recency_weight must lie in [0, 1], got {self.recency_weight}"
+                f"{self.name}: recency_weight must lie in [0, 1], got {self.recency_weight}"
             )
 
     def budget(self, confidence: float | None) -> int:

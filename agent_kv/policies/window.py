@@ -28,6 +28,11 @@ class SlidingWindow(Policy):
     window: int = 512
     sinks: int = 0
 
+    @classmethod
+    def budget_params(cls, budget: int, params: dict) -> dict:
+        """The budget is the window."""
+        return {"window": budget}
+
     def validate(self) -> None:
         super().validate()
         check_budget(self.name, "window", self.window, self.protect_recent + self.sinks)

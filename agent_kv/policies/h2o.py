@@ -1,0 +1,55 @@
+"""H2O: heavy hitters plus a recent window.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models" (NeurIPS 2023), §3-4: keep the tokens with the largest accumulated attention scores
+(the heavy hitters) and the most recent tokens; evict the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agent_kv.policies.base import Policy, check_budget
+from agent_kv.store import KVStore
+
+
+@dataclass
+class H2O(Policy):
+    """Keep `protect_recent` recent tokens and `budget - protect_recent` heavy hitters per layer.
+
+    Parameters:
+        budget (int, default 512): unpinned tokens kept per layer.
+        protect_recent (int, default 256): the recent window, part of the budget (H2O's
+            default splits the budget half and half).
+
+    Heavy hitters are ranked by the attention mass summed over every query since the token
+    arrived (the store's `accumulated`), averaged over the layer's KV heads, as in the paper;
+    unlike CONF-KV's score this favours old tokens, which have been seen by more queries.
+    """
+
+    name = "h2o"
+    budget_tokens: int = 512
+    protect_recent: int = 256
+
+    @classmethod
+    def budget_params(cls, budget: int, params: dict) -> dict:
+        """The budget, half of it the recent window unless `protect_recent` is given."""
+        return {
+            "budget_tokens": budget,
+            "protect_recent": params.get("protect_recent", budget // 2),
+        }
+
+    def validate(self) -> None:
+        super().validate()
+        check_budget(self.name, "budget", self.budget_tokens, self.protect_recent)
+
+    def budget(self, confidence: float | None) -> int:
+        """The fixed budget, whatever the confidence."""
+        return self.budget_tokens
+
+    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+        """Accumulated attention mass, mean over KV heads; `[length]`."""
+        layer = store.layers[layer_idx]
+        return layer.accumulated[:, : layer.length].mean(dim=0)
