@@ -48,16 +48,21 @@ def decode_step(engine: Engine, session: Session) -> float:
     return time.perf_counter() - start
 
 
-def run(lengths: list[int], budget: int, policy_name: str, steps: int, seed: int) -> None:
+def run(
+    lengths: list[int], budget: int, policy_name: str, steps: int, seed: int, slack: int
+) -> None:
     loaded = load_model()
     vocab = loaded.model.config.vocab_size
     generator = torch.Generator().manual_seed(seed)
     full_engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"))
-    policy = make_policy(policy_name, budget=budget)
+    policy = make_policy(policy_name, budget=budget, evict_slack=slack)
     policy_engine = Engine(loaded.model, loaded.tokenizer, policy)
     overhead = Timed()
     policy.step = overhead.wrap(policy.step)
-    print(f"model {loaded.name}, policy {policy_name} (budget {budget}), {steps} decode steps")
+    print(
+        f"model {loaded.name}, policy {policy_name} (budget {budget}, evict_slack {slack}), "
+        f"{steps} decode steps"
+    )
     print(
         f"{'context':>8} {'full ms/tok':>12} {'policy ms/tok':>14} {'speed-up':>9} "
         f"{'overhead':>9} {'full KV MB':>11} {'policy KV MB':>13}"
@@ -91,8 +96,9 @@ def main() -> None:
     parser.add_argument("--policy", default="conf-kv")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slack", type=int, default=0, help="the policy's evict_slack")
     args = parser.parse_args()
-    run(args.lengths, args.budget, args.policy, args.steps, args.seed)
+    run(args.lengths, args.budget, args.policy, args.steps, args.seed, args.slack)
 
 
 if __name__ == "__main__":

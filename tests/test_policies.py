@@ -127,7 +127,8 @@ def test_pins_never_crowd_out_the_newest_tokens():
         ("conf-kv", {"tau": 1.5}, "tau"),
         ("window", {"budget": 8, "sinks": 8}, "protection window"),
         ("full", {"budget": 10}, "takes no budget"),
-        ("full", {"protect_recent": 5}, "protect_recent does not apply"),
+        ("full", {"protect_recent": 5}, "protect_recent and evict_slack do not apply"),
+        ("window", {"evict_slack": -1}, "evict_slack"),
         ("window", {"bogus": 1}, "no parameter .bogus."),
         ("conf-kv", {"budget": 100}, "too small"),
     ],
@@ -190,3 +191,19 @@ def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
 def test_bad_baseline_settings(name, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         make_policy(name, **kwargs)
+
+
+def test_evict_slack_amortises_compaction():
+    store = store_with(100)
+    policy = make_policy("window", budget=40, evict_slack=8)
+    assert policy.step(store, None) == 2 * (100 - 32)
+    assert store.lengths() == [32, 32]
+    for added in range(1, 9):  # room for 8 more tokens before the next compaction
+        for idx in range(2):
+            store.append(idx, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+        assert policy.step(store, None) == 0
+        assert store.lengths() == [32 + added] * 2
+    for idx in range(2):
+        store.append(idx, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert policy.step(store, None) == 2 * 9
+    assert store.lengths() == [32, 32]

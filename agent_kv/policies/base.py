@@ -25,11 +25,15 @@ class Policy(ABC):
     """Base class of KV-cache policies.
 
     Attributes:
-        protect_recent: the `P` most recent tokens of every layer are never evicted.
+        protect_recent: the `P` most recent unpinned tokens of every layer are never evicted.
+        evict_slack: a layer over budget is cut to `budget - evict_slack` tokens, so the
+            compaction (a gather of the whole layer) runs once per `evict_slack + 1` new
+            tokens instead of after every token; 0 keeps exactly `budget`.
     """
 
     name: ClassVar[str]
     protect_recent: int = 0
+    evict_slack: int = 0
 
     @classmethod
     def budget_params(cls, budget: int, params: dict) -> dict:
@@ -43,6 +47,8 @@ class Policy(ABC):
             raise ConfigError(
                 f"{self.name}: protect_recent must be >= 0, got {self.protect_recent}"
             )
+        if self.evict_slack < 0:
+            raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:
@@ -85,7 +91,7 @@ class Policy(ABC):
                 protected[unpinned[-self.protect_recent :]] = True
             ranks = self.rank(store, idx, ~protected).clone()  # [n]
             ranks[protected] = float("inf")
-            keep_count = n_pinned + budget
+            keep_count = n_pinned + max(budget - self.evict_slack, self.protect_recent)
             keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
             store.compact(idx, keep)
             evicted += n - keep_count

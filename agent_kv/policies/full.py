@@ -15,9 +15,11 @@ class FullKV(Policy):
     name = "full"
 
     def validate(self) -> None:
-        """`protect_recent` has no meaning when nothing is evicted; it must stay 0."""
-        if self.protect_recent:
-            raise ConfigError("policy 'full' keeps every token; protect_recent does not apply")
+        """`protect_recent` and `evict_slack` mean nothing when nothing is evicted: both stay 0."""
+        if self.protect_recent or self.evict_slack:
+            raise ConfigError(
+                "policy 'full' keeps every token; protect_recent and evict_slack do not apply"
+            )
 
     def budget(self, confidence: float | None) -> None:
         """Always None: no limit."""
