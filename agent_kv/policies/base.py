@@ -98,6 +98,30 @@ class Policy(ABC):
         return evicted
 
 
+@dataclass
+class FixedBudgetPolicy(Policy):
+    """A policy whose budget ignores the confidence: `budget_tokens` every step.
+
+    Parameters:
+        budget_tokens (int, default 512): unpinned tokens kept per layer (`--budget`).
+    """
+
+    budget_tokens: int = 512
+
+    @classmethod
+    def budget_params(cls, budget: int, params: dict) -> dict:
+        """The budget."""
+        return {"budget_tokens": budget}
+
+    def validate(self) -> None:
+        super().validate()
+        check_budget(self.name, "budget", self.budget_tokens, self.protect_recent)
+
+    def budget(self, confidence: float | None) -> int:
+        """The fixed budget, whatever the confidence."""
+        return self.budget_tokens
+
+
 def check_budget(policy_name: str, label: str, value: int, protect_recent: int = 0) -> None:
     """Raise `ConfigError` unless `value` is a positive token count above `protect_recent`."""
     if not isinstance(value, int) or value <= 0:

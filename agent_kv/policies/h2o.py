@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.policies.base import Policy, check_budget
+from agent_kv.policies.base import FixedBudgetPolicy
 from agent_kv.store import KVStore
 
 
 @dataclass
-class H2O(Policy):
+class H2O(FixedBudgetPolicy):
     """Keep `protect_recent` recent tokens and `budget - protect_recent` heavy hitters per layer.
 
     Parameters:
-        budget (int, default 512): unpinned tokens kept per layer.
+        budget_tokens (int, default 512): unpinned tokens kept per layer (`--budget`).
         protect_recent (int, default 256): the recent window, part of the budget (H2O's
             default splits the budget half and half).
 
@@ -30,24 +30,15 @@ class H2O(Policy):
     """
 
     name = "h2o"
-    budget_tokens: int = 512
     protect_recent: int = 256
 
     @classmethod
     def budget_params(cls, budget: int, params: dict) -> dict:
         """The budget, half of it the recent window unless `protect_recent` is given."""
         return {
-            "budget_tokens": budget,
+            **super().budget_params(budget, params),
             "protect_recent": params.get("protect_recent", budget // 2),
         }
-
-    def validate(self) -> None:
-        super().validate()
-        check_budget(self.name, "budget", self.budget_tokens, self.protect_recent)
-
-    def budget(self, confidence: float | None) -> int:
-        """The fixed budget, whatever the confidence."""
-        return self.budget_tokens
 
     def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
         """Accumulated attention mass, mean over KV heads; `[length]`."""
