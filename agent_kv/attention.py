@@ -1,9 +1,10 @@
 """Route a transformers model's attention through the KV store.
 
 `register_attention()` registers, under the name `"agent_kv"`:
-- an attention function (transformers `AttentionInterface`) that runs
-  `kernels.reference.attention_with_mass` over the keys and values the cache returned and hands
-  the attention mass to the store given as the `kv_store` keyword of the model call;
+- an attention function (transformers `AttentionInterface`) that reads the layer's segments
+  from the store given as the `kv_store` keyword of the model call (INT8 segment, then FP
+  segment ending with the new tokens) through `kernels.reference.segmented_attention`, and
+  hands the attention mass back to the store;
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -16,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kernels.reference import attention_with_mass
+from kernels.reference import segmented_attention
 
 NAME = "agent_kv"
 UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
@@ -38,19 +39,22 @@ def store_attention(
 
     Args:
         module: the attention module; `module.layer_idx` names the layer.
-        query: `[1, Hq, q, D]`; key, value: `[1, Hkv, L, D]`, the store's live tokens.
-        attention_mask: ignored when None (the store's causality applies); a given 4D mask
+        query: `[B, Hq, q, D]`; key, value: the FP segment the cache returned (unused: the
+            store's segments are read instead).
+        attention_mask: must be None (the store's causality and row lengths apply); a 4D mask
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
-        kv_store: the `agent_kv.store.KVStore` that receives the attention mass, if any.
+        kv_store: the `agent_kv.store.KVStore` of the call, read and given the attention mass.
 
     Returns:
-        `(out [1, q, Hq, D], None)`.
+        `(out [B, q, Hq, D], None)`.
 
     Raises:
-        ValueError: an explicit attention mask, dropout, or a feature in
+        ValueError: no `kv_store`, an explicit attention mask, dropout, or a feature in
             `UNSUPPORTED_FEATURES` was requested.
     """
+    if kv_store is None:
+        raise ValueError("agent_kv attention reads the store: call the model with kv_store=")
     if attention_mask is not None:
         raise ValueError("agent_kv attention takes no attention mask: the store holds no padding")
     if dropout:
@@ -62,10 +66,9 @@ def store_attention(
             "(sliding-window layers, logit soft-capping, attention sinks)"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, mass = attention_with_mass(query, key, value, scale)
-    if kv_store is not None:
-        group = query.shape[1] // key.shape[1]
-        kv_store.record_attention(module.layer_idx, mass, query.shape[2], group)
+    out, masses = segmented_attention(query, kv_store.segments(module.layer_idx), scale)
+    group = query.shape[1] // key.shape[1]
+    kv_store.record_attention(module.layer_idx, masses, query.shape[2], group)
     return out, None
 
 

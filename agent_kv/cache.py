@@ -1,8 +1,8 @@
 """transformers `Cache` adapter over `agent_kv.store.KVStore`.
 
 The model's attention modules call `cache.update(key_states, value_states, layer_idx)`; the
-adapter appends the new tokens to the store and returns the store's live keys and values,
-which the registered attention function (`agent_kv.attention`) then reads.
+adapter appends the new tokens to the store (for the rows of `KVStore.begin_forward`); the
+registered attention function (`agent_kv.attention`) then reads the store's segments.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ class StoreCacheLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[1, Hkv, n, D]` keys/values; return the live `[1, Hkv, L, D]` views."""
+        """Append `[B, Hkv, n, D]` keys/values for the rows of the store's current forward;
+        return their FP segment views (attention reads the full store itself)."""
         return self.store.append(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
-        """Live tokens in this layer (after eviction: fewer than the tokens seen)."""
-        return self.store.layers[self.layer_idx].length
+        """Most live tokens of any row in this layer (after eviction: fewer than seen)."""
+        layer = self.store.layers[self.layer_idx]
+        return max(layer.length(row) for row in range(layer.batch))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """`(kv_length, kv_offset)` for mask builders: live tokens plus the new queries."""

@@ -20,6 +20,7 @@ from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
 from agent_kv.policies import Policy
 from agent_kv.sampling import SamplingParams, sample_next
+from agent_kv.cache import StoreCache
 from agent_kv.session import Session, StepRecord
 
 
@@ -99,18 +100,7 @@ class Engine:
         for start in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
-            seen = store.seen_tokens
-            input_ids = torch.tensor([chunk], device=store.layers[0].device)  # [1, n]
-            position_ids = torch.arange(seen, seen + len(chunk), device=input_ids.device)[None]
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                cache=session.cache,
-                use_cache=True,
-                logits_to_keep=1,
-                kv_store=store,
-            )
-            logits = out.logits[0, -1].float()  # [vocab]
+            logits = self._forward(session.cache, range(1), [chunk])[0]  # [vocab]
             conf = float(confidence(logits))
             # Inside a prompt the logits after a chunk boundary say nothing about the reply:
             # only the last chunk's confidence gates the budget (None = no signal).
@@ -131,6 +121,21 @@ class Engine:
             session.last_logits = logits
         session.token_ids.extend(token_ids)
         return session.last_logits
+
+    def _forward(self, cache: StoreCache, rows: range, chunks: list[list[int]]) -> torch.Tensor:
+        """One model call: `chunks[i]` (equal lengths) for row `rows[i]` of the cache's store;
+        returns `[len(rows), vocab]` float32 logits after each row's last token."""
+        store = cache.store
+        position_ids = store.begin_forward(rows, len(chunks[0]))  # [rows, n]
+        out = self.model(
+            input_ids=torch.tensor(chunks, device=position_ids.device),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            kv_store=store,
+        )
+        return out.logits[:, -1].float()
 
     def generate(
         self, session: Session, prompt_ids: list[int], params: SamplingParams

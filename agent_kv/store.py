@@ -1,23 +1,38 @@
-"""The KV store: dense per-layer buffers, per-token scores, pins, compaction and exact accounting.
+"""The KV store: dense per-layer buffers in two precisions, scores, pins, exact accounting.
 
-Layout (architecture.md, "Layout"): each layer holds keys and values in dense buffers
-`[batch=1, kv_heads, capacity, head_dim]` whose first `length` slots are live, in the order
-the tokens arrived. Eviction gathers the kept slots into the front of the same buffers
-(contiguous compaction, CONF-KV §4), so attention always reads a dense prefix and never an
-indirection table. Keys are stored after RoPE at their original positions.
+Layout (architecture.md, "Layout"): each layer holds, for a batch of `B` rows,
+- an FP segment `[B, kv_heads, capacity, head_dim]` in the model's dtype: pinned tokens, the
+  newest tokens, and (without INT8) everything;
+- with INT8 on (`Int8Config`), an INT8 segment of the same shape in int8, with float16 scales
+  per KV head and channel for each group of tokens quantized together, and each slot's group
+  index (`kernels.int8`).
+A row's live tokens are its first `q_len[row]` INT8 slots followed by its first
+`fp_len[row]` FP slots; that concatenation is the row's *logical order*, the order of the
+per-token metadata (original positions, scores). Rows have their own lengths: slots past a
+row's length are masked by the attention read, never zero-padded into the softmax.
 
-Per slot the store also keeps the token's original position and its attention score per KV
-head (an exponential moving average of the normalised attention mass the token received, see
-`record_attention`). Pins are kept per position for the whole episode.
+Eviction gathers the kept slots into the front of the same buffers (contiguous compaction,
+CONF-KV §4), so attention reads dense prefixes and never an indirection table. Tokens that
+leave the FP window move to the INT8 segment in groups (`quantize_stale`); pinned tokens
+never do.
 
-This version holds one precision (the model's dtype). The FP16/INT8 mixed-precision segment
-is a second pair of buffers in front of this one; accounting already goes through
-`LayerStore.nbytes`, so it will count both.
+Positions: by default keys are stored rotated at their original positions and the next
+token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
+see `agent_kv.rope`) keys are stored unrotated and rotated at every read to their rank among
+the row's live tokens, and new tokens take positions inside the cache, so an episode can run
+past the model's trained context.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.rope import Rotary
+from kernels.int8 import SCALE_DTYPE, quantize_groups
+from kernels.reference import Segment
 
 CAPACITY_STEP = 256  # tokens; capacities are multiples of this, grown by doubling
 
@@ -26,107 +41,256 @@ def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
     return max(step, -(-n // step) * step)
 
 
-class LayerStore:
-    """One layer's live tokens.
+def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """A copy of `tensor` with `size` entries along `dim`, the first ones carried over."""
+    shape = list(tensor.shape)
+    shape[dim] = size
+    out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+    keep = min(size, tensor.shape[dim])
+    out.narrow(dim, 0, keep).copy_(tensor.narrow(dim, 0, keep))
+    return out
+
+
+def _new_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
+    """The capacity to reallocate to, or None to keep `current`: grow by doubling when
+    `needed` exceeds it, shrink to twice `needed` when under a quarter of it is needed."""
+    if needed > current:
+        return _round_up(max(needed, 2 * current), step)
+    if current > step and needed < current // 4:
+        return _round_up(2 * needed, step)
+    return None
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """Mixed precision (CONF-KV §4): the newest `fp_window` unpinned tokens stay in the model's
+    dtype; older retained unpinned tokens are stored as INT8 per KV head and channel.
 
     Attributes:
-        keys, values: `[1, kv_heads, capacity, head_dim]` buffers; slots `[:length]` are live.
-        positions: `[capacity]` int64, original position of each live slot (increasing).
-        scores: `[kv_heads, capacity]` float32, EMA of normalised attention mass per KV head.
-        accumulated: `[kv_heads, capacity]` float32, attention mass summed over every query
-            since the token arrived (H2O's accumulated score; favours old tokens by design).
-        length: live tokens.
-        appended: tokens ever appended to this layer (the next token's position).
+        fp_window: `W`, newest unpinned tokens of every layer kept at full precision.
+        group: tokens quantized together (sharing one scale per head and channel); tokens
+            leave the FP window in whole groups, so up to `group - 1` extra stay FP.
     """
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    fp_window: int = 128
+    group: int = 32
+
+    def validate(self) -> None:
+        """Raises `ConfigError` for a negative window or a group below one token."""
+        if self.fp_window < 0:
+            raise ConfigError(f"int8 fp_window must be >= 0, got {self.fp_window}")
+        if self.group < 1:
+            raise ConfigError(f"int8 group must be >= 1 token, got {self.group}")
+
+
+class LayerStore:
+    """One layer's live tokens for `batch` rows.
+
+    Attributes:
+        keys, values: FP segment `[B, kv_heads, capacity, head_dim]`, model dtype.
+        fp_len: live FP slots per row.
+        q_keys, q_values: INT8 segment `[B, kv_heads, q_capacity, head_dim]` int8.
+        q_len: live INT8 slots per row.
+        q_group: `[B, q_capacity]` int64, the scale index of each INT8 slot.
+        key_scales, value_scales: `[B, kv_heads, groups, head_dim]` float16.
+        n_groups: scale rows in use per row.
+        positions: `[B, meta_capacity]` int64, original position of each slot in logical order.
+        scores: `[B, kv_heads, meta_capacity]` float32, EMA of normalised attention mass.
+        accumulated: same shape, attention mass summed over every query since the token
+            arrived (H2O's accumulated score; favours old tokens by design).
+        appended: tokens ever appended per row (the next original position).
+    """
+
+    def __init__(
+        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.batch = batch
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        self.length = 0
-        self.appended = 0
-        self._allocate(CAPACITY_STEP)
+        self.fp_len = [0] * batch
+        self.q_len = [0] * batch
+        self.n_groups = [0] * batch
+        self.appended = [0] * batch
+        shape = (batch, kv_heads, 0, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.q_keys = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.q_values = torch.zeros_like(self.q_keys)
+        self.q_group = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.key_scales = torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
+        self.value_scales = torch.zeros_like(self.key_scales)
+        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.scores = torch.zeros(batch, kv_heads, 0, device=device)
+        self.accumulated = torch.zeros_like(self.scores)
+        self._fit_fp(CAPACITY_STEP)
+        self._fit_meta(CAPACITY_STEP)
 
-    def _allocate(self, capacity: int) -> None:
-        shape = (1, self.kv_heads, capacity, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
-        positions = torch.empty(capacity, dtype=torch.long, device=self.device)
-        scores = torch.zeros(self.kv_heads, capacity, dtype=torch.float32, device=self.device)
-        accumulated = torch.zeros_like(scores)
-        n = self.length
-        if n and hasattr(self, "keys"):
-            keys[:, :, :n] = self.keys[:, :, :n]
-            values[:, :, :n] = self.values[:, :, :n]
-            positions[:n] = self.positions[:n]
-            scores[:, :n] = self.scores[:, :n]
-            accumulated[:, :n] = self.accumulated[:, :n]
-        self.keys, self.values, self.positions = keys, values, positions
-        self.scores, self.accumulated = scores, accumulated
+    def length(self, row: int = 0) -> int:
+        """Live tokens of a row (INT8 + FP)."""
+        return self.q_len[row] + self.fp_len[row]
 
     @property
     def capacity(self) -> int:
+        """FP slots allocated per row."""
         return self.keys.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append new tokens. `keys`, `values`: `[1, kv_heads, n, head_dim]`."""
+    def _fit_fp(self, needed: int) -> None:
+        size = _new_capacity(self.keys.shape[2], needed)
+        if size is not None:
+            self.keys, self.values = (_resized(t, 2, size) for t in (self.keys, self.values))
+
+    def _fit_meta(self, needed: int) -> None:
+        size = _new_capacity(self.positions.shape[1], needed)
+        if size is not None:
+            self.positions = _resized(self.positions, 1, size)
+            self.scores = _resized(self.scores, 2, size)
+            self.accumulated = _resized(self.accumulated, 2, size)
+
+    def _fit_int8(self, needed: int, groups: int) -> None:
+        size = _new_capacity(self.q_keys.shape[2], needed)
+        if size is not None:
+            self.q_keys, self.q_values = (
+                _resized(t, 2, size) for t in (self.q_keys, self.q_values)
+            )
+            self.q_group = _resized(self.q_group, 1, size)
+        size = _new_capacity(self.key_scales.shape[2], groups, step=16)
+        if size is not None:
+            self.key_scales, self.value_scales = (
+                _resized(t, 2, size) for t in (self.key_scales, self.value_scales)
+            )
+
+    def append(self, rows: range, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append `n` new tokens to each of `rows`; `keys`, `values`: `[len(rows), H, n, D]`."""
         n = keys.shape[2]
-        if self.length + n > self.capacity:
-            self._allocate(_round_up(max(self.length + n, 2 * self.capacity)))
-        end = self.length + n
-        self.keys[:, :, self.length : end] = keys
-        self.values[:, :, self.length : end] = values
-        self.positions[self.length : end] = torch.arange(
-            self.appended, self.appended + n, device=self.device
-        )
-        self.scores[:, self.length : end] = 0.0
-        self.accumulated[:, self.length : end] = 0.0
-        self.length = end
-        self.appended += n
+        self._fit_fp(max(self.fp_len[r] for r in rows) + n)
+        self._fit_meta(max(self.length(r) for r in rows) + n)
+        for i, row in enumerate(rows):
+            fp, logical = self.fp_len[row], self.length(row)
+            self.keys[row, :, fp : fp + n] = keys[i]
+            self.values[row, :, fp : fp + n] = values[i]
+            self.positions[row, logical : logical + n] = torch.arange(
+                self.appended[row], self.appended[row] + n, device=self.device
+            )
+            self.scores[row, :, logical : logical + n] = 0.0
+            self.accumulated[row, :, logical : logical + n] = 0.0
+            self.fp_len[row] += n
+            self.appended[row] += n
 
-    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the live keys and values, `[1, kv_heads, length, head_dim]` each."""
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+    def live_positions(self, row: int = 0) -> torch.Tensor:
+        """`[length]` original positions of the row's live tokens, in logical order."""
+        return self.positions[row, : self.length(row)]
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Keep only the slots `keep` (int64 `[k]`, increasing), gathered into the front.
+    def compact(self, row: int, keep: torch.Tensor) -> None:
+        """Keep only the logical slots `keep` (int64 `[k]`, increasing) of `row`.
 
-        Buffers shrink when fewer than a quarter of their capacity stays live.
+        INT8 tokens move with their group index; scale rows no kept token uses are dropped.
+        Buffers shrink when fewer than a quarter of their capacity stays live in every row.
         """
+        q_len = self.q_len[row]
+        kept_q, kept_fp = keep[keep < q_len], keep[keep >= q_len] - q_len
         k = keep.numel()
-        self.keys[:, :, :k] = self.keys[:, :, keep]
-        self.values[:, :, :k] = self.values[:, :, keep]
-        self.positions[:k] = self.positions[keep]
-        self.scores[:, :k] = self.scores[:, keep]
-        self.accumulated[:, :k] = self.accumulated[:, keep]
-        self.length = k
-        if self.capacity > CAPACITY_STEP and k < self.capacity // 4:
-            self._allocate(_round_up(2 * k))
+        self.positions[row, :k] = self.positions[row, keep]
+        self.scores[row, :, :k] = self.scores[row, :, keep]
+        self.accumulated[row, :, :k] = self.accumulated[row, :, keep]
+        nf = kept_fp.numel()
+        self.keys[row, :, :nf] = self.keys[row, :, kept_fp]
+        self.values[row, :, :nf] = self.values[row, :, kept_fp]
+        self.fp_len[row] = nf
+        nq = kept_q.numel()
+        self.q_keys[row, :, :nq] = self.q_keys[row, :, kept_q]
+        self.q_values[row, :, :nq] = self.q_values[row, :, kept_q]
+        groups = self.q_group[row, kept_q]
+        used = torch.unique(groups)  # sorted
+        self.q_group[row, :nq] = torch.searchsorted(used, groups)
+        self.key_scales[row, :, : used.numel()] = self.key_scales[row, :, used]
+        self.value_scales[row, :, : used.numel()] = self.value_scales[row, :, used]
+        self.q_len[row] = nq
+        self.n_groups[row] = used.numel()
+        self._fit_fp(max(self.fp_len))
+        self._fit_meta(max(self.length(r) for r in range(self.batch)))
+        self._fit_int8(max(self.q_len), max(self.n_groups))
 
-    def nbytes(self) -> int:
-        """Bytes of the live keys and values (what a KV cache of `length` tokens holds)."""
-        keys, values = self.live()
-        return keys.nbytes + values.nbytes
+    def quantize_stale(self, row: int, pinned: torch.Tensor, config: Int8Config) -> int:
+        """Move the row's FP tokens that left the FP window into the INT8 segment.
+
+        Unpinned FP tokens older than the newest `config.fp_window` move, oldest first, in
+        whole groups of `config.group`. Returns the tokens moved.
+
+        Args:
+            pinned: `[length]` bool over the row's logical slots.
+        """
+        q_len, fp_len = self.q_len[row], self.fp_len[row]
+        # the FP segment stays in arrival order: appends go to its end, gathers keep order
+        unpinned = (~pinned[q_len:]).nonzero().squeeze(1)  # FP slots, oldest first
+        stale = unpinned[: max(unpinned.numel() - config.fp_window, 0)]
+        moving = stale[: stale.numel() // config.group * config.group]
+        m = moving.numel()
+        if m == 0:
+            return 0
+        staying = torch.ones(fp_len, dtype=torch.bool, device=self.device)
+        staying[moving] = False
+        staying = staying.nonzero().squeeze(1)
+        q_keys, k_scales = quantize_groups(self.keys[row, :, moving], config.group)
+        q_values, v_scales = quantize_groups(self.values[row, :, moving], config.group)
+        groups = self.n_groups[row]
+        self._fit_int8(q_len + m, groups + m // config.group)
+        self.q_keys[row, :, q_len : q_len + m] = q_keys
+        self.q_values[row, :, q_len : q_len + m] = q_values
+        self.q_group[row, q_len : q_len + m] = groups + torch.arange(m, device=self.device).div(
+            config.group, rounding_mode="floor"
+        )
+        self.key_scales[row, :, groups : groups + m // config.group] = k_scales
+        self.value_scales[row, :, groups : groups + m // config.group] = v_scales
+        self.n_groups[row] = groups + m // config.group
+        order = torch.cat(
+            [torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]
+        )
+        n = q_len + fp_len
+        self.positions[row, :n] = self.positions[row, order]
+        self.scores[row, :, :n] = self.scores[row, :, order]
+        self.accumulated[row, :, :n] = self.accumulated[row, :, order]
+        self.keys[row, :, : staying.numel()] = self.keys[row, :, staying]
+        self.values[row, :, : staying.numel()] = self.values[row, :, staying]
+        self.q_len[row] = q_len + m
+        self.fp_len[row] = fp_len - m
+        return m
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes of live tokens: FP keys and values, INT8 keys and values, and the scales
+        in use, for one row or (None) all rows."""
+        rows = range(self.batch) if row is None else [row]
+        fp = sum(self.fp_len[r] for r in rows) * self.keys.element_size()
+        q = sum(self.q_len[r] for r in rows)
+        scales = sum(self.n_groups[r] for r in rows) * self.key_scales.element_size()
+        return 2 * self.kv_heads * self.head_dim * (fp + q + scales)
 
     def allocated_nbytes(self) -> int:
-        """Bytes of the key and value buffers including unused capacity."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the key, value and scale buffers including unused capacity."""
+        buffers = (self.keys, self.values, self.q_keys, self.q_values)
+        buffers += (self.key_scales, self.value_scales)
+        return sum(t.nbytes for t in buffers)
 
 
 class KVStore:
-    """The KV cache of one sequence (batch 1) across all layers of a model.
+    """The KV cache of a batch of sequences across all layers of a model.
 
     Args:
         num_layers: decoder layers.
         kv_heads: key/value heads per layer (GQA: fewer than query heads).
         head_dim: channels per head.
-        dtype: storage dtype of keys and values.
+        dtype: storage dtype of the FP segment.
         device: where the buffers live.
         ema_decay: weight of the old score in the attention-mass EMA, per forward call.
+        batch: rows (independent sequences).
+        int8: mixed-precision settings, or None to keep every token in `dtype`.
+        rotary: the model's rotary embedding for `rerotate` positions, or None for original
+            positions.
 
     Raises:
         ValueError: non-positive sizes or an `ema_decay` outside [0, 1).
+        ConfigError: invalid `int8` settings.
     """
 
     def __init__(
@@ -137,74 +301,191 @@ class KVStore:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         ema_decay: float = 0.9,
+        batch: int = 1,
+        int8: Int8Config | None = None,
+        rotary: Rotary | None = None,
     ):
-        if min(num_layers, kv_heads, head_dim) <= 0:
-            raise ValueError("num_layers, kv_heads and head_dim must be positive")
+        if min(num_layers, kv_heads, head_dim, batch) <= 0:
+            raise ValueError("num_layers, kv_heads, head_dim and batch must be positive")
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay}")
+        if int8 is not None:
+            int8.validate()
         device = torch.device(device)
-        self.layers = [LayerStore(kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+        self.batch = batch
+        self.layers = [
+            LayerStore(batch, kv_heads, head_dim, dtype, device) for _ in range(num_layers)
+        ]
         self.ema_decay = ema_decay
-        self._pinned = torch.zeros(0, dtype=torch.bool, device=device)
+        self.int8 = int8
+        self.rotary = rotary
+        self._pinned = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self._rows = range(batch)
+        self._query_positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.peak_bytes = 0
+        self.row_peak_bytes = [0] * batch
         self.evicted_tokens = 0
+        self.quantized_tokens = 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, **kwargs) -> KVStore:
-        """A store shaped for a transformers causal LM (reads `model.config`)."""
+    def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
+        """A store shaped for a transformers causal LM (reads `model.config`); `rerotate`
+        selects in-cache positions (raises `ConfigError` for models without RoPE)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         param = next(model.parameters())
         kwargs.setdefault("dtype", param.dtype)
         kwargs.setdefault("device", param.device)
+        if rerotate:
+            kwargs["rotary"] = Rotary.from_model(model)
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, **kwargs)
 
     @property
+    def positions_mode(self) -> str:
+        """ "original" or "rerotate"."""
+        return "original" if self.rotary is None else "rerotate"
+
+    @property
     def seen_tokens(self) -> int:
-        """Tokens appended so far (the position the next token takes)."""
-        return self.layers[0].appended
+        """Tokens appended to row 0 so far (`seen(row)` for others)."""
+        return self.seen(0)
+
+    def seen(self, row: int) -> int:
+        """Tokens appended to a row so far (its next original position)."""
+        return self.layers[0].appended[row]
 
     def bytes_per_token(self) -> int:
         """Key + value bytes one token costs across all layers at full precision."""
         layer = self.layers[0]
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * layer.keys.element_size()
 
+    def begin_forward(self, rows: range, n: int) -> torch.Tensor:
+        """Declare the next model call: `n` new tokens for each of the contiguous `rows`.
+
+        Returns:
+            `position_ids` `[len(rows), n]` for the call: tokens seen onward (original
+            positions), or the most live tokens of any layer onward (rerotate).
+
+        Raises:
+            ValueError: rows out of range or not contiguous ascending, `n < 1`, or (rerotate)
+                positions past the model's trained context.
+        """
+        if not rows or rows.step != 1 or rows.start < 0 or rows.stop > self.batch or n < 1:
+            raise ValueError(f"rows must be a non-empty ascending range within {self.batch}")
+        if self.rotary is None:
+            starts = [self.seen(r) for r in rows]
+        else:
+            starts = [max(layer.length(r) for layer in self.layers) for r in rows]
+            limit = self.rotary.max_positions
+            if limit and max(starts) + n > limit:
+                raise ValueError(
+                    f"rerotate: {max(starts) + n} live tokens exceed the model's "
+                    f"{limit}-token context; lower the budget"
+                )
+        device = self.layers[0].device
+        self._rows = rows
+        self._query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(
+            n, device=device
+        )
+        return self._query_positions
+
     def append(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new tokens to one layer and return the layer's live keys and values.
+        """Append new tokens to one layer, for the rows of the current `begin_forward`.
 
         Args:
-            keys, values: `[1, kv_heads, n, head_dim]`, keys already rotated (RoPE).
+            keys, values: `[len(rows), kv_heads, n, head_dim]`, keys rotated at the positions
+                `begin_forward` returned.
 
         Returns:
-            Views `[1, kv_heads, length, head_dim]`; the last `n` slots are the new tokens.
+            The FP segment of those rows, `[len(rows), kv_heads, max fp length, head_dim]`
+            views; attention reads the whole store through `segments`.
 
         Raises:
-            ValueError: batch size other than 1, or a head shape that does not match.
+            ValueError: a shape that does not match the rows or the heads.
         """
         layer = self.layers[layer_idx]
-        if keys.shape[0] != 1:
-            raise ValueError(f"KVStore holds one sequence; got batch size {keys.shape[0]}")
-        if keys.shape[1] != layer.kv_heads or keys.shape[3] != layer.head_dim:
-            raise ValueError(
-                f"expected keys [1, {layer.kv_heads}, n, {layer.head_dim}], got {list(keys.shape)}"
-            )
-        layer.append(keys, values)
+        rows = self._rows
+        expected = [len(rows), layer.kv_heads, self._query_positions.shape[1], layer.head_dim]
+        if list(keys.shape) != expected:
+            raise ValueError(f"expected keys {expected}, got {list(keys.shape)}")
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(self._query_positions)
+            keys = Rotary.unrotate(keys.float(), cos, sin).to(keys.dtype)
+        layer.append(rows, keys, values)
         if layer_idx == len(self.layers) - 1:
             self._note_peak()
-        return layer.live()
+        fp = max(layer.fp_len[r] for r in rows)
+        rows_slice = slice(rows.start, rows.stop)
+        return layer.keys[rows_slice, :, :fp], layer.values[rows_slice, :, :fp]
+
+    def segments(self, layer_idx: int) -> list[Segment]:
+        """What attention reads for the current rows: the INT8 segment (when any row has one)
+        and the FP segment ending with the new tokens, with rotation tables in rerotate mode."""
+        layer = self.layers[layer_idx]
+        rows = slice(self._rows.start, self._rows.stop)
+        q_lens = layer.q_len[rows]
+        fp_lens = layer.fp_len[rows]
+        cos_q = sin_q = cos_fp = sin_fp = None
+        if self.rotary is not None:
+            cos_q, sin_q, cos_fp, sin_fp = self._read_rotation(layer_idx)
+        fp = Segment(
+            keys=layer.keys[rows, :, : max(fp_lens)],
+            values=layer.values[rows, :, : max(fp_lens)],
+            lengths=fp_lens,
+            causal=True,
+            cos=cos_fp,
+            sin=sin_fp,
+        )
+        if max(q_lens) == 0:
+            return [fp]
+        width = max(q_lens)
+        quantized = Segment(
+            keys=layer.q_keys[rows, :, :width],
+            values=layer.q_values[rows, :, :width],
+            lengths=q_lens,
+            key_scales=layer.key_scales[rows],
+            value_scales=layer.value_scales[rows],
+            scale_index=layer.q_group[rows, :width],
+            cos=cos_q,
+            sin=sin_q,
+        )
+        return [quantized, fp]
+
+    def _read_rotation(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Rerotate tables `(cos_q, sin_q, cos_fp, sin_fp)`, `[rows, width, D]` each: every
+        live token at its rank among the row's live tokens, shifted so the new tokens sit at
+        the query positions of this call."""
+        layer = self.layers[layer_idx]
+        rows = list(self._rows)
+        q_width = max(layer.q_len[r] for r in rows)
+        fp_width = max(layer.fp_len[r] for r in rows)
+        device = layer.device
+        q_pos = torch.zeros(len(rows), q_width, dtype=torch.long, device=device)
+        fp_pos = torch.zeros(len(rows), fp_width, dtype=torch.long, device=device)
+        new = self._query_positions.shape[1]
+        for i, row in enumerate(rows):
+            original = layer.live_positions(row)
+            rank = torch.argsort(torch.argsort(original))
+            shifted = rank + (self._query_positions[i, 0] - (original.numel() - new))
+            q_pos[i, : layer.q_len[row]] = shifted[: layer.q_len[row]]
+            fp_pos[i, : layer.fp_len[row]] = shifted[layer.q_len[row] :]
+        cos_q, sin_q = self.rotary.cos_sin(q_pos)
+        cos_fp, sin_fp = self.rotary.cos_sin(fp_pos)
+        return cos_q, sin_q, cos_fp, sin_fp
 
     def record_attention(
-        self, layer_idx: int, mass: torch.Tensor, query_len: int, group: int
+        self, layer_idx: int, masses: list[torch.Tensor], query_len: int, group: int
     ) -> None:
-        """Fold one forward call's attention into the layer's scores.
+        """Fold one forward call's attention into the layer's scores, for the current rows.
 
         Args:
-            mass: `[1, kv_heads, length]`, attention probability each live token received,
-                summed over the `query_len` queries and the `group` query heads of its KV head.
-            query_len: queries in this call (1 in decode, the chunk size in prefill).
+            masses: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
+                attention probability each slot received, summed over the `query_len` queries
+                and the `group` query heads of its KV head.
+            query_len: queries per row in this call (1 in decode, the chunk size in prefill).
             group: query heads per KV head.
 
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
@@ -214,79 +495,100 @@ class KVStore:
         added to `accumulated` (H2O's score).
         """
         layer = self.layers[layer_idx]
-        n = layer.length
-        visible = torch.full((n,), float(query_len), device=mass.device)
-        first_new = n - query_len
-        visible[first_new:] = torch.arange(
-            query_len, 0, -1, device=mass.device, dtype=torch.float32
-        )
-        step = mass[0].float() / (visible * group)  # [kv_heads, length]
-        scores = layer.scores[:, :n]
-        scores[:, :first_new].mul_(self.ema_decay).add_(
-            step[:, :first_new], alpha=1 - self.ema_decay
-        )
-        scores[:, first_new:] = step[:, first_new:]
-        layer.accumulated[:, :n] += mass[0].float()
+        for i, row in enumerate(self._rows):
+            parts = [masses[-1][i, :, : layer.fp_len[row]]]
+            if len(masses) == 2:
+                parts.insert(0, masses[0][i, :, : layer.q_len[row]])
+            mass = torch.cat(parts, dim=1)  # [kv_heads, length], logical order
+            n = mass.shape[1]
+            first_new = n - query_len
+            visible = torch.full((n,), float(query_len), device=mass.device)
+            visible[first_new:] = torch.arange(
+                query_len, 0, -1, device=mass.device, dtype=torch.float32
+            )
+            step = mass / (visible * group)
+            scores = layer.scores[row, :, :n]
+            scores[:, :first_new].mul_(self.ema_decay).add_(
+                step[:, :first_new], alpha=1 - self.ema_decay
+            )
+            scores[:, first_new:] = step[:, first_new:]
+            layer.accumulated[row, :, :n] += mass
 
-    def pin(self, start: int, end: int) -> None:
-        """Pin positions `[start, end)`: exempt from eviction until `unpin`.
-
-        Raises:
-            ValueError: `start < 0` or `end < start`.
-        """
-        self._check_span(start, end)
-        self._grow_pins(end)
-        self._pinned[start:end] = True
-
-    def unpin(self, start: int, end: int) -> None:
-        """Release the pin on positions `[start, end)`.
+    def pin(self, start: int, end: int, row: int = 0) -> None:
+        """Pin positions `[start, end)` of a row: exempt from eviction and quantization until
+        `unpin`.
 
         Raises:
             ValueError: `start < 0` or `end < start`.
         """
         self._check_span(start, end)
         self._grow_pins(end)
-        self._pinned[start:end] = False
+        self._pinned[row, start:end] = True
+
+    def unpin(self, start: int, end: int, row: int = 0) -> None:
+        """Release the pin on positions `[start, end)` of a row.
+
+        Raises:
+            ValueError: `start < 0` or `end < start`.
+        """
+        self._check_span(start, end)
+        self._grow_pins(end)
+        self._pinned[row, start:end] = False
 
     @staticmethod
     def _check_span(start: int, end: int) -> None:
         if start < 0 or end < start:
             raise ValueError(f"invalid position span [{start}, {end})")
 
-    def pinned_mask(self, layer_idx: int) -> torch.Tensor:
-        """`[length]` bool: which live slots of the layer are pinned."""
+    def pinned_mask(self, layer_idx: int, row: int = 0) -> torch.Tensor:
+        """`[length]` bool: which live slots of the row's layer (logical order) are pinned."""
         layer = self.layers[layer_idx]
-        self._grow_pins(layer.appended)
-        return self._pinned[layer.positions[: layer.length]]
+        self._grow_pins(layer.appended[row])
+        return self._pinned[row, layer.live_positions(row)]
 
     def _grow_pins(self, size: int) -> None:
-        if size > self._pinned.numel():
-            extra = torch.zeros(
-                size - self._pinned.numel(), dtype=torch.bool, device=self._pinned.device
-            )
-            self._pinned = torch.cat([self._pinned, extra])
+        if size > self._pinned.shape[1]:
+            self._pinned = _resized(self._pinned, 1, size)
 
-    def compact(self, layer_idx: int, keep: torch.Tensor) -> None:
-        """Evict every live slot of the layer not in `keep` (int64 `[k]`, increasing)."""
+    def compact(self, layer_idx: int, keep: torch.Tensor, row: int = 0) -> None:
+        """Evict every live slot of the row's layer not in `keep` (int64 `[k]`, increasing,
+        logical order)."""
         layer = self.layers[layer_idx]
-        self.evicted_tokens += layer.length - keep.numel()
-        layer.compact(keep)
+        self.evicted_tokens += layer.length(row) - keep.numel()
+        layer.compact(row, keep)
 
-    def lengths(self) -> list[int]:
-        """Live tokens per layer."""
-        return [layer.length for layer in self.layers]
+    def quantize_stale(self, layer_idx: int, row: int = 0) -> int:
+        """Move tokens that left the FP window into INT8 (no-op without INT8); returns the
+        tokens moved."""
+        if self.int8 is None:
+            return 0
+        moved = self.layers[layer_idx].quantize_stale(
+            row, self.pinned_mask(layer_idx, row), self.int8
+        )
+        self.quantized_tokens += moved
+        return moved
 
-    def nbytes(self) -> int:
-        """Exact bytes of live keys and values over all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+    def lengths(self, row: int = 0) -> list[int]:
+        """Live tokens per layer for a row."""
+        return [layer.length(row) for layer in self.layers]
+
+    def quantized_lengths(self, row: int = 0) -> list[int]:
+        """Live INT8 tokens per layer for a row."""
+        return [layer.q_len[row] for layer in self.layers]
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Exact bytes of live keys, values and scales over all layers, for one row or all."""
+        return sum(layer.nbytes(row) for layer in self.layers)
 
     def allocated_nbytes(self) -> int:
-        """Bytes of all key/value buffers including spare capacity."""
+        """Bytes of all key/value/scale buffers including spare capacity."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
 
-    def full_kv_nbytes(self) -> int:
-        """Bytes a full KV cache would hold for the tokens seen so far, at the same dtype."""
-        return self.seen_tokens * self.bytes_per_token()
+    def full_kv_nbytes(self, row: int = 0) -> int:
+        """Bytes a full KV cache would hold for a row's tokens seen so far, at the FP dtype."""
+        return self.seen(row) * self.bytes_per_token()
 
     def _note_peak(self) -> None:
+        for row in self._rows:
+            self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
         self.peak_bytes = max(self.peak_bytes, self.nbytes())

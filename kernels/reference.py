@@ -14,11 +14,23 @@ Contract shared by every attention kernel of the project:
 Causality is positional inside the store: the store keeps tokens in arrival order and appends
 the new ones at the end, so query i (0-based among the q new ones) sees slots j <= L - q + i.
 Evicted tokens are simply absent, never masked.
+
+`attention_with_mass` is that contract over one dense FP tensor: the oracle. The store reads
+through `segmented_attention`, the same contract over several segments (the INT8 segment,
+then the FP segment that ends with the new tokens), rows of different lengths, and block-wise
+dequantization inside an online softmax.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from kernels.int8 import dequantize
+
+READ_BLOCK = 1024
+"""Tokens read (and, for INT8, dequantized) at a time by `segmented_attention`."""
 
 
 def causal_visibility(query_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -63,3 +75,137 @@ def attention_with_mass(
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
     mass = probs.sum(dim=-2)  # [B, Hkv, L]
     return out, mass
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` `[B, H, L, D]` with `cos`, `sin` `[B, L, D]` (Llama's
+    rotate-half convention, Su et al., RoFormer §3.4.2)."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated_half * sin[:, None]
+
+
+@dataclass
+class Segment:
+    """A run of stored tokens that attention reads, for a batch of rows.
+
+    Attributes:
+        keys, values: `[B, Hkv, L, D]`, floating point, or int8 with scales.
+        lengths: live slots per row (`len == B`); slots at or past a row's length are masked.
+        causal: the segment ends with the new tokens (their queries see only their past).
+        key_scales, value_scales: `[B, Hkv, S, D]` float16 INT8 scales, or None.
+        scale_index: `[B, L]` int64, the scale row of each slot, or None.
+        cos, sin: `[B, L, D]` rotation applied to the keys after dequantization (the store's
+            rerotate mode), or None.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: list[int]
+    causal: bool = False
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+    scale_index: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def needs_conversion(self) -> bool:
+        """Whether reading costs a copy (dequantization, upcast or rotation)."""
+        return (
+            self.scale_index is not None or self.cos is not None or self.keys.dtype != torch.float32
+        )
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 keys and values of slots `[start, end)`, `[B, Hkv, end - start, D]` each."""
+        keys = self.keys[:, :, start:end]
+        values = self.values[:, :, start:end]
+        if self.scale_index is None:
+            keys, values = keys.float(), values.float()
+        else:
+            batch, heads, span, dim = keys.shape
+            index = self.scale_index[:, None, start:end, None].expand(batch, heads, span, dim)
+            keys = dequantize(keys, torch.gather(self.key_scales, 2, index))
+            values = dequantize(values, torch.gather(self.value_scales, 2, index))
+        if self.cos is not None:
+            keys = apply_rotation(keys, self.cos[:, start:end], self.sin[:, start:end])
+        return keys, values
+
+
+def segmented_attention(
+    query: torch.Tensor, segments: list[Segment], scaling: float, block: int = READ_BLOCK
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Softmax attention over several segments of stored tokens, with the mass per token.
+
+    Blocks of `block` tokens are read in turn (INT8 dequantized on the way) and folded into an
+    online softmax (Milakov & Gimelshein, 2018; FlashAttention, Dao et al. 2022, §3.1): a
+    running maximum `m`, normaliser `l` and output accumulator per query row, rescaled by
+    `exp(m_old - m_new)` whenever the maximum grows. No full-length float copy of the cache is
+    made. The block logits are kept, so the mass is `exp(logit - m) / l` once `m` and `l` are
+    final. The last segment must be `causal` and hold the new tokens: row b's query i sees its
+    slots `j <= lengths[b] - q + i`; other segments are fully visible up to each row's length.
+
+    Args:
+        query: `[B, Hq, q, D]`.
+        segments: read in order; each `[B, Hkv, L_s, D]` with `Hq % Hkv == 0`.
+        scaling: softmax scale.
+        block: tokens per read block.
+
+    Returns:
+        `(out [B, q, Hq, D] in the query's dtype, [mass [B, Hkv, L_s] float32 per segment])`;
+        masked slots get zero mass.
+
+    Raises:
+        ValueError: head counts that do not divide, or a last segment that is not causal or
+            holds fewer live tokens than there are queries in some row.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = segments[0].keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot share {kv_heads} KV heads")
+    last = segments[-1]
+    if not last.causal or min(last.lengths) < q_len:
+        raise ValueError("the last segment must be causal and hold every row's new tokens")
+    group = q_heads // kv_heads
+    device = query.device
+    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
+    query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
+    running_max = torch.full((batch, kv_heads, group * q_len, 1), float("-inf"), device=device)
+    normaliser = torch.zeros_like(running_max)
+    acc = torch.zeros(batch, kv_heads, group * q_len, head_dim, device=device)
+    block_logits: list[list[torch.Tensor]] = []
+    for segment in segments:
+        lengths = torch.tensor(segment.lengths, device=device)[:, None, None]  # [B, 1, 1]
+        if segment.causal:  # [B, G*q, 1]: slots below this are visible to the row
+            limit = lengths - q_len + 1 + query_index[None, :, None]
+        else:
+            limit = lengths
+        logits_of_segment = []
+        live = max(segment.lengths, default=0)
+        # float32 keys read as they are cost no copy: one block for the whole segment
+        step = block if segment.needs_conversion() else live
+        for start in range(0, live, max(step, 1)):
+            end = min(start + step, segment.keys.shape[2])
+            keys, values = segment.read(start, end)
+            logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling  # [B,Hkv,G*q,n]
+            slots = torch.arange(start, end, device=device)
+            logits = logits.masked_fill(~(slots < limit)[:, None], float("-inf"))
+            new_max = torch.maximum(running_max, logits.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isinf(new_max), 0.0, new_max)
+            probs = torch.exp(logits - shift)
+            rescale = torch.exp(running_max - shift)
+            normaliser = normaliser * rescale + probs.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.matmul(probs, values)
+            running_max = new_max
+            logits_of_segment.append(logits)
+        block_logits.append(logits_of_segment)
+    out = (acc / normaliser).to(query.dtype)  # [B, Hkv, G*q, D]
+    out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
+    masses = []
+    for segment, logits_of_segment in zip(segments, block_logits, strict=True):
+        mass = torch.zeros(batch, kv_heads, segment.keys.shape[2], device=device)
+        for i, logits in enumerate(logits_of_segment):
+            start = i * (block if segment.needs_conversion() else logits.shape[-1])
+            probs = torch.exp(logits - running_max) / normaliser
+            mass[:, :, start : start + logits.shape[-1]] = probs.sum(dim=-2)
+        masses.append(mass)
+    return out, masses

@@ -45,15 +45,13 @@ def test_pins_follow_messages(smollm):
     chat.add("user", "Filler text about nothing in particular. " * 8, pin=True)
     chat.reply(SamplingParams(max_new_tokens=4))
     system_span, user_span = chat.spans[0], chat.spans[1]
-    kept = set(
-        chat.session.store.layers[0].positions[: chat.session.store.layers[0].length].tolist()
-    )
+    kept = set(chat.session.store.layers[0].live_positions().tolist())
     assert set(range(*system_span)) <= kept and set(range(*user_span)) <= kept
     chat.unpin_message(1)
     chat.add("user", "Short question?")
     chat.reply(SamplingParams(max_new_tokens=4))
     layer = chat.session.store.layers[0]
-    kept = set(layer.positions[: layer.length].tolist())
+    kept = set(layer.live_positions().tolist())
     assert set(range(*system_span)) <= kept
     # once unpinned, the filler competes for a 40-token window with newer turns and loses
     assert len(kept & set(range(*user_span))) < (user_span[1] - user_span[0]) // 2

@@ -86,13 +86,13 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
         evicted = original_step(st, conf)
         seen = st.seen_tokens
         for layer in st.layers:
-            kept = set(layer.positions[: layer.length].tolist())
-            assert layer.length <= policy.budget(conf) + pins, (
+            kept = set(layer.live_positions().tolist())
+            assert layer.length() <= policy.budget(conf) + pins, (
                 "layer above budget + pins after a step"
             )
             assert set(range(max(0, seen - protect), seen)) <= kept, "a recent token was evicted"
             assert set(range(pins)) <= kept, "a pinned token was evicted"
-        live = sum(k.nbytes + v.nbytes for k, v in (layer.live() for layer in st.layers))
+        live = sum(layer.keys[0, :, : layer.fp_len[0]].nbytes for layer in st.layers) * 2
         assert st.nbytes() == live == sum(st.lengths()) * per_token_layer
         checks.append(conf)
         return evicted
@@ -131,7 +131,7 @@ def test_attention_mass_reaches_the_store(smollm, prompt_ids):
     session = engine.new_session()
     engine.feed(session, prompt_ids[:64])
     for layer in session.store.layers:
-        scores = layer.scores[:, : layer.length]
+        scores = layer.scores[0, :, : layer.length()]
         assert torch.all(scores > 0)
         # a 64-query prefill: the newest token was seen by one query per head, with all its mass
         assert scores.shape == (3, 64)
@@ -169,7 +169,7 @@ def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids)
         session = engine.new_session()
         engine.feed(session, prompt_ids)
         layer = session.store.layers[15]
-        return set(layer.positions[: layer.length].tolist())
+        return set(layer.live_positions().tolist())
 
     window = kept_after(make_policy("window", budget=128))
     assert window == set(range(300 - 128, 300))

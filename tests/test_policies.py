@@ -9,14 +9,15 @@ from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
 from agent_kv.policies import ConfKV, make_policy
 from agent_kv.store import KVStore
+from helpers import kept_positions, random_tokens
 
 
 def store_with(tokens: int, scores: torch.Tensor | None = None) -> KVStore:
     store = KVStore(2, 2, 4)
-    for idx in range(2):
-        store.append(idx, torch.randn(1, 2, tokens, 4), torch.randn(1, 2, tokens, 4))
-        if scores is not None:
-            store.layers[idx].scores[:, :tokens] = scores
+    random_tokens(store, tokens)
+    if scores is not None:
+        for layer in store.layers:
+            layer.scores[0, :, :tokens] = scores
     return store
 
 
@@ -59,7 +60,7 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     store.pin(0, 3)
     policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0)
     evicted = policy.step(store, confidence=1.0)
-    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    kept = kept_positions(store)
     assert {0, 1, 2, 5, 17, 42} <= set(kept)
     assert set(range(92, 100)) <= set(kept)
     assert len(kept) == 3 + 16  # pins come on top of the budget
@@ -74,7 +75,7 @@ def test_protect_recent_means_the_newest_unpinned_tokens():
     store.pin(90, 100)
     policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0)
     policy.step(store, confidence=1.0)
-    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    kept = kept_positions(store)
     assert kept == [0] + list(range(82, 100))  # best heavy hitter + 8 newest unpinned + pins
 
 
@@ -85,7 +86,7 @@ def test_conf_kv_ranking_survives_an_attention_sink():
     store = store_with(200, scores)
     policy = ConfKV(n_high=12, n_low=12, protect_recent=4, recency_weight=0.3)
     policy.step(store, confidence=1.0)
-    kept = set(store.layers[0].positions[: store.layers[0].length].tolist())
+    kept = set(kept_positions(store))
     assert {0, 20, 40, 60} <= kept
 
 
@@ -99,7 +100,7 @@ def test_window_keeps_newest_and_sinks():
     store = store_with(50)
     policy = make_policy("window", budget=10, sinks=2)
     policy.step(store, 0.0)
-    assert store.layers[1].positions[:10].tolist() == [0, 1] + list(range(42, 50))
+    assert kept_positions(store, 1) == [0, 1] + list(range(42, 50))
 
 
 def test_full_never_evicts():
@@ -113,7 +114,7 @@ def test_pins_never_crowd_out_the_newest_tokens():
     store.pin(0, 20)
     make_policy("window", budget=10).step(store, 0.0)
     assert store.lengths() == [30, 30]
-    assert store.layers[0].positions[:30].tolist() == list(range(20)) + list(range(30, 40))
+    assert kept_positions(store) == list(range(20)) + list(range(30, 40))
 
 
 @pytest.mark.parametrize(
@@ -141,12 +142,12 @@ def test_bad_configuration_is_a_clear_error(name, kwargs, message):
 def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
     store = store_with(100)
     for layer in store.layers:
-        layer.accumulated[:, :100] = 0.01
-        layer.accumulated[:, [3, 30, 60]] = 5.0
+        layer.accumulated[0, :, :100] = 0.01
+        layer.accumulated[0, :, [3, 30, 60]] = 5.0
     policy = make_policy("h2o", budget=20)
     assert (policy.budget_tokens, policy.protect_recent) == (20, 10)
     policy.step(store, confidence=None)
-    kept = store.layers[0].positions[: store.layers[0].length].tolist()
+    kept = kept_positions(store)
     assert len(kept) == 20
     assert {3, 30, 60} <= set(kept) and set(range(90, 100)) <= set(kept)
 
@@ -156,7 +157,7 @@ def test_random_keeps_the_budget_reproducibly():
         store = store_with(100)
         store.pin(0, 5)
         make_policy("random", budget=20, seed=seed, protect_recent=4).step(store, None)
-        return store.layers[0].positions[: store.layers[0].length].tolist()
+        return kept_positions(store)
 
     first = kept(1)
     assert len(first) == 5 + 20
@@ -173,8 +174,7 @@ def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
     assert budgets[0] == 150 and budgets[-1] == 50
     assert sum(policy.layer_budgets(None, 7)) == 7 * 200
     store = KVStore(3, 2, 4)
-    for idx in range(3):
-        store.append(idx, torch.randn(1, 2, 400, 4), torch.randn(1, 2, 400, 4))
+    random_tokens(store, 400)
     policy.step(store, confidence=0.99)
     assert store.lengths() == policy.layer_budgets(0.99, 3) == [150, 100, 50]
 
@@ -199,11 +199,9 @@ def test_evict_slack_amortises_compaction():
     assert policy.step(store, None) == 2 * (100 - 32)
     assert store.lengths() == [32, 32]
     for added in range(1, 9):  # room for 8 more tokens before the next compaction
-        for idx in range(2):
-            store.append(idx, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+        random_tokens(store, 1)
         assert policy.step(store, None) == 0
         assert store.lengths() == [32 + added] * 2
-    for idx in range(2):
-        store.append(idx, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    random_tokens(store, 1)
     assert policy.step(store, None) == 2 * 9
     assert store.lengths() == [32, 32]

@@ -4,8 +4,8 @@ A policy answers two questions each step (after every forward call, prefill chun
 token): how many tokens may each layer keep (`budget`, from the current confidence), and how
 much is each live token worth keeping (`rank`). The shared step here does the rest, the same
 for every policy (style.md, kvpress): protect the `protect_recent` newest tokens and the pinned
-ones, take the top-ranked others up to the budget (which counts unpinned tokens only), and
-compact the store.
+ones, take the top-ranked others up to the budget (which counts unpinned tokens only), compact
+the store, and move what left the FP window into INT8 when the store keeps mixed precision.
 """
 
 from __future__ import annotations
@@ -62,40 +62,51 @@ class Policy(ABC):
         budget = self.budget(confidence)
         return None if budget is None else [budget] * num_layers
 
-    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
-        """`[length]` float: higher means keep first. Only the `candidates` (`[length]` bool:
-        neither pinned nor protected) compete. Default: recency (newest highest)."""
-        return store.layers[layer_idx].positions[: store.layers[layer_idx].length].float()
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """`[length]` float over the row's live slots (logical order): higher means keep
+        first. Only the `candidates` (`[length]` bool: neither pinned nor protected) compete.
+        Default: recency (newest highest)."""
+        return store.layers[layer_idx].live_positions(row).float()
 
-    def step(self, store: KVStore, confidence: float | None) -> int:
-        """Evict down to this step's budget in every layer; return the tokens evicted.
+    def step(self, store: KVStore, confidence: float | None | list[float | None]) -> int:
+        """Evict down to this step's budget in every layer and row, then move the tokens that
+        left the FP window into INT8 (when the store has INT8 on); return the tokens evicted.
 
-        The budget counts unpinned tokens: pinned tokens are held in addition to it (and
-        counted in every memory figure), so pins can never crowd out the newest tokens. Among
-        the unpinned, the newest `protect_recent` always stay and the top-ranked others fill
-        the rest of the budget.
+        `confidence` is one value for every row or a list with one per row, so each row of a
+        batch follows its own sawtooth. The budget counts unpinned tokens: pinned tokens are
+        held in addition to it (and counted in every memory figure), so pins can never crowd
+        out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
+        and the top-ranked others fill the rest of the budget.
         """
-        budgets = self.layer_budgets(confidence, len(store.layers))
-        if budgets is None:
-            return 0
+        per_row = confidence if isinstance(confidence, list) else [confidence] * store.batch
         evicted = 0
-        for idx, (layer, budget) in enumerate(zip(store.layers, budgets, strict=True)):
-            n = layer.length
-            pinned = store.pinned_mask(idx)  # [n]
-            n_pinned = int(pinned.sum())
-            if n - n_pinned <= budget:
-                continue
-            protected = pinned.clone()
-            if self.protect_recent:
-                unpinned = (~pinned).nonzero().squeeze(1)  # [n - n_pinned], increasing
-                protected[unpinned[-self.protect_recent :]] = True
-            ranks = self.rank(store, idx, ~protected).clone()  # [n]
-            ranks[protected] = float("inf")
-            keep_count = n_pinned + max(budget - self.evict_slack, self.protect_recent)
-            keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
-            store.compact(idx, keep)
-            evicted += n - keep_count
+        for row, row_confidence in enumerate(per_row):
+            budgets = self.layer_budgets(row_confidence, len(store.layers))
+            for idx in range(len(store.layers)):
+                if budgets is not None:
+                    evicted += self._evict(store, idx, row, budgets[idx])
+                store.quantize_stale(idx, row)
         return evicted
+
+    def _evict(self, store: KVStore, idx: int, row: int, budget: int) -> int:
+        pinned = store.pinned_mask(idx, row)  # [n], logical order
+        n, n_pinned = pinned.numel(), int(pinned.sum())
+        if n - n_pinned <= budget:
+            return 0
+        protected = pinned.clone()
+        if self.protect_recent:
+            unpinned = (~pinned).nonzero().squeeze(1)
+            positions = store.layers[idx].live_positions(row)[unpinned]
+            newest = torch.topk(positions, min(self.protect_recent, unpinned.numel())).indices
+            protected[unpinned[newest]] = True
+        ranks = self.rank(store, idx, row, ~protected).clone()  # [n]
+        ranks[protected] = float("inf")
+        keep_count = n_pinned + max(budget - self.evict_slack, self.protect_recent)
+        keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
+        store.compact(idx, keep, row)
+        return n - keep_count
 
 
 @dataclass

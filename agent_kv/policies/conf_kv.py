@@ -88,16 +88,17 @@ class ConfKV(Policy):
             return self.n_high
         return self.n_low
 
-    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Composite of mass and recency percentiles among `candidates`; `[length]` float."""
         layer = store.layers[layer_idx]
-        n = layer.length
+        n = layer.length(row)
         ranks = torch.zeros(n, device=candidates.device)
-        count = int(candidates.sum())
-        if count == 0:
+        if not bool(candidates.any()):
             return ranks
-        mass = layer.scores[:, :n].mean(dim=0)[candidates]  # [count]
-        positions = layer.positions[:n][candidates].float()  # [count]
+        mass = layer.scores[row, :, :n].mean(dim=0)[candidates]  # [count]
+        positions = layer.live_positions(row)[candidates].float()  # [count]
         ranks[candidates] = (1.0 - self.recency_weight) * _percentile(
             mass
         ) + self.recency_weight * _percentile(positions)

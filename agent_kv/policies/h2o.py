@@ -40,7 +40,9 @@ class H2O(FixedBudgetPolicy):
             "protect_recent": params.get("protect_recent", budget // 2),
         }
 
-    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Accumulated attention mass, mean over KV heads; `[length]`."""
         layer = store.layers[layer_idx]
-        return layer.accumulated[:, : layer.length].mean(dim=0)
+        return layer.accumulated[row, :, : layer.length(row)].mean(dim=0)

@@ -28,6 +28,8 @@ class RandomEviction(FixedBudgetPolicy):
     def __post_init__(self) -> None:
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Uniform random ranks `[length]` from the policy's seeded generator."""
         return torch.rand(candidates.numel(), generator=self._generator).to(candidates.device)

@@ -41,9 +41,11 @@ class SlidingWindow(Policy):
         """The window, whatever the confidence."""
         return self.window
 
-    def rank(self, store: KVStore, layer_idx: int, candidates: torch.Tensor) -> torch.Tensor:
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
         """Position (newest highest); the first `sinks` positions rank above all."""
-        positions = store.layers[layer_idx].positions[: store.layers[layer_idx].length]
+        positions = store.layers[layer_idx].live_positions(row)
         ranks = positions.float()
         ranks[positions < self.sinks] = float("inf")
         return ranks

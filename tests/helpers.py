@@ -1,0 +1,32 @@
+"""Shared helpers for tests that drive a KVStore directly, without a model."""
+
+from __future__ import annotations
+
+import torch
+
+from agent_kv.store import KVStore
+
+
+def append_tokens(
+    store: KVStore, keys: torch.Tensor, values: torch.Tensor | None = None, rows: range = range(1)
+) -> None:
+    """Append `keys`/`values` `[len(rows), H, n, D]` to every layer, as one forward call."""
+    store.begin_forward(rows, keys.shape[2])
+    for idx in range(len(store.layers)):
+        store.append(idx, keys, -keys if values is None else values)
+
+
+def random_tokens(store: KVStore, n: int, rows: range = range(1)) -> None:
+    """Append `n` random tokens to every layer of `rows`."""
+    layer = store.layers[0]
+    append_tokens(
+        store,
+        torch.randn(len(rows), layer.kv_heads, n, layer.head_dim),
+        torch.randn(len(rows), layer.kv_heads, n, layer.head_dim),
+        rows,
+    )
+
+
+def kept_positions(store: KVStore, layer_idx: int = 0, row: int = 0) -> list[int]:
+    """Original positions of a layer's live tokens, in logical order."""
+    return store.layers[layer_idx].live_positions(row).tolist()
