@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from agent_kv.cache import StoreCache
 from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
 from agent_kv.policies import Policy
 from agent_kv.sampling import SamplingParams, sample_next
-from agent_kv.cache import StoreCache
 from agent_kv.session import Session, StepRecord
 
 

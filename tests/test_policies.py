@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import kept_positions, random_tokens
 
 from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
 from agent_kv.policies import ConfKV, make_policy
 from agent_kv.store import KVStore
-from helpers import kept_positions, random_tokens
 
 
 def store_with(tokens: int, scores: torch.Tensor | None = None) -> KVStore:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import append_tokens, kept_positions
 
 from agent_kv.store import CAPACITY_STEP, KVStore
-from helpers import append_tokens, kept_positions
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:
