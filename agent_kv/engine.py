@@ -20,8 +20,10 @@ from agent_kv.cache import StoreCache
 from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
 from agent_kv.policies import Policy
+from agent_kv.rope import Rotary
 from agent_kv.sampling import SamplingParams, sample_next
 from agent_kv.session import Session, StepRecord
+from agent_kv.store import Int8Config, KVStore
 
 
 @dataclass
@@ -60,18 +62,35 @@ class Engine:
         tokenizer: its tokenizer.
         policy: the KV policy applied after every forward call.
         prefill_chunk: tokens per prefill forward call.
+        int8: mixed-precision storage (CONF-KV §4), or None to keep every token in the
+            model's dtype.
+        rerotate: StreamingLLM-style in-cache positions instead of original positions.
 
     Raises:
-        ConfigError: `prefill_chunk` < 1.
+        ConfigError: `prefill_chunk` < 1, invalid `int8` settings, or `rerotate` on a model
+            without rotary embeddings.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, policy: Policy, prefill_chunk: int = 512):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        policy: Policy,
+        prefill_chunk: int = 512,
+        int8: Int8Config | None = None,
+        rerotate: bool = False,
+    ):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if int8 is not None:
+            int8.validate()
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
         self.prefill_chunk = prefill_chunk
+        self.store_options = {"int8": int8, "rerotate": rerotate}
+        if rerotate:
+            Rotary.from_model(model)  # fail at configuration time for models without RoPE
         generation_config = getattr(model, "generation_config", None)
         candidates = [
             *_as_list(tokenizer.eos_token_id),
@@ -81,8 +100,8 @@ class Engine:
         self.eos_ids = {int(e) for e in candidates if e is not None}
 
     def new_session(self) -> Session:
-        """An empty session for this engine's model."""
-        return Session.for_model(self.model)
+        """An empty session for this engine's model and store options."""
+        return Session.for_model(self.model, **self.store_options)
 
     @torch.no_grad()
     def feed(self, session: Session, token_ids: list[int]) -> torch.Tensor:
@@ -96,31 +115,119 @@ class Engine:
         """
         if not token_ids:
             raise ValueError("feed needs at least one token")
-        store = session.store
+        session.last_logits = self._prefill_row(session.cache, 0, token_ids, session.steps)
+        session.token_ids.extend(token_ids)
+        return session.last_logits
+
+    def _prefill_row(
+        self, cache: StoreCache, row: int, token_ids: list[int], records: list[StepRecord]
+    ) -> torch.Tensor:
+        """Feed one row's tokens chunk by chunk; returns `[vocab]` logits after the last."""
         for start in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
-            logits = self._forward(session.cache, range(1), [chunk])[0]  # [vocab]
-            conf = float(confidence(logits))
+            logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
             # Inside a prompt the logits after a chunk boundary say nothing about the reply:
             # only the last chunk's confidence gates the budget (None = no signal).
-            gate = conf if last_chunk else None
-            appended = store.nbytes()
-            evicted = self.policy.step(store, gate)
-            session.steps.append(
+            self._apply_policy(cache.store, range(row, row + 1), logits, [last_chunk], [records])
+        return logits[0]
+
+    def _apply_policy(
+        self,
+        store: KVStore,
+        rows: range,
+        logits: torch.Tensor,
+        gated: list[bool],
+        records: list[list[StepRecord]],
+    ) -> None:
+        """Confidence from `logits` `[len(rows), vocab]`, one policy step per row, one
+        `StepRecord` appended to each row's `records`."""
+        confs = [float(c) for c in confidence(logits)]
+        gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
+        appended = [store.nbytes(row) for row in rows]
+        for i, row in enumerate(rows):
+            evicted = self.policy.step(store, gates[i], rows=range(row, row + 1))
+            records[i].append(
                 StepRecord(
-                    seen_tokens=store.seen_tokens,
-                    appended_kv_bytes=appended,
-                    kv_bytes=store.nbytes(),
-                    confidence=conf,
-                    gated=last_chunk,
-                    budget=self.policy.budget(gate),
+                    seen_tokens=store.seen(row),
+                    appended_kv_bytes=appended[i],
+                    kv_bytes=store.nbytes(row),
+                    confidence=confs[i],
+                    gated=gated[i],
+                    budget=self.policy.budget(gates[i]),
                     evicted=evicted,
                 )
             )
-            session.last_logits = logits
-        session.token_ids.extend(token_ids)
-        return session.last_logits
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> BatchGeneration:
+        """Decode replies to several prompts together, one row of a batched store each.
+
+        Each prompt is prefilled on its own row (rows then differ in length); decoding runs
+        every row in one model call per token, and each row gets its own confidence, budget
+        and eviction. Rows are ragged: attention masks each row at its own length. A row that
+        has finished (EOS, stop string) keeps being fed its last token until every row is
+        done; its reply is fixed when it finishes. With a `seed`, every row samples from its
+        own generator seeded alike, so a batch equals its prompts run one by one.
+
+        Raises:
+            ConfigError: invalid sampling parameters.
+            ValueError: no prompts, or an empty prompt.
+        """
+        params.validate()
+        if not prompts or not all(prompts):
+            raise ValueError("generate_batch needs at least one prompt, none of them empty")
+        start = time.perf_counter()
+        batch = len(prompts)
+        store = KVStore.for_model(self.model, batch=batch, **self.store_options)
+        cache = StoreCache(store)
+        steps: list[list[StepRecord]] = [[] for _ in range(batch)]
+        logits = torch.stack(
+            [self._prefill_row(cache, row, p, steps[row]) for row, p in enumerate(prompts)]
+        )  # [B, vocab]
+        generators = [
+            None if params.seed is None else torch.Generator().manual_seed(params.seed)
+            for _ in range(batch)
+        ]
+        generated: list[list[int]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        done_at = [0.0] * batch
+        first_token_at = None
+        for _ in range(params.max_new_tokens):
+            feed = []
+            for row in range(batch):
+                if done_at[row]:
+                    feed.append(generated[row][-1])
+                    continue
+                token = sample_next(logits[row], params, generators[row])
+                generated[row].append(token)
+                feed.append(token)
+                text = self.tokenizer.decode(generated[row], skip_special_tokens=False)
+                if token in self.eos_ids or any(s in text for s in params.stop):
+                    finish[row] = "stop"
+                    done_at[row] = time.perf_counter()
+            first_token_at = first_token_at or time.perf_counter()
+            if all(done_at):
+                break
+            logits = self._forward(cache, range(batch), [[t] for t in feed])
+            self._apply_policy(store, range(batch), logits, [True] * batch, steps)
+        end = time.perf_counter()
+        generations = []
+        for row in range(batch):
+            raw_ids = [t for t in generated[row] if t not in self.eos_ids]
+            raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
+            generations.append(
+                Generation(
+                    text=_cut_at_stop(raw_text, params.stop),
+                    raw_text=raw_text,
+                    token_ids=generated[row],
+                    finish_reason=finish[row],
+                    prompt_tokens=len(prompts[row]),
+                    ttft_s=first_token_at - start,
+                    decode_s=(done_at[row] or end) - first_token_at,
+                )
+            )
+        return BatchGeneration(generations=generations, store=store, steps=steps)
 
     def _forward(self, cache: StoreCache, rows: range, chunks: list[list[int]]) -> torch.Tensor:
         """One model call: `chunks[i]` (equal lengths) for row `rows[i]` of the cache's store;
@@ -177,9 +284,8 @@ class Engine:
         end = time.perf_counter()
         raw_ids = [t for t in generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
-        cut = min((raw_text.find(s) for s in params.stop if s in raw_text), default=len(raw_text))
         return Generation(
-            text=raw_text[:cut],
+            text=_cut_at_stop(raw_text, params.stop),
             raw_text=raw_text,
             token_ids=generated,
             finish_reason=finish,
@@ -187,6 +293,26 @@ class Engine:
             ttft_s=first_token_at - start,
             decode_s=end - first_token_at,
         )
+
+
+@dataclass
+class BatchGeneration:
+    """The replies of `Engine.generate_batch`.
+
+    Attributes:
+        generations: one per prompt, in order.
+        store: the batch's KV store (per-row lengths, bytes and peaks).
+        steps: per row, one record per forward call (each row's own sawtooth).
+    """
+
+    generations: list[Generation]
+    store: KVStore
+    steps: list[list[StepRecord]]
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    """`text` up to the first occurrence of any stop string."""
+    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
 
 
 def _as_list(value) -> list:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import append_tokens, kept_positions
 
-from agent_kv.store import CAPACITY_STEP, KVStore
+from agent_kv.store import CAPACITY_STEP, Int8Config, KVStore
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:
@@ -115,3 +115,61 @@ def test_pin_spans_are_validated_and_pins_grow_with_the_episode():
         append_tokens(store, torch.zeros(1, 3, 1, 4))
     mask = store.pinned_mask(0)
     assert mask.sum().item() == 1 and mask[1000]
+
+
+def int8_store(tokens: int, window: int = 8, group: int = 4) -> KVStore:
+    store = KVStore(1, 2, 4, int8=Int8Config(fp_window=window, group=group))
+    keys = torch.arange(tokens, dtype=torch.float32).view(1, 1, tokens, 1).expand(1, 2, tokens, 4)
+    append_tokens(store, keys.clone())
+    return store
+
+
+def test_tokens_leaving_the_fp_window_move_to_int8_in_whole_groups():
+    store = int8_store(30)
+    store.pin(2, 4)
+    moved = store.quantize_stale(0)
+    layer = store.layers[0]
+    # 28 unpinned, 8 stay in the window: 20 stale, moved as 5 groups of 4
+    assert moved == 20 and layer.q_len[0] == 20 and layer.fp_len[0] == 10
+    assert layer.n_groups[0] == 5
+    assert kept_positions(store) == [0, 1, *range(4, 22), 2, 3, *range(22, 30)]
+    assert store.pinned_mask(0).tolist() == [False] * 20 + [True, True] + [False] * 8
+    # INT8 keys read back as their positions, to within half a quantization step
+    deq = layer.q_keys[0, :, :20].float() * layer.key_scales[0, :, layer.q_group[0, :20]].float()
+    expected = torch.tensor([0, 1, *range(4, 22)], dtype=torch.float32)
+    assert (deq[0, :, 0] - expected).abs().max() <= 21 / 127 / 2 + 1e-3
+    assert store.quantize_stale(0) == 0  # nothing more until a whole group is stale
+
+
+def test_int8_bytes_count_int8_values_and_scales_exactly():
+    store = int8_store(30)
+    store.quantize_stale(0)
+    layer = store.layers[0]
+    fp_bytes = 2 * layer.keys[0, :, :10].nbytes  # keys + values, fp32
+    int8_bytes = 2 * layer.q_keys[0, :, :20].nbytes
+    scale_bytes = 2 * layer.key_scales[0, :, :5].nbytes  # float16, 5 groups
+    assert store.nbytes() == fp_bytes + int8_bytes + scale_bytes == 640 + 320 + 160
+    # evicting every token of two groups drops their scales
+    keep = torch.tensor([*range(8, 20), *range(20, 30)])
+    store.compact(0, keep)
+    assert layer.n_groups[0] == 3 and layer.q_len[0] == 12
+    assert store.nbytes() == 640 + 2 * 12 * 2 * 4 + 2 * 3 * 2 * 4 * 2
+    deq = layer.q_keys[0, 0, :12, 0].float() * layer.key_scales[0, 0, layer.q_group[0, :12], 0]
+    assert (deq - torch.arange(8, 20)).abs().max() < 0.1
+
+
+def test_rows_keep_their_own_lengths_and_bytes():
+    store = KVStore(2, 2, 4, batch=3)
+    append_tokens(store, torch.randn(3, 2, 10, 4), rows=range(3))
+    append_tokens(store, torch.randn(1, 2, 5, 4), rows=range(1, 2))
+    store.compact(0, torch.arange(4), row=2)
+    assert [store.lengths(r) for r in range(3)] == [[10, 10], [15, 15], [4, 10]]
+    assert [store.seen(r) for r in range(3)] == [10, 15, 10]
+    per_token_layer = 2 * 2 * 4 * 4
+    assert store.nbytes(1) == 30 * per_token_layer
+    assert store.nbytes() == sum(store.nbytes(r) for r in range(3)) == 64 * per_token_layer
+    assert store.row_peak_bytes == [
+        20 * per_token_layer,
+        30 * per_token_layer,
+        20 * per_token_layer,
+    ]

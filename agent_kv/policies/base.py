@@ -70,9 +70,15 @@ class Policy(ABC):
         Default: recency (newest highest)."""
         return store.layers[layer_idx].live_positions(row).float()
 
-    def step(self, store: KVStore, confidence: float | None | list[float | None]) -> int:
-        """Evict down to this step's budget in every layer and row, then move the tokens that
-        left the FP window into INT8 (when the store has INT8 on); return the tokens evicted.
+    def step(
+        self,
+        store: KVStore,
+        confidence: float | None | list[float | None],
+        rows: range | None = None,
+    ) -> int:
+        """Evict down to this step's budget in every layer of `rows` (default: every row),
+        then move the tokens that left the FP window into INT8 (when the store has INT8 on);
+        return the tokens evicted.
 
         `confidence` is one value for every row or a list with one per row, so each row of a
         batch follows its own sawtooth. The budget counts unpinned tokens: pinned tokens are
@@ -80,9 +86,10 @@ class Policy(ABC):
         out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
         and the top-ranked others fill the rest of the budget.
         """
-        per_row = confidence if isinstance(confidence, list) else [confidence] * store.batch
+        rows = range(store.batch) if rows is None else rows
+        per_row = confidence if isinstance(confidence, list) else [confidence] * len(rows)
         evicted = 0
-        for row, row_confidence in enumerate(per_row):
+        for row, row_confidence in zip(rows, per_row, strict=True):
             budgets = self.layer_budgets(row_confidence, len(store.layers))
             for idx in range(len(store.layers)):
                 if budgets is not None:

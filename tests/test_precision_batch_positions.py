@@ -1,0 +1,112 @@
+"""On the default model: INT8 mixed precision, batched decoding, and rerotate positions."""
+
+from __future__ import annotations
+
+import torch
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.sampling import SamplingParams
+from agent_kv.store import Int8Config
+
+TEXT = (
+    "Listing 4412: a blue road bike, 56 cm frame, new tyres, sold by Maria in Oakland for 120 "
+    "dollars. Listing 4413: a walnut desk with two drawers, 80 dollars, pickup only. Listing "
+    "4414: a used phone with a cracked screen, 45 dollars. Buyers message sellers through the "
+    "site and meet in public places. "
+) * 12
+
+
+def token_ids(smollm, text: str) -> list[int]:
+    return smollm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_int8_storage_changes_little_and_holds_fewer_bytes(smollm):
+    ids = token_ids(smollm, TEXT)[:550]
+    runs = {}
+    for label, int8 in (("fp", None), ("int8", Int8Config(fp_window=64, group=32))):
+        engine = Engine(
+            smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=384), 128, int8
+        )
+        session = engine.new_session()
+        engine.feed(session, ids[:400])
+        logits = [engine.feed(session, [t]) for t in ids[400:]]
+        runs[label] = (torch.stack(logits), session.store)
+    (fp_logits, fp_store), (q_logits, q_store) = runs["fp"], runs["int8"]
+    assert q_store.lengths() == fp_store.lengths()  # same tokens kept, other precision
+    assert min(q_store.quantized_lengths()) > 0
+    assert q_store.nbytes() < 0.75 * fp_store.nbytes()
+    fp_logp, q_logp = fp_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    kl = (fp_logp.exp() * (fp_logp - q_logp)).sum(-1)  # [150] per decode step
+    assert kl.mean() < 0.01
+    agree = (fp_logits.argmax(-1) == q_logits.argmax(-1)).float().mean()
+    assert agree > 0.95
+
+
+def test_batched_decoding_equals_row_by_row(smollm):
+    ids = token_ids(smollm, TEXT)
+    prompts = [ids[:150], ids[40:420], ids[500:560]]
+    engine = Engine(
+        smollm.model,
+        smollm.tokenizer,
+        make_policy("conf-kv", budget=192, protect_recent=32),
+        prefill_chunk=128,
+        int8=Int8Config(fp_window=32, group=16),
+    )
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)
+    batched = engine.generate_batch(prompts, params)
+    for row, prompt in enumerate(prompts):
+        session = engine.new_session()
+        alone = engine.generate(session, prompt, params)
+        assert batched.generations[row].token_ids == alone.token_ids
+        assert batched.store.lengths(row) == session.store.lengths()
+        assert batched.store.quantized_lengths(row) == session.store.quantized_lengths()
+        assert batched.store.nbytes(row) == session.store.nbytes()
+        # each row has its own sawtooth: the same per-step bytes as when run alone
+        assert [s.kv_bytes for s in batched.steps[row]] == [s.kv_bytes for s in session.steps]
+    assert len({batched.store.nbytes(row) for row in range(3)}) > 1  # ragged rows
+
+
+def test_rerotate_without_eviction_matches_original_positions(smollm):
+    ids = token_ids(smollm, TEXT)[:400]
+    logits = []
+    for rerotate in (False, True):
+        engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 128, None, rerotate)
+        session = engine.new_session()
+        logits.append(
+            torch.stack(
+                [engine.feed(session, ids[:300]), *[engine.feed(session, [t]) for t in ids[300:]]]
+            )
+        )
+    assert (logits[0] - logits[1]).abs().max() < 1e-3
+
+
+def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(smollm):
+    """A 12K-token stream under a 2K budget: beyond SmolLM2's 8192-token context."""
+    head = token_ids(
+        smollm,
+        "There is important info hidden inside a lot of irrelevant text. Find it and "
+        "memorize it.\nThe pass key is 4817. Remember it. 4817 is the pass key.\n",
+    )
+    filler = token_ids(
+        smollm, " The grass is green. The sky is blue. The sun is yellow. Here we go." * 900
+    )
+    question = token_ids(smollm, "\nWhat is the pass key? The pass key is")
+    engine = Engine(
+        smollm.model,
+        smollm.tokenizer,
+        make_policy("conf-kv", budget=2048),
+        prefill_chunk=512,
+        int8=Int8Config(),
+        rerotate=True,
+    )
+    session = engine.new_session()
+    session.store.pin(0, len(head))
+    stream = head + filler[: 12_000 - len(head)]
+    assert len(stream) == 12_000 > smollm.model.config.max_position_embeddings
+    engine.feed(session, stream)
+    assert torch.isfinite(session.last_logits).all()
+    assert max(session.store.lengths()) <= 2048 + 512 + len(head)
+    reply = engine.generate(session, question, SamplingParams(max_new_tokens=6))
+    assert reply.text.strip().startswith("4817")
+    assert session.store.seen_tokens > 12_000
