@@ -91,6 +91,9 @@ class EpisodeResult:
     peak_kv_bytes: int
     full_kv_bytes: int
     evicted_tokens: int
+    int8: dict | None
+    quantized_tokens: int
+    positions: str
     ttft_s: list[float]
     decode_tokens_per_s: list[float]
     step_s: list[float]
@@ -192,6 +195,9 @@ def run_episode(
         peak_kv_bytes=store.peak_bytes,
         full_kv_bytes=store.full_kv_nbytes(),
         evicted_tokens=store.evicted_tokens,
+        int8=None if store.int8 is None else asdict(store.int8),
+        quantized_tokens=store.quantized_tokens,
+        positions=store.positions_mode,
         ttft_s=[round(t, 3) for t in ttfts],
         decode_tokens_per_s=[round(r, 2) for r in rates],
         step_s=[round(t, 3) for t in step_times],

@@ -35,18 +35,30 @@ def parse_bytes(text: str) -> int:
     return size
 
 
-def tokens_for_bytes(budget_bytes: int, bytes_per_token: int) -> int:
+def tokens_for_bytes(
+    budget_bytes: int,
+    bytes_per_token: int,
+    int8_bytes_per_token: float | None = None,
+    fp_tokens: int = 0,
+) -> int:
     """Tokens per layer whose keys and values, over all layers, fit in `budget_bytes`.
 
     Args:
         budget_bytes: the budget in bytes.
-        bytes_per_token: key + value bytes of one token over all layers
+        bytes_per_token: key + value bytes of one full-precision token over all layers
             (`KVStore.bytes_per_token`; 46,080 for SmolLM2-135M in fp32).
+        int8_bytes_per_token: the same for an INT8 token with its share of the scales
+            (`KVStore.int8_bytes_per_token`), when mixed precision is on.
+        fp_tokens: with INT8 on, how many tokens stay at full precision (the FP window plus
+            up to a group waiting to be quantized); the rest cost `int8_bytes_per_token`.
 
     Raises:
         ConfigError: the budget holds less than one token.
     """
     tokens = budget_bytes // bytes_per_token
+    if int8_bytes_per_token is not None and tokens > fp_tokens:
+        rest = budget_bytes - fp_tokens * bytes_per_token
+        tokens = fp_tokens + int(rest // int8_bytes_per_token)
     if tokens < 1:
         raise ConfigError(
             f"a budget of {budget_bytes} bytes holds no token ({bytes_per_token} bytes each)"

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from agent_kv.errors import AgentKVError, ConfigError
+from agent_kv.store import Int8Config
 
 app = typer.Typer(
     add_completion=False,
@@ -34,6 +35,47 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+PolicyOption = Annotated[
+    str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
+]
+BudgetOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
+        "budget N_high is half), the window, or the h2o/random budget. Default: the "
+        "policy's own."
+    ),
+]
+BudgetBytesOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The budget as KV bytes over all layers (e.g. 38MB), converted to tokens for the "
+        "model and precision; instead of --budget."
+    ),
+]
+Int8Option = Annotated[
+    bool,
+    typer.Option(
+        "--int8/--no-int8",
+        help="Mixed precision (CONF-KV §4): tokens older than the FP window are stored as INT8.",
+    ),
+]
+FpWindowOption = Annotated[
+    int, typer.Option(min=0, help="With --int8: newest unpinned tokens kept at full precision.")
+]
+PositionsOption = Annotated[
+    str,
+    typer.Option(
+        help="original (keys keep their positions) or rerotate (StreamingLLM in-cache "
+        "positions, for episodes past the model's context)."
+    ),
+]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
+]
+
+
 @app.callback()
 def _root() -> None:
     """agent_kv command line."""
@@ -42,24 +84,9 @@ def _root() -> None:
 @app.command("run-episode")
 def run_episode_command(
     task: Annotated[str, typer.Option(help="Bundled task id, or a path to a task JSON file.")],
-    policy: Annotated[
-        str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
-    ] = "conf-kv",
-    budget: Annotated[
-        int | None,
-        typer.Option(
-            help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
-            "budget N_high is half), the window, or the h2o/random budget. Default: the "
-            "policy's own."
-        ),
-    ] = None,
-    budget_bytes: Annotated[
-        str | None,
-        typer.Option(
-            help="The budget as KV bytes over all layers (e.g. 38MB), converted to tokens "
-            "for the model; instead of --budget."
-        ),
-    ] = None,
+    policy: PolicyOption = "conf-kv",
+    budget: BudgetOption = None,
+    budget_bytes: BudgetBytesOption = None,
     tau: Annotated[float | None, typer.Option(help="conf-kv confidence threshold.")] = None,
     protect_recent: Annotated[
         int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
@@ -73,10 +100,10 @@ def run_episode_command(
     prefill_chunk: Annotated[
         int, typer.Option(min=1, help="Tokens per prefill forward call.")
     ] = 512,
-    model: Annotated[
-        str | None,
-        typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
-    ] = None,
+    int8: Int8Option = False,
+    fp_window: FpWindowOption = 128,
+    positions: PositionsOption = "original",
+    model: ModelOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
@@ -86,7 +113,9 @@ def run_episode_command(
     try:
         task_obj = load_task(task)
         find_chromium()
-        spec = PolicySpec.parse(policy, budget, budget_bytes, tau, protect_recent)
+        spec = PolicySpec.parse(
+            policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions
+        )
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError) as err:
         fail(str(err))
@@ -99,12 +128,15 @@ def run_episode_command(
 
 @dataclass
 class PolicySpec:
-    """A policy as the command line gives it; a byte budget needs the model to become tokens."""
+    """A policy and its store options as the command line gives them; a byte budget needs
+    the model to become tokens."""
 
     name: str
     budget: int | None
     budget_bytes: int | None
     params: dict
+    int8: Int8Config | None
+    rerotate: bool
 
     @classmethod
     def parse(
@@ -112,13 +144,17 @@ class PolicySpec:
         name: str,
         budget: int | None,
         budget_bytes: str | None,
-        tau: float | None,
-        protect_recent: int | None,
+        tau: float | None = None,
+        protect_recent: int | None = None,
+        int8: bool = False,
+        fp_window: int = 128,
+        positions: str = "original",
     ) -> PolicySpec:
         """Check everything that can be checked before the model loads.
 
         Raises:
-            ConfigError: both budgets given, an unreadable size, or invalid policy settings.
+            ConfigError: both budgets given, an unreadable size, unknown positions mode, or
+                invalid policy or INT8 settings.
         """
         from agent_kv.budgets import parse_bytes
         from agent_kv.policies import make_policy
@@ -127,22 +163,54 @@ class PolicySpec:
         params = {key: value for key, value in params.items() if value is not None}
         if budget is not None and budget_bytes is not None:
             raise ConfigError("give --budget or --budget-bytes, not both")
-        spec = cls(name, budget, parse_bytes(budget_bytes) if budget_bytes else None, params)
+        if positions not in ("original", "rerotate"):
+            raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
+        int8_config = Int8Config(fp_window=fp_window) if int8 else None
+        if int8_config is not None:
+            int8_config.validate()
+        spec = cls(
+            name,
+            budget,
+            parse_bytes(budget_bytes) if budget_bytes else None,
+            params,
+            int8_config,
+            positions == "rerotate",
+        )
         if spec.budget_bytes is None:
-            spec.build(bytes_per_token=1)
+            make_policy(name, budget=budget, **params)
         else:
             make_policy(name, **params)
         return spec
 
-    def build(self, bytes_per_token: int):
-        """The validated policy; `bytes_per_token` converts a byte budget (see `budgets`)."""
+    def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
+        """The validated policy. A byte budget becomes tokens with the FP cost of a token over
+        all layers and, with INT8 on, the INT8 cost (`budgets.tokens_for_bytes`).
+
+        Raises:
+            ConfigError: the budget holds no token, or invalid policy settings.
+        """
         from agent_kv.budgets import tokens_for_bytes
         from agent_kv.policies import make_policy
 
         budget = self.budget
         if self.budget_bytes is not None:
-            budget = tokens_for_bytes(self.budget_bytes, bytes_per_token)
+            fp_tokens = 0 if self.int8 is None else self.int8.fp_window + self.int8.group - 1
+            budget = tokens_for_bytes(
+                self.budget_bytes, bytes_per_token, int8_bytes_per_token, fp_tokens
+            )
         return make_policy(self.name, budget=budget, **self.params)
+
+    def engine(self, loaded, prefill_chunk: int = 512):
+        """An `Engine` for a loaded model with this policy and store options."""
+        from agent_kv.engine import Engine
+        from agent_kv.store import KVStore
+
+        shape = KVStore.for_model(loaded.model)
+        int8_cost = None if self.int8 is None else shape.int8_bytes_per_token(self.int8.group)
+        policy = self.build(shape.bytes_per_token(), int8_cost)
+        return Engine(
+            loaded.model, loaded.tokenizer, policy, prefill_chunk, self.int8, self.rerotate
+        )
 
 
 def _print_step(record: dict) -> None:
@@ -168,9 +236,7 @@ def _writable_dir(path: Path) -> None:
 
 def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, out) -> dict:
     from agent_kv.agent import AgentConfig, run_episode
-    from agent_kv.engine import Engine
     from agent_kv.model_loading import load_model
-    from agent_kv.store import KVStore
     from envs.browser_env import BrowserEnv
     from envs.server import SiteServers
 
@@ -186,8 +252,7 @@ def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_
             f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
             err=True,
         )
-        policy = spec.build(KVStore.for_model(loaded.model).bytes_per_token())
-        engine = Engine(loaded.model, loaded.tokenizer, policy, prefill_chunk=prefill_chunk)
+        engine = spec.engine(loaded, prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
 
@@ -196,36 +261,29 @@ def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_
 def serve_command(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
-    policy: Annotated[
-        str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
-    ] = "conf-kv",
-    budget: Annotated[
-        int | None, typer.Option(help="Unpinned tokens per layer (see run-episode).")
-    ] = None,
-    budget_bytes: Annotated[
-        str | None, typer.Option(help="The budget as KV bytes, e.g. 38MB (see run-episode).")
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
-    ] = None,
+    policy: PolicyOption = "conf-kv",
+    budget: BudgetOption = None,
+    budget_bytes: BudgetBytesOption = None,
+    int8: Int8Option = False,
+    fp_window: FpWindowOption = 128,
+    positions: PositionsOption = "original",
+    model: ModelOption = None,
 ) -> None:
     """Serve the OpenAI-compatible API (`/v1/chat/completions`, `/v1/models`, `/health`)."""
     import uvicorn
 
-    from agent_kv.engine import Engine
     from agent_kv.model_loading import load_model
-    from agent_kv.store import KVStore
     from api.app import create_app
 
     try:
-        spec = PolicySpec.parse(policy, budget, budget_bytes, None, None)
+        spec = PolicySpec.parse(
+            policy, budget, budget_bytes, int8=int8, fp_window=fp_window, positions=positions
+        )
         _free_port(host, port)
         loaded = load_model(model)
-        policy_obj = spec.build(KVStore.for_model(loaded.model).bytes_per_token())
+        engine = spec.engine(loaded)
     except AgentKVError as err:
         fail(str(err))
-    engine = Engine(loaded.model, loaded.tokenizer, policy_obj)
     uvicorn.run(create_app(engine, loaded.name), host=host, port=port)
 
 

@@ -360,6 +360,13 @@ class KVStore:
         layer = self.layers[0]
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * layer.keys.element_size()
 
+    def int8_bytes_per_token(self, group: int) -> float:
+        """Bytes one INT8 token costs across all layers, with its `1/group` share of the
+        float16 scales of its group."""
+        layer = self.layers[0]
+        per_channel = 1 + layer.key_scales.element_size() / group
+        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * per_channel
+
     def begin_forward(self, rows: range, n: int) -> torch.Tensor:
         """Declare the next model call: `n` new tokens for each of the contiguous `rows`.
 

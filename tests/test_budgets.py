@@ -7,6 +7,7 @@ import pytest
 from agent_kv.budgets import parse_bytes, tokens_for_bytes
 from agent_kv.cli import PolicySpec
 from agent_kv.errors import ConfigError
+from agent_kv.store import KVStore
 
 SMOLLM_FP32_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
@@ -47,3 +48,18 @@ def test_byte_budget_becomes_the_policy_budget():
         PolicySpec.parse("conf-kv", 100, "38MB", None, None)
     with pytest.raises(ConfigError, match="no parameter 'tau'"):
         PolicySpec.parse("window", None, "38MB", 0.5, None)
+
+
+def test_byte_budget_with_int8_counts_the_fp_window_at_full_cost():
+    int8_cost = 2 * 30 * 3 * 64 * (1 + 2 / 32)  # SmolLM2: int8 values + float16 scales / 32
+    assert KVStore(30, 3, 64).int8_bytes_per_token(32) == int8_cost == 12_240
+    # 128 + 31 tokens at 46,080 bytes, the rest at 12,240
+    assert tokens_for_bytes(38_000_000, SMOLLM_FP32_BYTES_PER_TOKEN, int8_cost, 159) == 2664
+    spec = PolicySpec.parse("window", None, "38MB", int8=True, fp_window=128)
+    assert spec.build(SMOLLM_FP32_BYTES_PER_TOKEN, int8_cost).window == 2664
+    # a budget smaller than the FP window is all full precision
+    assert tokens_for_bytes(4_608_000, SMOLLM_FP32_BYTES_PER_TOKEN, int8_cost, 159) == 100
+    with pytest.raises(ConfigError, match="positions"):
+        PolicySpec.parse("window", 100, None, positions="sideways")
+    with pytest.raises(ConfigError, match="fp_window"):
+        PolicySpec.parse("window", 100, None, int8=True, fp_window=-1)

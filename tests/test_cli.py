@@ -55,6 +55,20 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
 
 
+def test_episode_with_int8_and_rerotate(tmp_path: Path):
+    proc = run_cli(
+        "run-episode", "--task", "1", "--max-steps", "2", "--budget", "256", "--int8",
+        "--fp-window", "64", "--positions", "rerotate", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["int8"] == {"fp_window": 64, "group": 32}
+    assert summary["positions"] == "rerotate"
+    # the first observation, released when the second arrives, leaves the FP window as INT8
+    assert summary["steps"] == 2 and summary["quantized_tokens"] > 0
+    assert summary["peak_kv_bytes"] < summary["full_kv_bytes"]
+
+
 def assert_one_line_error(proc, *needles: str) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -132,6 +146,9 @@ def test_unusable_model_directory(tmp_path):
 def test_usage_errors_are_one_line(tmp_path):
     assert_one_line_error(run_cli("run-episode", "--task", "1", "--max-steps", "0"), "--max-steps")
     assert_one_line_error(run_cli("run-episode", "--task", "1", "--budget", "abc"), "--budget")
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "1", "--positions", "sideways"), "--positions"
+    )
     assert_one_line_error(run_cli("run-episode"), "Missing option '--task'")
     afile = tmp_path / "afile"
     afile.write_text("")
