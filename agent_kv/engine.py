@@ -229,9 +229,41 @@ class Engine:
             )
         return BatchGeneration(generations=generations, store=store, steps=steps)
 
-    def _forward(self, cache: StoreCache, rows: range, chunks: list[list[int]]) -> torch.Tensor:
-        """One model call: `chunks[i]` (equal lengths) for row `rows[i]` of the cache's store;
-        returns `[len(rows), vocab]` float32 logits after each row's last token."""
+    @torch.no_grad()
+    def score(self, session: Session, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
+        """Teacher-forced log-likelihood of `token_ids` under the managed cache.
+
+        The tokens are fed `chunk` at a time; after each call the policy steps with the
+        confidence of the call's last next-token distribution (gated, as in decode), so with
+        `chunk=1` this is exactly decoding the text; larger chunks let the cache overshoot
+        the budget by up to `chunk - 1` tokens between evictions.
+
+        Returns:
+            `[len(token_ids) - 1]` float32: `log p(token_ids[i] | everything before)` for
+            `i >= 1` (the first token is conditioned on, not scored).
+
+        Raises:
+            ValueError: fewer than two tokens, or `chunk < 1`.
+        """
+        if len(token_ids) < 2 or chunk < 1:
+            raise ValueError("score needs at least two tokens and chunk >= 1")
+        log_probs = []
+        for start in range(0, len(token_ids), chunk):
+            piece = token_ids[start : start + chunk]
+            logits = self._forward(session.cache, range(1), [piece], all_positions=True)[0]
+            self._apply_policy(session.store, range(1), logits[-1:], [True], [session.steps])
+            log_probs.append(torch.log_softmax(logits, dim=-1))  # [n, vocab]
+            session.last_logits = logits[-1]
+        session.token_ids.extend(token_ids)
+        targets = torch.tensor(token_ids[1:])
+        return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
+
+    def _forward(
+        self, cache: StoreCache, rows: range, chunks: list[list[int]], all_positions: bool = False
+    ) -> torch.Tensor:
+        """One model call: `chunks[i]` (equal lengths `n`) for row `rows[i]` of the cache's
+        store. Returns float32 logits after each row's last token, `[len(rows), vocab]`, or
+        with `all_positions` after every token, `[len(rows), n, vocab]`."""
         store = cache.store
         position_ids = store.begin_forward(rows, len(chunks[0]))  # [rows, n]
         out = self.model(
@@ -239,10 +271,10 @@ class Engine:
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_positions else 1,
             kv_store=store,
         )
-        return out.logits[:, -1].float()
+        return out.logits.float() if all_positions else out.logits[:, -1].float()
 
     def generate(
         self, session: Session, prompt_ids: list[int], params: SamplingParams

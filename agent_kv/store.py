@@ -567,8 +567,10 @@ class KVStore:
     def quantize_stale(self, layer_idx: int, row: int = 0) -> int:
         """Move tokens that left the FP window into INT8 (no-op without INT8); returns the
         tokens moved."""
-        if self.int8 is None:
-            return 0
+        if self.int8 is None or self.layers[layer_idx].fp_len[row] < sum(
+            (self.int8.fp_window, self.int8.group)
+        ):
+            return 0  # fewer FP tokens than the window plus a group: nothing can be stale
         moved = self.layers[layer_idx].quantize_stale(
             row, self.pinned_mask(layer_idx, row), self.int8
         )

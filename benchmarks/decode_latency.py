@@ -1,10 +1,14 @@
-"""Decode latency per token, full KV vs a policy, side by side in one run (CPU or GPU).
+"""Decode latency per token: full KV vs a policy in FP and with INT8, side by side in one run.
 
-For each context length the same prompt is prefilled under `full` and under the policy,
-then both decode the same number of tokens; steps alternate between the two sessions so
-machine noise hits both alike. Printed per length: median decode step of each, their ratio,
-the policy's own share of its step (scoring + eviction + compaction, timed around
-`record_attention` and `Policy.step`), and the KV bytes each session holds.
+Part 1, per context length: the same random prompt is prefilled under `full`, the policy
+with every token in the model's dtype, and the policy with INT8 mixed precision; then all
+three decode the same number of tokens, one step each in turn, so machine noise hits them
+alike. Printed: the median decode step of each, the speed-up over full, the policy's own
+share of its step (scoring + eviction + compaction + quantization: the time spent in
+`record_attention` and `Policy.step`), and the KV bytes each holds.
+
+Part 2, KV bytes held by every policy at the same token budget after the same prompt and
+decode steps, FP and INT8.
 
     .venv/bin/python benchmarks/decode_latency.py --lengths 2048 4096 8000 --budget 1024
 """
@@ -19,9 +23,9 @@ import torch
 
 from agent_kv.engine import Engine
 from agent_kv.model_loading import load_model
-from agent_kv.policies import make_policy
+from agent_kv.policies import POLICIES, make_policy
 from agent_kv.session import Session
-from agent_kv.store import KVStore
+from agent_kv.store import Int8Config
 
 
 class Timed:
@@ -48,45 +52,69 @@ def decode_step(engine: Engine, session: Session) -> float:
     return time.perf_counter() - start
 
 
-def run(
-    lengths: list[int], budget: int, policy_name: str, steps: int, seed: int, slack: int
-) -> None:
-    loaded = load_model()
-    vocab = loaded.model.config.vocab_size
-    generator = torch.Generator().manual_seed(seed)
-    full_engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"))
-    policy = make_policy(policy_name, budget=budget, evict_slack=slack)
-    policy_engine = Engine(loaded.model, loaded.tokenizer, policy)
-    overhead = Timed()
-    policy.step = overhead.wrap(policy.step)
+def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
+    int8 = Int8Config(fp_window=args.fp_window)
+    engines = {"full": Engine(loaded.model, loaded.tokenizer, make_policy("full"))}
+    timers = {}
+    for label, precision in (("fp", None), ("int8", int8)):
+        policy = make_policy(args.policy, budget=args.budget, evict_slack=args.slack)
+        timers[label] = Timed()
+        policy.step = timers[label].wrap(policy.step)
+        engines[label] = Engine(loaded.model, loaded.tokenizer, policy, int8=precision)
     print(
-        f"model {loaded.name}, policy {policy_name} (budget {budget}, evict_slack {slack}), "
-        f"{steps} decode steps"
+        f"\n{args.policy} budget {args.budget}, evict_slack {args.slack}, INT8 fp_window "
+        f"{args.fp_window}; median of {args.steps} decode steps (ms/token)"
     )
     print(
-        f"{'context':>8} {'full ms/tok':>12} {'policy ms/tok':>14} {'speed-up':>9} "
-        f"{'overhead':>9} {'full KV MB':>11} {'policy KV MB':>13}"
+        f"{'context':>8} {'full':>7} {'fp':>7} {'int8':>7} {'full/fp':>8} {'full/int8':>10} "
+        f"{'ovh fp':>7} {'ovh int8':>9} {'full MB':>8} {'fp MB':>7} {'int8 MB':>8}"
     )
-    for length in lengths:
-        prompt = torch.randint(100, vocab, (length,), generator=generator).tolist()
-        full_session, policy_session = full_engine.new_session(), policy_engine.new_session()
-        store: KVStore = policy_session.store
-        store.record_attention = overhead.wrap(store.record_attention)
-        full_engine.feed(full_session, prompt)
-        policy_engine.feed(policy_session, prompt)
-        full_times, policy_times = [], []
-        overhead.seconds = 0.0
-        for _ in range(steps):
-            full_times.append(decode_step(full_engine, full_session))
-            policy_times.append(decode_step(policy_engine, policy_session))
-        full_ms = statistics.median(full_times) * 1e3
-        policy_ms = statistics.median(policy_times) * 1e3
-        share = overhead.seconds / sum(policy_times)
+    for length, prompt in prompts.items():
+        sessions = {label: engine.new_session() for label, engine in engines.items()}
+        for label in ("fp", "int8"):
+            store = sessions[label].store
+            store.record_attention = timers[label].wrap(store.record_attention)
+        for label, engine in engines.items():
+            engine.feed(sessions[label], prompt)
+        times = {label: [] for label in engines}
+        for timer in timers.values():
+            timer.seconds = 0.0
+        for _ in range(args.steps):
+            for label, engine in engines.items():
+                times[label].append(decode_step(engine, sessions[label]))
+        ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
+        share = {label: timers[label].seconds / sum(times[label]) for label in timers}
+        mb = {label: s.store.nbytes() / 1e6 for label, s in sessions.items()}
         print(
-            f"{length:>8} {full_ms:>12.1f} {policy_ms:>14.1f} {full_ms / policy_ms:>8.2f}x "
-            f"{share:>8.1%} {full_session.store.nbytes() / 1e6:>11.1f} "
-            f"{store.nbytes() / 1e6:>13.1f}"
+            f"{length:>8} {ms['full']:>7.1f} {ms['fp']:>7.1f} {ms['int8']:>7.1f} "
+            f"{ms['full'] / ms['fp']:>7.2f}x {ms['full'] / ms['int8']:>9.2f}x "
+            f"{share['fp']:>7.1%} {share['int8']:>9.1%} "
+            f"{mb['full']:>8.1f} {mb['fp']:>7.1f} {mb['int8']:>8.1f}"
         )
+
+
+def bytes_table(loaded, args, prompt: list[int]) -> None:
+    print(
+        f"\nKV bytes held at budget {args.budget} after a {len(prompt)}-token prompt and "
+        f"{args.steps} decode steps (peak = largest after any append)"
+    )
+    print(
+        f"{'policy':>10} {'FP MB':>7} {'FP peak':>8} {'INT8 MB':>8} {'INT8 peak':>10} {'ratio':>6}"
+    )
+    for name in POLICIES:
+        held = []
+        for precision in (None, Int8Config(fp_window=args.fp_window)):
+            budget = {} if name == "full" else {"budget": args.budget}
+            engine = Engine(
+                loaded.model, loaded.tokenizer, make_policy(name, **budget), int8=precision
+            )
+            session = engine.new_session()
+            engine.feed(session, prompt)
+            for _ in range(args.steps):
+                decode_step(engine, session)
+            held.append((session.store.nbytes() / 1e6, session.store.peak_bytes / 1e6))
+        (fp, fp_peak), (q, q_peak) = held
+        print(f"{name:>10} {fp:>7.1f} {fp_peak:>8.1f} {q:>8.1f} {q_peak:>10.1f} {fp / q:>5.2f}x")
 
 
 def main() -> None:
@@ -97,8 +125,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slack", type=int, default=0, help="the policy's evict_slack")
+    parser.add_argument("--fp-window", type=int, default=128, help="INT8's FP window W")
+    parser.add_argument("--skip-bytes", action="store_true", help="only the latency table")
     args = parser.parse_args()
-    run(args.lengths, args.budget, args.policy, args.steps, args.seed, args.slack)
+    loaded = load_model()
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = loaded.model.config.vocab_size
+    prompts = {
+        n: torch.randint(100, vocab, (n,), generator=generator).tolist() for n in args.lengths
+    }
+    print(f"model {loaded.name}, {torch.get_num_threads()} threads")
+    latency_table(loaded, args, prompts)
+    if not args.skip_bytes:
+        bytes_table(loaded, args, prompts[min(prompts)])
 
 
 if __name__ == "__main__":

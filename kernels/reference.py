@@ -85,6 +85,23 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rotated_half * sin[:, None]
 
 
+def _visibility(
+    segment: Segment, q_len: int, group: int, device: torch.device
+) -> torch.Tensor | None:
+    """`[B, 1, G*q, width]` bool: may each query row see each slot; None when all may (every
+    row at full width, and no causal constraint beyond the end: one query or none new)."""
+    width = segment.keys.shape[2]
+    ragged = any(length < width for length in segment.lengths)
+    if not ragged and not (segment.causal and q_len > 1):
+        return None
+    lengths = torch.tensor(segment.lengths, device=device)[:, None, None]  # [B, 1, 1]
+    limit = lengths.expand(-1, group * q_len, 1)  # [B, G*q, 1]: slots below are visible
+    if segment.causal:
+        query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
+        limit = lengths - q_len + 1 + query_index[None, :, None]
+    return (torch.arange(width, device=device) < limit)[:, None]
+
+
 @dataclass
 class Segment:
     """A run of stored tokens that attention reads, for a batch of rows.
@@ -168,44 +185,43 @@ def segmented_attention(
     group = q_heads // kv_heads
     device = query.device
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
-    query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
-    running_max = torch.full((batch, kv_heads, group * q_len, 1), float("-inf"), device=device)
-    normaliser = torch.zeros_like(running_max)
-    acc = torch.zeros(batch, kv_heads, group * q_len, head_dim, device=device)
-    block_logits: list[list[torch.Tensor]] = []
+    grouped = grouped * scaling
+    running_max = normaliser = acc = None  # [B, Hkv, G*q, 1], same, [B, Hkv, G*q, D]
+    block_logits: list[torch.Tensor] = []
     for segment in segments:
-        lengths = torch.tensor(segment.lengths, device=device)[:, None, None]  # [B, 1, 1]
-        if segment.causal:  # [B, G*q, 1]: slots below this are visible to the row
-            limit = lengths - q_len + 1 + query_index[None, :, None]
-        else:
-            limit = lengths
-        logits_of_segment = []
+        visible = _visibility(segment, q_len, group, device)  # None: every slot visible
         live = max(segment.lengths, default=0)
         # float32 keys read as they are cost no copy: one block for the whole segment
-        step = block if segment.needs_conversion() else live
-        for start in range(0, live, max(step, 1)):
+        step = block if segment.needs_conversion() else max(live, 1)
+        for start in range(0, live, step):
             end = min(start + step, segment.keys.shape[2])
             keys, values = segment.read(start, end)
-            logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling  # [B,Hkv,G*q,n]
-            slots = torch.arange(start, end, device=device)
-            logits = logits.masked_fill(~(slots < limit)[:, None], float("-inf"))
-            new_max = torch.maximum(running_max, logits.amax(dim=-1, keepdim=True))
-            shift = torch.where(torch.isinf(new_max), 0.0, new_max)
-            probs = torch.exp(logits - shift)
-            rescale = torch.exp(running_max - shift)
-            normaliser = normaliser * rescale + probs.sum(dim=-1, keepdim=True)
-            acc = acc * rescale + torch.matmul(probs, values)
-            running_max = new_max
-            logits_of_segment.append(logits)
-        block_logits.append(logits_of_segment)
+            logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, n]
+            if visible is not None:
+                logits = logits.masked_fill(~visible[..., start:end], float("-inf"))
+            block_max = logits.amax(dim=-1, keepdim=True)
+            if running_max is None:
+                # a row that sees nothing yet has max -inf; shifting by -1e30 keeps exp at 0
+                running_max = block_max.clamp_min(-1e30)
+                probs = torch.exp(logits - running_max)
+                normaliser = probs.sum(dim=-1, keepdim=True)
+                acc = torch.matmul(probs, values)
+            else:
+                new_max = torch.maximum(running_max, block_max)
+                rescale = torch.exp(running_max - new_max)
+                probs = torch.exp(logits - new_max)
+                normaliser = normaliser * rescale + probs.sum(dim=-1, keepdim=True)
+                acc = acc * rescale + torch.matmul(probs, values)
+                running_max = new_max
+            block_logits.append(logits)
     out = (acc / normaliser).to(query.dtype)  # [B, Hkv, G*q, D]
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
+    probs = torch.exp(torch.cat(block_logits, dim=-1) - running_max) / normaliser
+    mass = probs.sum(dim=-2)  # [B, Hkv, sum of live widths]
+    widths = [max(segment.lengths, default=0) for segment in segments]
     masses = []
-    for segment, logits_of_segment in zip(segments, block_logits, strict=True):
-        mass = torch.zeros(batch, kv_heads, segment.keys.shape[2], device=device)
-        for i, logits in enumerate(logits_of_segment):
-            start = i * (block if segment.needs_conversion() else logits.shape[-1])
-            probs = torch.exp(logits - running_max) / normaliser
-            mass[:, :, start : start + logits.shape[-1]] = probs.sum(dim=-2)
-        masses.append(mass)
+    for segment, part in zip(segments, mass.split(widths, dim=-1), strict=True):
+        padded = part.new_zeros(batch, kv_heads, segment.keys.shape[2])
+        padded[..., : part.shape[-1]] = part
+        masses.append(padded)
     return out, masses

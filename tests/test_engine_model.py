@@ -82,8 +82,8 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
 
     original_step = policy.step
 
-    def checked_step(st, conf):
-        evicted = original_step(st, conf)
+    def checked_step(st, conf, rows=None):
+        evicted = original_step(st, conf, rows)
         seen = st.seen_tokens
         for layer in st.layers:
             kept = set(layer.live_positions().tolist())
@@ -171,11 +171,11 @@ def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids)
         layer = session.store.layers[15]
         return set(layer.live_positions().tolist())
 
-    window = kept_after(make_policy("window", budget=128))
+    window = kept_after(make_policy("window", budget=128, evict_slack=0))
     assert window == set(range(300 - 128, 300))
     for policy in (
-        make_policy("conf-kv", n_high=128, n_low=128, protect_recent=16),
-        make_policy("h2o", budget=128),
+        make_policy("conf-kv", n_high=128, n_low=128, protect_recent=16, evict_slack=0),
+        make_policy("h2o", budget=128, evict_slack=0),
     ):
         kept = kept_after(policy)
         old = {p for p in kept if p < 300 - 128}

@@ -41,7 +41,7 @@ def test_confidence_extremes():
 
 
 def test_conf_kv_budget_follows_confidence_gate():
-    policy = make_policy("conf-kv", n_high=32, n_low=48, tau=0.5, protect_recent=4)
+    policy = make_policy("conf-kv", n_high=32, n_low=48, tau=0.5, protect_recent=4, evict_slack=0)
     assert policy.budget(0.9) == 32
     assert policy.budget(0.1) == 48
     store = store_with(100)
@@ -58,7 +58,7 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     scores[[5, 17, 42]] = 0.5
     store = store_with(100, scores)
     store.pin(0, 3)
-    policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0)
+    policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0, evict_slack=0)
     evicted = policy.step(store, confidence=1.0)
     kept = kept_positions(store)
     assert {0, 1, 2, 5, 17, 42} <= set(kept)
@@ -73,7 +73,7 @@ def test_protect_recent_means_the_newest_unpinned_tokens():
     scores[0] = 0.6
     store = store_with(100, scores)
     store.pin(90, 100)
-    policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0)
+    policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0, evict_slack=0)
     policy.step(store, confidence=1.0)
     kept = kept_positions(store)
     assert kept == [0] + list(range(82, 100))  # best heavy hitter + 8 newest unpinned + pins
@@ -84,7 +84,7 @@ def test_conf_kv_ranking_survives_an_attention_sink():
     scores[0] = 0.9  # a sink with most of the mass, as real models have
     scores[[20, 40, 60]] = 0.02  # heavy hitters far below the sink
     store = store_with(200, scores)
-    policy = ConfKV(n_high=12, n_low=12, protect_recent=4, recency_weight=0.3)
+    policy = ConfKV(n_high=12, n_low=12, protect_recent=4, recency_weight=0.3, evict_slack=0)
     policy.step(store, confidence=1.0)
     kept = set(kept_positions(store))
     assert {0, 20, 40, 60} <= kept
@@ -98,7 +98,7 @@ def test_no_signal_gets_the_loose_budget():
 
 def test_window_keeps_newest_and_sinks():
     store = store_with(50)
-    policy = make_policy("window", budget=10, sinks=2)
+    policy = make_policy("window", budget=10, sinks=2, evict_slack=0)
     policy.step(store, 0.0)
     assert kept_positions(store, 1) == [0, 1] + list(range(42, 50))
 
@@ -112,7 +112,7 @@ def test_full_never_evicts():
 def test_pins_never_crowd_out_the_newest_tokens():
     store = store_with(40)
     store.pin(0, 20)
-    make_policy("window", budget=10).step(store, 0.0)
+    make_policy("window", budget=10, evict_slack=0).step(store, 0.0)
     assert store.lengths() == [30, 30]
     assert kept_positions(store) == list(range(20)) + list(range(30, 40))
 
@@ -144,7 +144,7 @@ def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
     for layer in store.layers:
         layer.accumulated[0, :, :100] = 0.01
         layer.accumulated[0, :, [3, 30, 60]] = 5.0
-    policy = make_policy("h2o", budget=20)
+    policy = make_policy("h2o", budget=20, evict_slack=0)
     assert (policy.budget_tokens, policy.protect_recent) == (20, 10)
     policy.step(store, confidence=None)
     kept = kept_positions(store)
@@ -156,7 +156,9 @@ def test_random_keeps_the_budget_reproducibly():
     def kept(seed):
         store = store_with(100)
         store.pin(0, 5)
-        make_policy("random", budget=20, seed=seed, protect_recent=4).step(store, None)
+        make_policy("random", budget=20, seed=seed, protect_recent=4, evict_slack=0).step(
+            store, None
+        )
         return kept_positions(store)
 
     first = kept(1)
@@ -167,7 +169,9 @@ def test_random_keeps_the_budget_reproducibly():
 
 
 def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
-    policy = make_policy("conf-kv-l", n_high=100, n_low=200, protect_recent=8, pyramid=0.5)
+    policy = make_policy(
+        "conf-kv-l", n_high=100, n_low=200, protect_recent=8, pyramid=0.5, evict_slack=0
+    )
     budgets = policy.layer_budgets(0.99, 30)
     assert sum(budgets) == 30 * 100
     assert budgets == sorted(budgets, reverse=True)

@@ -13,6 +13,7 @@ class FullKV(Policy):
     """Never evicts; `budget` is None at every step."""
 
     name = "full"
+    evict_slack: int = 0
 
     def validate(self) -> None:
         """`protect_recent` and `evict_slack` mean nothing when nothing is evicted: both stay 0."""
