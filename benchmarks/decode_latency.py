@@ -57,12 +57,13 @@ def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
     engines = {"full": Engine(loaded.model, loaded.tokenizer, make_policy("full"))}
     timers = {}
     for label, precision in (("fp", None), ("int8", int8)):
-        policy = make_policy(args.policy, budget=args.budget, evict_slack=args.slack)
+        slack = {} if args.slack is None else {"evict_slack": args.slack}
+        policy = make_policy(args.policy, budget=args.budget, **slack)
         timers[label] = Timed()
         policy.step = timers[label].wrap(policy.step)
         engines[label] = Engine(loaded.model, loaded.tokenizer, policy, int8=precision)
     print(
-        f"\n{args.policy} budget {args.budget}, evict_slack {args.slack}, INT8 fp_window "
+        f"\n{args.policy} budget {args.budget}, evict_slack {policy.evict_slack}, INT8 fp_window "
         f"{args.fp_window}; median of {args.steps} decode steps (ms/token)"
     )
     print(
@@ -124,7 +125,9 @@ def main() -> None:
     parser.add_argument("--policy", default="conf-kv")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per length")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slack", type=int, default=0, help="the policy's evict_slack")
+    parser.add_argument(
+        "--slack", type=int, default=None, help="the policy's evict_slack (default: its own)"
+    )
     parser.add_argument("--fp-window", type=int, default=128, help="INT8's FP window W")
     parser.add_argument("--skip-bytes", action="store_true", help="only the latency table")
     args = parser.parse_args()

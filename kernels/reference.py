@@ -139,13 +139,22 @@ class Segment:
         if self.scale_index is None:
             keys, values = keys.float(), values.float()
         else:
-            batch, heads, span, dim = keys.shape
-            index = self.scale_index[:, None, start:end, None].expand(batch, heads, span, dim)
-            keys = dequantize(keys, torch.gather(self.key_scales, 2, index))
-            values = dequantize(values, torch.gather(self.value_scales, 2, index))
+            index = self.scale_index[:, start:end]  # [B, span]
+            keys = dequantize(keys, _per_slot(self.key_scales, index))
+            values = dequantize(values, _per_slot(self.value_scales, index))
         if self.cos is not None:
             keys = apply_rotation(keys, self.cos[:, start:end], self.sin[:, start:end])
         return keys, values
+
+
+def _per_slot(scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """float32 scales `[B, H, span, D]` of each slot, from the table `[B, H, S, D]` and the
+    slots' scale rows `index` `[B, span]` (indexing the small table, converted first)."""
+    table = scales.float()
+    if table.shape[0] == 1:
+        return table[:, :, index[0]]
+    rows = torch.arange(table.shape[0], device=table.device)[:, None]
+    return table[rows, :, index].permute(0, 2, 1, 3)
 
 
 def segmented_attention(
