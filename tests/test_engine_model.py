@@ -188,3 +188,23 @@ def test_end_of_turn_ids_may_be_lists(smollm, monkeypatch):
     monkeypatch.setattr(smollm.model.config, "eos_token_id", [2, 7])
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     assert {2, 7} <= engine.eos_ids
+
+
+def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
+    model = AutoModelForCausalLM.from_pretrained(smollm.source, attn_implementation="sdpa").eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+    targets = torch.tensor(prompt_ids[1:])
+    expected = logits.log_softmax(-1)[:-1].gather(1, targets[:, None]).squeeze(1)
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    session = engine.new_session()
+    scored = engine.score(session, prompt_ids, chunk=7)
+    assert scored.shape == (len(prompt_ids) - 1,)
+    assert (scored - expected).abs().max().item() < 1e-4
+    assert session.token_ids == prompt_ids and session.store.seen_tokens == len(prompt_ids)
+    # under a tight window the same text is predicted worse, and the cache stays bounded
+    policy = make_policy("window", budget=16, evict_slack=0)
+    window = Engine(smollm.model, smollm.tokenizer, policy)
+    windowed = window.new_session()
+    assert window.score(windowed, prompt_ids, chunk=8).mean() < scored.mean() - 0.5
+    assert max(windowed.store.lengths()) <= 16

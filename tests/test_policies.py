@@ -209,3 +209,16 @@ def test_evict_slack_amortises_compaction():
     random_tokens(store, 1)
     assert policy.step(store, None) == 2 * 9
     assert store.lengths() == [32, 32]
+
+
+def test_sinks_are_kept_by_any_policy_and_count_in_the_budget():
+    scores = torch.linspace(1.0, 0.0, 60)  # the first tokens score highest...
+    scores[:4] = 0.0  # ...except the sinks, which conf-kv alone would drop
+    store = store_with(60, scores)
+    policy = make_policy("conf-kv", n_high=20, n_low=20, protect_recent=4, sinks=4, evict_slack=0)
+    policy.step(store, 0.9)
+    kept = kept_positions(store)
+    assert len(kept) == 20
+    assert kept[:4] == [0, 1, 2, 3] and kept[-4:] == [56, 57, 58, 59]
+    with pytest.raises(ConfigError, match="sink"):
+        make_policy("h2o", budget=10, protect_recent=5, sinks=5)

@@ -26,6 +26,8 @@ class Policy(ABC):
 
     Attributes:
         protect_recent: the `P` most recent unpinned tokens of every layer are never evicted.
+        sinks: the first `sinks` positions are never evicted either (attention sinks,
+            StreamingLLM §3.1); they count in the budget.
         evict_slack: a layer over budget is cut to `budget - evict_slack` tokens, so the
             compaction (a gather of the whole layer) runs once per `evict_slack + 1` new
             tokens instead of after every token; 0 keeps exactly `budget`. Default 32: with
@@ -35,6 +37,7 @@ class Policy(ABC):
 
     name: ClassVar[str]
     protect_recent: int = 0
+    sinks: int = 0
     evict_slack: int = 32
 
     @classmethod
@@ -49,6 +52,8 @@ class Policy(ABC):
             raise ConfigError(
                 f"{self.name}: protect_recent must be >= 0, got {self.protect_recent}"
             )
+        if self.sinks < 0:
+            raise ConfigError(f"{self.name}: sinks must be >= 0, got {self.sinks}")
         if self.evict_slack < 0:
             raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
 
@@ -104,15 +109,15 @@ class Policy(ABC):
         n, n_pinned = pinned.numel(), int(pinned.sum())
         if n - n_pinned <= budget:
             return 0
-        protected = pinned.clone()
+        positions = store.layers[idx].live_positions(row)
+        protected = pinned | (positions < self.sinks)
         if self.protect_recent:
             unpinned = (~pinned).nonzero().squeeze(1)
-            positions = store.layers[idx].live_positions(row)[unpinned]
-            newest = torch.topk(positions, min(self.protect_recent, unpinned.numel())).indices
-            protected[unpinned[newest]] = True
+            newest = torch.topk(positions[unpinned], min(self.protect_recent, unpinned.numel()))
+            protected[unpinned[newest.indices]] = True
         ranks = self.rank(store, idx, row, ~protected).clone()  # [n]
         ranks[protected] = float("inf")
-        keep_count = n_pinned + max(budget - self.evict_slack, self.protect_recent)
+        keep_count = max(n_pinned + budget - self.evict_slack, int(protected.sum()))
         keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
         store.compact(idx, keep, row)
         return n - keep_count
@@ -135,7 +140,7 @@ class FixedBudgetPolicy(Policy):
 
     def validate(self) -> None:
         super().validate()
-        check_budget(self.name, "budget", self.budget_tokens, self.protect_recent)
+        check_budget(self.name, "budget", self.budget_tokens, self.protect_recent + self.sinks)
 
     def budget(self, confidence: float | None) -> int:
         """The fixed budget, whatever the confidence."""
@@ -143,7 +148,8 @@ class FixedBudgetPolicy(Policy):
 
 
 def check_budget(policy_name: str, label: str, value: int, protect_recent: int = 0) -> None:
-    """Raise `ConfigError` unless `value` is a positive token count above `protect_recent`."""
+    """Raise `ConfigError` unless `value` is a positive token count above `protect_recent`
+    (the recent window plus the sinks)."""
     if not isinstance(value, int) or value <= 0:
         raise ConfigError(
             f"{policy_name}: {label} must be a positive number of tokens, got {value!r}"
@@ -151,5 +157,6 @@ def check_budget(policy_name: str, label: str, value: int, protect_recent: int =
     if value <= protect_recent:
         raise ConfigError(
             f"{policy_name}: {label}={value} cannot hold the protection window of "
-            f"{protect_recent} recent tokens; raise the budget or lower protect_recent"
+            f"{protect_recent} recent and sink tokens; raise the budget or lower "
+            "protect_recent/sinks"
         )

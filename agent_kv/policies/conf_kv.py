@@ -40,6 +40,7 @@ class ConfKV(Policy):
         n_low (int, default 1024): budget when uncertain (`c < tau`); must be >= n_high.
         tau (float, default 0.6): confidence threshold in [0, 1].
         protect_recent (int, default 64): `P`, newest tokens never evicted.
+        sinks (int, default 0): the first positions, never evicted (attention sinks).
         recency_weight (float, default 0.3): weight of recency in the rank, in [0, 1].
     """
 
@@ -68,8 +69,8 @@ class ConfKV(Policy):
 
     def validate(self) -> None:
         super().validate()
-        check_budget(self.name, "n_high", self.n_high, self.protect_recent)
-        check_budget(self.name, "n_low", self.n_low, self.protect_recent)
+        check_budget(self.name, "n_high", self.n_high, self.protect_recent + self.sinks)
+        check_budget(self.name, "n_low", self.n_low, self.protect_recent + self.sinks)
         if self.n_low < self.n_high:
             raise ConfigError(
                 f"{self.name}: n_low ({self.n_low}, the uncertain budget) must be >= n_high "

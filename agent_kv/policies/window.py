@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from agent_kv.policies.base import Policy, check_budget
-from agent_kv.store import KVStore
 
 
 @dataclass
@@ -26,7 +23,6 @@ class SlidingWindow(Policy):
 
     name = "window"
     window: int = 512
-    sinks: int = 0
 
     @classmethod
     def budget_params(cls, budget: int, params: dict) -> dict:
@@ -40,12 +36,3 @@ class SlidingWindow(Policy):
     def budget(self, confidence: float | None) -> int:
         """The window, whatever the confidence."""
         return self.window
-
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """Position (newest highest); the first `sinks` positions rank above all."""
-        positions = store.layers[layer_idx].live_positions(row)
-        ranks = positions.float()
-        ranks[positions < self.sinks] = float("inf")
-        return ranks
