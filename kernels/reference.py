@@ -166,8 +166,9 @@ def segmented_attention(
     online softmax (Milakov & Gimelshein, 2018; FlashAttention, Dao et al. 2022, §3.1): a
     running maximum `m`, normaliser `l` and output accumulator per query row, rescaled by
     `exp(m_old - m_new)` whenever the maximum grows. No full-length float copy of the cache is
-    made. The block logits are kept, so the mass is `exp(logit - m) / l` once `m` and `l` are
-    final. The last segment must be `causal` and hold the new tokens: row b's query i sees its
+    made. Each block's unnormalised probabilities are kept with the maximum they were taken
+    against, so the mass is `exp(m_block - m) / l * p` summed over queries once `m` and `l`
+    are final. The last segment must be `causal` and hold the new tokens: row b's query i sees its
     slots `j <= lengths[b] - q + i`; other segments are fully visible up to each row's length.
 
     Args:
@@ -196,10 +197,12 @@ def segmented_attention(
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
     grouped = grouped * scaling
     running_max = normaliser = acc = None  # [B, Hkv, G*q, 1], same, [B, Hkv, G*q, D]
-    block_logits: list[torch.Tensor] = []
+    blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unnormalised probs, their shift)
+    widths = []
     for segment in segments:
         visible = _visibility(segment, q_len, group, device)  # None: every slot visible
         live = max(segment.lengths, default=0)
+        widths.append(live)
         # float32 keys read as they are cost no copy: one block for the whole segment
         step = block if segment.needs_conversion() else max(live, 1)
         for start in range(0, live, step):
@@ -222,12 +225,18 @@ def segmented_attention(
                 normaliser = normaliser * rescale + probs.sum(dim=-1, keepdim=True)
                 acc = acc * rescale + torch.matmul(probs, values)
                 running_max = new_max
-            block_logits.append(logits)
+            blocks.append((probs, running_max))
     out = (acc / normaliser).to(query.dtype)  # [B, Hkv, G*q, D]
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
-    probs = torch.exp(torch.cat(block_logits, dim=-1) - running_max) / normaliser
-    mass = probs.sum(dim=-2)  # [B, Hkv, sum of live widths]
-    widths = [max(segment.lengths, default=0) for segment in segments]
+    # mass_j = sum over query rows of exp(shift - m) / l * probs_j: one [1, G*q] x [G*q, n]
+    # product per block, no second exp over the logits
+    mass = torch.cat(
+        [
+            torch.matmul((torch.exp(shift - running_max) / normaliser).transpose(-1, -2), probs)
+            for probs, shift in blocks
+        ],
+        dim=-1,
+    ).squeeze(-2)  # [B, Hkv, sum of live widths]
     masses = []
     for segment, part in zip(segments, mass.split(widths, dim=-1), strict=True):
         padded = part.new_zeros(batch, kv_heads, segment.keys.shape[2])
