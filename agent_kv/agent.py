@@ -21,6 +21,7 @@ from playwright.sync_api import Error as PlaywrightError
 
 from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
+from agent_kv.errors import ContextOverflowError
 from agent_kv.sampling import SamplingParams
 from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
@@ -133,8 +134,9 @@ def run_episode(
     call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
     `on_step`, if given, receives each step's record as it is written (for progress output).
 
-    A browser that dies (a Playwright error) ends the episode with `end_reason="error"`,
-    score 0 and the error in `error`; the trace written so far stays.
+    A browser that dies (a Playwright error) or a conversation that outgrows the model's
+    context (`ContextOverflowError`) ends the episode with `end_reason="error"`, score 0 and
+    the error in `error`; the trace written so far stays.
     """
     config = config or AgentConfig()
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +179,9 @@ def run_episode(
         score, details = verdict.score, verdict.details
     except PlaywrightError as err:
         error = f"browser failed: {str(err).splitlines()[0]}"
+        end_reason, score, details = "error", 0.0, {"error": error}
+    except ContextOverflowError as err:
+        error = str(err)
         end_reason, score, details = "error", 0.0, {"error": error}
     _write_kv_steps(trace_dir, chat.session.steps)
     episode = EpisodeResult(

@@ -61,7 +61,10 @@ Int8Option = Annotated[
     ),
 ]
 FpWindowOption = Annotated[
-    int, typer.Option(min=0, help="With --int8: newest unpinned tokens kept at full precision.")
+    int | None,
+    typer.Option(
+        min=0, help="With --int8: newest unpinned tokens kept at full precision (default 128)."
+    ),
 ]
 PositionsOption = Annotated[
     str,
@@ -101,7 +104,7 @@ def run_episode_command(
         int, typer.Option(min=1, help="Tokens per prefill forward call.")
     ] = 512,
     int8: Int8Option = False,
-    fp_window: FpWindowOption = 128,
+    fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
     model: ModelOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
@@ -126,6 +129,10 @@ def run_episode_command(
     typer.echo(json.dumps(summary, indent=2))
 
 
+UNCHECKED_BUDGET = 2**40
+"""Stands in for a byte budget not yet converted to tokens when settings are checked early."""
+
+
 @dataclass
 class PolicySpec:
     """A policy and its store options as the command line gives them; a byte budget needs
@@ -147,14 +154,14 @@ class PolicySpec:
         tau: float | None = None,
         protect_recent: int | None = None,
         int8: bool = False,
-        fp_window: int = 128,
+        fp_window: int | None = None,
         positions: str = "original",
     ) -> PolicySpec:
         """Check everything that can be checked before the model loads.
 
         Raises:
-            ConfigError: both budgets given, an unreadable size, unknown positions mode, or
-                invalid policy or INT8 settings.
+            ConfigError: both budgets given, an unreadable size, unknown positions mode,
+                `fp_window` without `int8`, or invalid policy or INT8 settings.
         """
         from agent_kv.budgets import parse_bytes
         from agent_kv.policies import make_policy
@@ -165,21 +172,24 @@ class PolicySpec:
             raise ConfigError("give --budget or --budget-bytes, not both")
         if positions not in ("original", "rerotate"):
             raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
-        int8_config = Int8Config(fp_window=fp_window) if int8 else None
-        if int8_config is not None:
+        if fp_window is not None and not int8:
+            raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
+        int8_config = None
+        if int8:
+            int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
             int8_config.validate()
         spec = cls(
             name,
             budget,
-            parse_bytes(budget_bytes) if budget_bytes else None,
+            None if budget_bytes is None else parse_bytes(budget_bytes),
             params,
             int8_config,
             positions == "rerotate",
         )
-        if spec.budget_bytes is None:
-            make_policy(name, budget=budget, **params)
-        else:
-            make_policy(name, **params)
+        # a byte budget becomes tokens only once the model is known: check the rest now with
+        # a budget no conversion can exceed, the real one again in `build`
+        placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
+        make_policy(name, budget=placeholder, **params)
         return spec
 
     def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
@@ -265,7 +275,7 @@ def serve_command(
     budget: BudgetOption = None,
     budget_bytes: BudgetBytesOption = None,
     int8: Int8Option = False,
-    fp_window: FpWindowOption = 128,
+    fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
     model: ModelOption = None,
 ) -> None:

@@ -12,6 +12,7 @@ prompt gates the budget with its confidence; earlier chunks get the policy's no-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,17 +113,35 @@ class Engine:
 
         Raises:
             ValueError: `token_ids` is empty.
+            ContextOverflowError: the tokens would pass the model's trained context (checked
+                before any compute with original positions; with rerotate, when the policy
+                keeps too much, after the chunks that fitted were fed).
         """
         if not token_ids:
             raise ValueError("feed needs at least one token")
-        session.last_logits = self._prefill_row(session.cache, 0, token_ids, session.steps)
-        session.token_ids.extend(token_ids)
+        store = session.store
+        if store.positions_mode == "original":
+            store.check_context(store.seen_tokens + len(token_ids))
+
+        def fed(chunk: list[int], logits: torch.Tensor) -> None:
+            # the session follows the store chunk by chunk, so a failure midway (a rerotate
+            # context overflow) leaves them consistent
+            session.token_ids.extend(chunk)
+            session.last_logits = logits
+
+        self._prefill_row(session.cache, 0, token_ids, session.steps, fed)
         return session.last_logits
 
     def _prefill_row(
-        self, cache: StoreCache, row: int, token_ids: list[int], records: list[StepRecord]
+        self,
+        cache: StoreCache,
+        row: int,
+        token_ids: list[int],
+        records: list[StepRecord],
+        fed: Callable[[list[int], torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Feed one row's tokens chunk by chunk; returns `[vocab]` logits after the last."""
+        """Feed one row's tokens chunk by chunk, calling `fed(chunk, [vocab] logits)` after
+        each; returns `[vocab]` logits after the last."""
         for start in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
@@ -130,6 +149,8 @@ class Engine:
             # Inside a prompt the logits after a chunk boundary say nothing about the reply:
             # only the last chunk's confidence gates the budget (None = no signal).
             self._apply_policy(cache.store, range(row, row + 1), logits, [last_chunk], [records])
+            if fed is not None:
+                fed(chunk, logits[0])
         return logits[0]
 
     def _apply_policy(

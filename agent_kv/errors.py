@@ -11,3 +11,7 @@ class ModelNotFoundError(AgentKVError):
 
 class ConfigError(AgentKVError, ValueError):
     """A policy or engine setting is invalid; raised before any model call."""
+
+
+class ContextOverflowError(AgentKVError):
+    """A forward call would place a token past the model's trained context."""

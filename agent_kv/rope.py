@@ -22,12 +22,10 @@ class Rotary:
     Args:
         rotary_emb: the model's rotary module, called as `rotary_emb(x, position_ids)` and
             returning `(cos, sin)` `[B, L, D]` (transformers' Llama, Qwen2/3, Mistral...).
-        max_positions: the model's trained context, in tokens.
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module, max_positions: int):
+    def __init__(self, rotary_emb: torch.nn.Module):
         self.rotary_emb = rotary_emb
-        self.max_positions = max_positions
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Rotary:
@@ -42,7 +40,7 @@ class Rotary:
                 f"positions 'rerotate' needs a rotary-embedding model; "
                 f"{type(model).__name__} has none"
             )
-        return cls(rotary, int(getattr(model.config, "max_position_embeddings", 0)))
+        return cls(rotary)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 `(cos, sin)`, each `[B, L, D]`, for integer `positions` `[B, L]`."""

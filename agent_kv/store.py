@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.errors import ConfigError
+from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.rope import Rotary
 from kernels.int8 import SCALE_DTYPE, quantize_groups
 from kernels.reference import Segment
@@ -76,11 +76,12 @@ class Int8Config:
     group: int = 32
 
     def validate(self) -> None:
-        """Raises `ConfigError` for a negative window or a group below one token."""
-        if self.fp_window < 0:
-            raise ConfigError(f"int8 fp_window must be >= 0, got {self.fp_window}")
-        if self.group < 1:
-            raise ConfigError(f"int8 group must be >= 1 token, got {self.group}")
+        """Raises `ConfigError` for a window that is not a whole number >= 0 or a group that
+        is not a whole number >= 1."""
+        if not isinstance(self.fp_window, int) or self.fp_window < 0:
+            raise ConfigError(f"int8 fp_window must be a whole number >= 0, got {self.fp_window!r}")
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ConfigError(f"int8 group must be a whole number >= 1, got {self.group!r}")
 
 
 class LayerStore:
@@ -164,8 +165,10 @@ class LayerStore:
     def append(self, rows: range, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append `n` new tokens to each of `rows`; `keys`, `values`: `[len(rows), H, n, D]`."""
         n = keys.shape[2]
-        self._fit_fp(max(self.fp_len[r] for r in rows) + n)
-        self._fit_meta(max(self.length(r) for r in rows) + n)
+        # buffers are shared by every row: size them for the longest row after this append
+        grow = [n if r in rows else 0 for r in range(self.batch)]
+        self._fit_fp(max(f + g for f, g in zip(self.fp_len, grow, strict=True)))
+        self._fit_meta(max(self.length(r) + g for r, g in enumerate(grow)))
         for i, row in enumerate(rows):
             fp, logical = self.fp_len[row], self.length(row)
             self.keys[row, :, fp : fp + n] = keys[i]
@@ -235,7 +238,11 @@ class LayerStore:
         q_keys, k_scales = quantize_groups(self.keys[row, :, moving], config.group)
         q_values, v_scales = quantize_groups(self.values[row, :, moving], config.group)
         groups = self.n_groups[row]
-        self._fit_int8(q_len + m, groups + m // config.group)
+        others = [r for r in range(self.batch) if r != row]
+        self._fit_int8(
+            max([q_len + m, *(self.q_len[r] for r in others)]),
+            max([groups + m // config.group, *(self.n_groups[r] for r in others)]),
+        )
         self.q_keys[row, :, q_len : q_len + m] = q_keys
         self.q_values[row, :, q_len : q_len + m] = q_values
         self.q_group[row, q_len : q_len + m] = groups + torch.arange(m, device=self.device).div(
@@ -287,6 +294,8 @@ class KVStore:
         int8: mixed-precision settings, or None to keep every token in `dtype`.
         rotary: the model's rotary embedding for `rerotate` positions, or None for original
             positions.
+        max_positions: the model's trained context in tokens (0: unchecked); no forward call
+            may place a token past it.
 
     Raises:
         ValueError: non-positive sizes or an `ema_decay` outside [0, 1).
@@ -304,6 +313,7 @@ class KVStore:
         batch: int = 1,
         int8: Int8Config | None = None,
         rotary: Rotary | None = None,
+        max_positions: int = 0,
     ):
         if min(num_layers, kv_heads, head_dim, batch) <= 0:
             raise ValueError("num_layers, kv_heads, head_dim and batch must be positive")
@@ -322,6 +332,7 @@ class KVStore:
         self._pinned = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self._rows = range(batch)
         self._query_positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.max_positions = max_positions
         self.peak_bytes = 0
         self.row_peak_bytes = [0] * batch
         self.evicted_tokens = 0
@@ -339,6 +350,7 @@ class KVStore:
         kwargs.setdefault("device", param.device)
         if rerotate:
             kwargs["rotary"] = Rotary.from_model(model)
+        kwargs.setdefault("max_positions", int(getattr(cfg, "max_position_embeddings", 0) or 0))
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, **kwargs)
 
     @property
@@ -375,8 +387,8 @@ class KVStore:
             positions), or the most live tokens of any layer onward (rerotate).
 
         Raises:
-            ValueError: rows out of range or not contiguous ascending, `n < 1`, or (rerotate)
-                positions past the model's trained context.
+            ValueError: rows out of range or not contiguous ascending, or `n < 1`.
+            ContextOverflowError: positions past the model's trained context.
         """
         if not rows or rows.step != 1 or rows.start < 0 or rows.stop > self.batch or n < 1:
             raise ValueError(f"rows must be a non-empty ascending range within {self.batch}")
@@ -384,18 +396,26 @@ class KVStore:
             starts = [self.seen(r) for r in rows]
         else:
             starts = [max(layer.length(r) for layer in self.layers) for r in rows]
-            limit = self.rotary.max_positions
-            if limit and max(starts) + n > limit:
-                raise ValueError(
-                    f"rerotate: {max(starts) + n} live tokens exceed the model's "
-                    f"{limit}-token context; lower the budget"
-                )
+        self.check_context(max(starts) + n)
         device = self.layers[0].device
         self._rows = rows
         self._query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(
             n, device=device
         )
         return self._query_positions
+
+    def check_context(self, end: int) -> None:
+        """Raise `ContextOverflowError` if position `end - 1` lies past the model's trained
+        context (known when the store was made with `for_model`)."""
+        if self.max_positions and end > self.max_positions:
+            if self.rotary is None:
+                hint = "use rerotate positions (--positions rerotate) with a budgeted policy"
+            else:
+                hint = "the policy keeps too many tokens: lower its budget or pin less"
+            raise ContextOverflowError(
+                f"position {end - 1} is past the model's {self.max_positions}-token context "
+                f"({self.positions_mode} positions); {hint}"
+            )
 
     def append(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
@@ -526,9 +546,9 @@ class KVStore:
         `unpin`.
 
         Raises:
-            ValueError: `start < 0` or `end < start`.
+            ValueError: `start < 0`, `end < start`, or a row outside the batch.
         """
-        self._check_span(start, end)
+        self._check_span(start, end, row)
         self._grow_pins(end)
         self._pinned[row, start:end] = True
 
@@ -536,16 +556,17 @@ class KVStore:
         """Release the pin on positions `[start, end)` of a row.
 
         Raises:
-            ValueError: `start < 0` or `end < start`.
+            ValueError: `start < 0`, `end < start`, or a row outside the batch.
         """
-        self._check_span(start, end)
+        self._check_span(start, end, row)
         self._grow_pins(end)
         self._pinned[row, start:end] = False
 
-    @staticmethod
-    def _check_span(start: int, end: int) -> None:
+    def _check_span(self, start: int, end: int, row: int) -> None:
         if start < 0 or end < start:
             raise ValueError(f"invalid position span [{start}, {end})")
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is not in this store's {self.batch} rows")
 
     def pinned_mask(self, layer_idx: int, row: int = 0) -> torch.Tensor:
         """`[length]` bool: which live slots of the row's layer (logical order) are pinned."""

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
-from agent_kv.errors import ConfigError
+from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.sampling import SamplingParams
 from api.schemas import (
     AssistantMessage,
@@ -188,7 +188,10 @@ def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingPa
     )
     prompt_tokens = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     limit = engine.model.config.max_position_embeddings
-    if prompt_tokens + params.max_new_tokens > limit:
+    # rerotate positions with a budget keep every position inside the context, whatever the
+    # length; otherwise a request past it is refused before any compute
+    rerotating = engine.store_options["rerotate"] and engine.policy.budget(None) is not None
+    if not rerotating and prompt_tokens + params.max_new_tokens > limit:
         raise APIError(
             400,
             f"prompt of {prompt_tokens} tokens plus max_tokens={params.max_new_tokens} exceeds "
@@ -199,4 +202,7 @@ def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingPa
     chat = ChatSession(engine)
     for message in messages:
         chat.add(message["role"], message["content"])
-    return chat, chat.reply(params)
+    try:
+        return chat, chat.reply(params)
+    except ContextOverflowError as err:
+        raise APIError(400, str(err), "messages", "context_length_exceeded") from None

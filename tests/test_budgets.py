@@ -63,3 +63,15 @@ def test_byte_budget_with_int8_counts_the_fp_window_at_full_cost():
         PolicySpec.parse("window", 100, None, positions="sideways")
     with pytest.raises(ConfigError, match="fp_window"):
         PolicySpec.parse("window", 100, None, int8=True, fp_window=-1)
+
+
+def test_byte_budgets_are_checked_once_converted():
+    # 1 GB holds ~21,700 tokens: protect_recent=600 is fine once converted
+    spec = PolicySpec.parse("conf-kv", None, "1GB", protect_recent=600)
+    assert spec.build(SMOLLM_FP32_BYTES_PER_TOKEN).n_high == 1_000_000_000 // 46_080 // 2
+    with pytest.raises(ConfigError, match="takes no budget"):
+        PolicySpec.parse("full", None, "38MB")
+    with pytest.raises(ConfigError, match="cannot read ''"):
+        PolicySpec.parse("window", None, "")
+    with pytest.raises(ConfigError, match="needs --int8"):
+        PolicySpec.parse("window", 100, None, fp_window=64)

@@ -222,3 +222,11 @@ def test_sinks_are_kept_by_any_policy_and_count_in_the_budget():
     assert kept[:4] == [0, 1, 2, 3] and kept[-4:] == [56, 57, 58, 59]
     with pytest.raises(ConfigError, match="sink"):
         make_policy("h2o", budget=10, protect_recent=5, sinks=5)
+
+
+def test_a_small_budget_is_never_cut_below_half_by_the_slack():
+    store = store_with(100)
+    policy = make_policy("window", budget=20)  # default evict_slack 32
+    policy.step(store, None)
+    assert store.lengths() == [10, 10]
+    assert kept_positions(store) == list(range(90, 100))

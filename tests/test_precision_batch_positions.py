@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent_kv.engine import Engine
+from agent_kv.errors import ContextOverflowError
 from agent_kv.policies import make_policy
 from agent_kv.sampling import SamplingParams
 from agent_kv.store import Int8Config
@@ -110,3 +112,29 @@ def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(smollm):
     reply = engine.generate(session, question, SamplingParams(max_new_tokens=6))
     assert reply.text.strip().startswith("4817")
     assert session.store.seen_tokens > 12_000
+
+
+def test_a_short_row_never_shrinks_the_buffers_of_a_long_one(smollm):
+    ids = token_ids(smollm, TEXT)
+    prompts = [ids[:700], ids[700:712]]  # the long row first: its buffers must survive
+    engine = Engine(
+        smollm.model,
+        smollm.tokenizer,
+        make_policy("full"),
+        prefill_chunk=256,
+        int8=Int8Config(fp_window=32, group=16),
+    )
+    params = SamplingParams(max_new_tokens=8)
+    batched = engine.generate_batch(prompts, params)
+    assert batched.store.quantized_lengths(0)[0] >= 640
+    for row, prompt in enumerate(prompts):
+        alone = engine.generate(engine.new_session(), prompt, params)
+        assert batched.generations[row].token_ids == alone.token_ids
+
+
+def test_original_positions_refuse_to_pass_the_context_before_any_compute(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    session = engine.new_session()
+    with pytest.raises(ContextOverflowError, match="8192-token context.*rerotate"):
+        engine.feed(session, [5] * 8193)
+    assert session.token_ids == [] and session.store.seen_tokens == 0

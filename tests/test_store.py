@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import append_tokens, kept_positions
 
+from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.store import CAPACITY_STEP, Int8Config, KVStore
 
 
@@ -173,3 +174,21 @@ def test_rows_keep_their_own_lengths_and_bytes():
         30 * per_token_layer,
         20 * per_token_layer,
     ]
+
+
+def test_pins_name_a_real_row_and_int8_settings_are_whole_numbers():
+    store = KVStore(1, 1, 4, batch=2)
+    with pytest.raises(ValueError, match="row 2"):
+        store.pin(0, 3, row=2)
+    with pytest.raises(ValueError, match="row -1"):
+        store.unpin(0, 3, row=-1)
+    for bad in (Int8Config(group=2.5), Int8Config(fp_window=1.5), Int8Config(group=0)):
+        with pytest.raises(ConfigError, match="whole number"):
+            KVStore(1, 1, 4, int8=bad)
+
+
+def test_no_forward_call_passes_the_context():
+    store = KVStore(1, 1, 4, max_positions=10)
+    append_tokens(store, torch.zeros(1, 1, 10, 4))
+    with pytest.raises(ContextOverflowError, match="position 10 is past the model's 10-token"):
+        store.begin_forward(range(1), 1)

@@ -30,7 +30,8 @@ class Policy(ABC):
             StreamingLLM §3.1); they count in the budget.
         evict_slack: a layer over budget is cut to `budget - evict_slack` tokens, so the
             compaction (a gather of the whole layer) runs once per `evict_slack + 1` new
-            tokens instead of after every token; 0 keeps exactly `budget`. Default 32: with
+            tokens instead of after every token; 0 keeps exactly `budget`; a layer is never
+            cut below half its budget (the slack of a budget of 40 is 20). Default 32: with
             0 the compaction after every decode token costs ~19% of a step on SmolLM2-135M at
             a 1,024-token budget, with 32 about 4.5% (benchmarks/decode_latency.py).
     """
@@ -117,7 +118,8 @@ class Policy(ABC):
             protected[unpinned[newest.indices]] = True
         ranks = self.rank(store, idx, row, ~protected).clone()  # [n]
         ranks[protected] = float("inf")
-        keep_count = max(n_pinned + budget - self.evict_slack, int(protected.sum()))
+        slack = min(self.evict_slack, budget // 2)  # a small budget is never cut below half
+        keep_count = max(n_pinned + budget - slack, int(protected.sum()))
         keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
         store.compact(idx, keep, row)
         return n - keep_count
