@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import pickle
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from agent_kv.cache import StoreCache
+from agent_kv.errors import AgentKVError
+from agent_kv.rope import Rotary
 from agent_kv.store import KVStore
 
 
@@ -58,3 +64,54 @@ class Session:
         """An empty session shaped for `model`."""
         store = KVStore.for_model(model, **store_kwargs)
         return cls(store=store, cache=StoreCache(store))
+
+    def save(self, path: Path) -> None:
+        """Write the session (store, tokens, last logits, step records) to `path` with
+        `torch.save`; the file appears whole or not at all (written aside, then renamed)."""
+        data = {
+            "store": self.store.state(),
+            "token_ids": self.token_ids,
+            "last_logits": self.last_logits,
+            "steps": [asdict(step) for step in self.steps],
+        }
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @classmethod
+    def load(cls, path: Path, model: torch.nn.Module) -> Session:
+        """The session `save` wrote, for the same `model`; decoding resumes with the same
+        next-token logits.
+
+        Raises:
+            AgentKVError: the file is missing, unreadable, or was saved for another shape of
+                model.
+        """
+        try:
+            data = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise AgentKVError(f"cannot load session {path}: {reason}") from None
+        state = data["store"]
+        expected = KVStore.for_model(model)
+        shape = [len(expected.layers), expected.layers[0].kv_heads, expected.layers[0].head_dim]
+        if state["shape"] != shape:
+            raise AgentKVError(
+                f"session {path} was saved for a model with [layers, kv heads, head dim] "
+                f"{state['shape']}, not {shape}"
+            )
+        rotary = Rotary.from_model(model) if state["rerotate"] else None
+        store = KVStore.from_state(state, rotary)
+        return cls(
+            store=store,
+            cache=StoreCache(store),
+            token_ids=list(data["token_ids"]),
+            last_logits=data["last_logits"],
+            steps=[StepRecord(**step) for step in data["steps"]],
+        )

@@ -337,6 +337,10 @@ class KVStore:
         self.row_peak_bytes = [0] * batch
         self.evicted_tokens = 0
         self.quantized_tokens = 0
+        self.changed_at = [0] * batch
+        """Per row, the tokens seen when eviction or quantization last changed its cache: the
+        cache holds exactly what feeding its first `changed_at` tokens would give, plus
+        everything fed since, unaltered."""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
@@ -582,6 +586,8 @@ class KVStore:
         """Evict every live slot of the row's layer not in `keep` (int64 `[k]`, increasing,
         logical order)."""
         layer = self.layers[layer_idx]
+        if keep.numel() < layer.length(row):
+            self.changed_at[row] = self.seen(row)
         self.evicted_tokens += layer.length(row) - keep.numel()
         layer.compact(row, keep)
 
@@ -596,7 +602,75 @@ class KVStore:
             row, self.pinned_mask(layer_idx, row), self.int8
         )
         self.quantized_tokens += moved
+        if moved:
+            self.changed_at[row] = self.seen(row)
         return moved
+
+    def truncate(self, end: int, row: int = 0) -> None:
+        """Forget every token of the row at position `end` or later, so the next token takes
+        position `end` again (a client rewrote history from there). Pins past `end` go too.
+
+        Raises:
+            ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
+                (eviction or quantization since then depended on the forgotten tokens).
+        """
+        if not self.changed_at[row] <= end <= self.seen(row):
+            raise ValueError(
+                f"cannot truncate row {row} to {end} tokens: the cache is exact only back to "
+                f"{self.changed_at[row]} of its {self.seen(row)} tokens"
+            )
+        for layer in self.layers:
+            keep = (layer.live_positions(row) < end).nonzero().squeeze(1)
+            layer.compact(row, keep)
+            layer.appended[row] = end
+        self._grow_pins(end)
+        self._pinned[row, end:] = False
+
+    def state(self) -> dict:
+        """Everything the store holds, as tensors and plain values (for `torch.save`)."""
+        fields = ("keys", "values", "q_keys", "q_values", "q_group", "key_scales")
+        fields += ("value_scales", "positions", "scores", "accumulated")
+        counts = ("fp_len", "q_len", "n_groups", "appended")
+        return {
+            "layers": [
+                {**{f: getattr(layer, f) for f in fields}, **{c: getattr(layer, c) for c in counts}}
+                for layer in self.layers
+            ],
+            "shape": [len(self.layers), self.layers[0].kv_heads, self.layers[0].head_dim],
+            "batch": self.batch,
+            "ema_decay": self.ema_decay,
+            "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
+            "max_positions": self.max_positions,
+            "rerotate": self.rotary is not None,
+            "pinned": self._pinned,
+            "counters": [self.peak_bytes, self.evicted_tokens, self.quantized_tokens],
+            "row_counters": [self.row_peak_bytes, self.changed_at],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, rotary: Rotary | None = None) -> KVStore:
+        """The store `state()` described; `rotary`, the model's rotary tables, is required for
+        a store saved in rerotate mode.
+
+        Raises:
+            ValueError: a rerotate state without `rotary`.
+        """
+        if state["rerotate"] and rotary is None:
+            raise ValueError("this store was saved in rerotate mode: pass the model's rotary")
+        layers, heads, dim = state["shape"]
+        first = state["layers"][0]
+        int8 = None if state["int8"] is None else Int8Config(*state["int8"])
+        store = cls(
+            layers, heads, dim, first["keys"].dtype, first["keys"].device, state["ema_decay"],
+            state["batch"], int8, rotary, state["max_positions"],
+        )  # fmt: skip
+        for layer, saved in zip(store.layers, state["layers"], strict=True):
+            for name, value in saved.items():
+                setattr(layer, name, list(value) if isinstance(value, list) else value)
+        store._pinned = state["pinned"]
+        store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"]
+        store.row_peak_bytes, store.changed_at = (list(v) for v in state["row_counters"])
+        return store
 
     def lengths(self, row: int = 0) -> list[int]:
         """Live tokens per layer for a row."""

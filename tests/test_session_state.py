@@ -1,0 +1,79 @@
+"""A session saved to disk resumes with the same logits; a cache truncates back to where a
+client rewrote history, when that is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_tokens
+
+from agent_kv.engine import Engine
+from agent_kv.errors import AgentKVError
+from agent_kv.policies import make_policy
+from agent_kv.session import Session
+from agent_kv.store import Int8Config, KVStore
+
+TEXT = (
+    "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "
+    "Order 1183 is waiting for a replacement part. Customer service answers within a day. "
+) * 10
+
+
+@pytest.mark.parametrize("rerotate", [False, True])
+def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate):
+    ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    policy = make_policy("conf-kv", budget=128, protect_recent=16)
+    engine = Engine(
+        smollm.model, smollm.tokenizer, policy, 64, Int8Config(fp_window=16, group=8), rerotate
+    )
+    session = engine.new_session()
+    session.store.pin(0, 10)
+    engine.feed(session, ids[:300])
+    assert session.store.evicted_tokens > 0 and session.store.quantized_tokens > 0
+    session.save(tmp_path / "s.pt")
+    restored = Session.load(tmp_path / "s.pt", smollm.model)
+    assert restored.token_ids == session.token_ids
+    assert torch.equal(restored.last_logits, session.last_logits)
+    assert restored.store.nbytes() == session.store.nbytes()
+    for token in ids[300:320]:
+        assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
+    assert restored.store.lengths() == session.store.lengths()
+    assert restored.store.pinned_mask(3).sum() == 10
+
+
+def test_loading_a_bad_or_foreign_file_is_a_clear_error(smollm, tmp_path):
+    with pytest.raises(AgentKVError, match="cannot load session"):
+        Session.load(tmp_path / "missing.pt", smollm.model)
+    (tmp_path / "junk.pt").write_bytes(b"not a session")
+    with pytest.raises(AgentKVError, match="cannot load session"):
+        Session.load(tmp_path / "junk.pt", smollm.model)
+    other = Session(store=KVStore(2, 1, 8), cache=None)
+    random_tokens(other.store, 3)
+    other.save(tmp_path / "other.pt")
+    with pytest.raises(AgentKVError, match=r"\[2, 1, 8\]"):
+        Session.load(tmp_path / "other.pt", smollm.model)
+
+
+def test_truncate_returns_the_cache_to_an_earlier_point_exactly(smollm):
+    ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:120]
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=32)
+    reference = engine.new_session()
+    expected = [engine.feed(reference, ids[:80])]
+    expected += [engine.feed(reference, [t]) for t in ids[80:90]]
+    session = engine.new_session()
+    engine.feed(session, ids)  # a longer history, then the client rewrites from token 80
+    session.store.truncate(80)
+    assert session.store.lengths() == [80] * 30 and session.store.seen_tokens == 80
+    got = [engine.feed(session, [t]) for t in ids[80:90]]
+    for a, b in zip(got, expected[1:], strict=True):
+        assert (a - b).abs().max() < 1e-4
+
+
+def test_truncate_refuses_past_an_eviction():
+    store = KVStore(1, 1, 4)
+    random_tokens(store, 50)
+    make_policy("window", budget=20, evict_slack=0).step(store, None)
+    assert store.changed_at == [50]
+    with pytest.raises(ValueError, match="exact only back to 50"):
+        store.truncate(40)
+    store.truncate(50)  # nothing to forget: fine
