@@ -1,0 +1,179 @@
+"""Sessions by id, with an idle TTL and an LRU under a global KV byte cap.
+
+Each agent episode (a session id) keeps one managed KV cache across its requests. The
+store bounds the memory of all of them together:
+- a session idle for longer than `idle_ttl_s` is dropped (from memory and disk);
+- while the sessions in memory hold more than `max_kv_bytes` of KV, the least recently used
+  idle one leaves memory: saved to `spill_dir` when one is given (and restored on its next
+  request with identical next-token logits), dropped otherwise.
+A session with a request in flight is never dropped or saved. Requests to one session are
+serialised by its lock; different sessions never share a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent_kv.engine import Engine
+from agent_kv.errors import AgentKVError
+from agent_kv.session import Session
+
+
+class SessionBusyError(AgentKVError):
+    """The session has a request in flight."""
+
+
+@dataclass
+class _Entry:
+    session: Session | None  # None while saved to disk
+    last_used: float
+    in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionStore:
+    """Sessions of one engine, by id.
+
+    Args:
+        engine: makes new sessions (`Engine.new_session`) and owns the model they belong to.
+        max_kv_bytes: cap on the KV bytes of all sessions in memory (`KVStore.nbytes`), or
+            None for no cap. Sessions with a request in flight may hold it above the cap.
+        idle_ttl_s: seconds a session may stay unused before it is dropped, or None.
+        spill_dir: where sessions over the cap are saved; None drops them instead.
+        clock: monotonic seconds (tests pass a fake one).
+
+    Raises:
+        ValueError: a non-positive cap or TTL.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_kv_bytes: int | None = None,
+        idle_ttl_s: float | None = None,
+        spill_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_kv_bytes is not None and max_kv_bytes <= 0:
+            raise ValueError(f"max_kv_bytes must be positive, got {max_kv_bytes}")
+        if idle_ttl_s is not None and idle_ttl_s <= 0:
+            raise ValueError(f"idle_ttl_s must be positive, got {idle_ttl_s}")
+        self.engine = engine
+        self.max_kv_bytes = max_kv_bytes
+        self.idle_ttl_s = idle_ttl_s
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.dropped = 0
+        self.spilled = 0
+        self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def use(self, session_id: str) -> Iterator[Session]:
+        """Hold the session `session_id` for one request: created when new, restored when it
+        was saved to disk. Other requests to it wait until this one ends; afterwards the TTL
+        and the byte cap are enforced."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                entry = self._entries[session_id] = _Entry(None, self.clock())
+            entry.in_flight += 1
+        try:
+            with entry.lock:
+                if entry.session is None:
+                    entry.session = self._restore(session_id)
+                yield entry.session
+        finally:
+            with self._lock:
+                entry.in_flight -= 1
+                entry.last_used = self.clock()
+                self._enforce()
+
+    def drop(self, session_id: str) -> bool:
+        """Forget a session (memory and disk); False when there was none.
+
+        Raises:
+            SessionBusyError: it has a request in flight.
+        """
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return False
+            if entry.in_flight:
+                raise SessionBusyError(f"session {session_id!r} has a request in flight")
+            self._remove(session_id)
+            return True
+
+    def sweep(self) -> None:
+        """Enforce the TTL and the byte cap now (they are also enforced after each request)."""
+        with self._lock:
+            self._enforce()
+
+    def ids(self) -> list[str]:
+        """Sessions known, in memory or on disk."""
+        with self._lock:
+            return list(self._entries)
+
+    def in_memory(self) -> list[str]:
+        """Sessions whose cache is in memory."""
+        with self._lock:
+            return [sid for sid, e in self._entries.items() if e.session is not None]
+
+    def kv_bytes(self) -> int:
+        """KV bytes of all sessions in memory."""
+        with self._lock:
+            return self._kv_bytes()
+
+    def _kv_bytes(self) -> int:
+        return sum(e.session.store.nbytes() for e in self._entries.values() if e.session)
+
+    def _enforce(self) -> None:
+        now = self.clock()
+        if self.idle_ttl_s is not None:
+            for sid, entry in list(self._entries.items()):
+                if not entry.in_flight and now - entry.last_used > self.idle_ttl_s:
+                    self._remove(sid)
+                    self.dropped += 1
+        if self.max_kv_bytes is None:
+            return
+        while self._kv_bytes() > self.max_kv_bytes:
+            idle = [
+                (entry.last_used, sid)
+                for sid, entry in self._entries.items()
+                if entry.session is not None and not entry.in_flight
+            ]
+            if not idle:
+                return  # only sessions in flight are left: they may exceed the cap
+            _, sid = min(idle)
+            if self.spill_dir is None:
+                self._remove(sid)
+                self.dropped += 1
+            else:
+                self._entries[sid].session.save(self._path(sid))
+                self._entries[sid].session = None
+                self.spilled += 1
+
+    def _remove(self, session_id: str) -> None:
+        del self._entries[session_id]
+        if self.spill_dir is not None:
+            self._path(session_id).unlink(missing_ok=True)
+
+    def _restore(self, session_id: str) -> Session:
+        path = None if self.spill_dir is None else self._path(session_id)
+        if path is not None and path.exists():
+            session = Session.load(path, self.engine.model)
+            path.unlink()
+            return session
+        return self.engine.new_session()
+
+    def _path(self, session_id: str) -> Path:
+        digest = hashlib.sha256(session_id.encode()).hexdigest()[:32]
+        return self.spill_dir / f"{digest}.pt"

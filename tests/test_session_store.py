@@ -1,0 +1,109 @@
+"""The session store: LRU under a KV byte cap, spill to disk, idle TTL, in-flight safety."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.sessions import SessionBusyError, SessionStore
+
+BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(smollm):
+    return Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+
+
+def feed(store: SessionStore, sid: str, tokens: list[int]) -> torch.Tensor:
+    with store.use(sid) as session:
+        return store.engine.feed(session, tokens).clone()
+
+
+def test_least_recently_used_idle_session_leaves_memory_first(engine):
+    clock = FakeClock()
+    store = SessionStore(engine, max_kv_bytes=250 * BYTES_PER_TOKEN, clock=clock)
+    for t, sid in enumerate(["a", "b", "c"]):
+        clock.now = float(t)
+        feed(store, sid, list(range(10, 110)))  # 100 tokens each
+    assert store.in_memory() == ["b", "c"] and store.dropped == 1
+    assert store.kv_bytes() == 200 * BYTES_PER_TOKEN
+    clock.now = 3.0
+    feed(store, "b", [5])  # b is now the most recent: c goes next
+    clock.now = 4.0
+    feed(store, "d", list(range(10, 60)))
+    assert store.in_memory() == ["b", "d"]
+
+
+def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
+    clock = FakeClock()
+    store = SessionStore(
+        engine, max_kv_bytes=150 * BYTES_PER_TOKEN, spill_dir=tmp_path, clock=clock
+    )
+    feed(store, "a", list(range(10, 110)))
+    clock.now = 1.0
+    feed(store, "b", list(range(20, 120)))  # over the cap: a is saved to disk
+    assert store.in_memory() == ["b"] and store.ids() == ["a", "b"] and store.spilled == 1
+    assert len(list(tmp_path.iterdir())) == 1
+    reference = engine.new_session()
+    engine.feed(reference, list(range(10, 110)))
+    clock.now = 2.0
+    resumed = feed(store, "a", [7])
+    assert torch.equal(resumed, engine.feed(reference, [7]))
+
+
+def test_idle_sessions_expire_and_in_flight_ones_never_leave(engine):
+    clock = FakeClock()
+    store = SessionStore(engine, max_kv_bytes=50 * BYTES_PER_TOKEN, idle_ttl_s=10, clock=clock)
+    with store.use("busy") as busy:
+        engine.feed(busy, list(range(10, 110)))  # alone above the cap, but in flight
+        feed(store, "other", list(range(10, 20)))
+        assert "busy" in store.in_memory() and "other" not in store.ids()
+        with pytest.raises(SessionBusyError):
+            store.drop("busy")
+    assert store.ids() == []  # once idle, busy is over the cap by itself
+    feed(store, "x", [1, 2, 3])
+    clock.now = 11.0
+    store.sweep()
+    assert store.ids() == [] and store.drop("x") is False
+
+
+def test_requests_to_one_session_are_serialised(engine):
+    store = SessionStore(engine)
+    inside, release = threading.Event(), threading.Event()
+    order = []
+
+    def first():
+        with store.use("s"):
+            order.append("first in")
+            inside.set()
+            release.wait(5)
+            order.append("first out")
+
+    def second():
+        inside.wait(5)
+        with store.use("s"):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    inside.wait(5)
+    time.sleep(0.2)  # let the second request reach the session's lock
+    release.set()
+    for thread in threads:
+        thread.join(5)
+    assert order == ["first in", "first out", "second in"]
