@@ -65,6 +65,16 @@ class Session:
         store = KVStore.for_model(model, **store_kwargs)
         return cls(store=store, cache=StoreCache(store))
 
+    def replace_with(self, other: Session) -> None:
+        """Take over `other`'s state (a rebuilt cache) in place, so holders of this object
+        see the new one."""
+        self.store, self.cache = other.store, other.cache
+        self.token_ids, self.last_logits, self.steps = (
+            other.token_ids,
+            other.last_logits,
+            other.steps,
+        )
+
     def save(self, path: Path) -> None:
         """Write the session (store, tokens, last logits, step records) to `path` with
         `torch.save`; the file appears whole or not at all (written aside, then renamed)."""

@@ -25,6 +25,62 @@ from agent_kv.errors import AgentKVError
 from agent_kv.session import Session
 
 
+@dataclass
+class HistorySync:
+    """How a request's tokens were matched against its session's history.
+
+    Attributes:
+        reused_tokens: tokens of the request the cache already held (not prefilled again).
+        prefilled_tokens: tokens fed for this request.
+        rebuild: "none" (the request extends the history), "truncated" (the client changed
+            earlier history: the cache was cut back to the divergence point) or "scratch"
+            (the cache could not be cut back exactly, because eviction or quantization since
+            the divergence point depended on what changed: rebuilt from the first token).
+    """
+
+    reused_tokens: int
+    prefilled_tokens: int
+    rebuild: str
+
+
+def sync_history(engine: Engine, session: Session, token_ids: list[int]) -> HistorySync:
+    """Bring `session` to exactly `token_ids` (a request's whole conversation, tokenized),
+    prefilling only what the cache does not hold; `session.last_logits` then predicts the
+    token after `token_ids`.
+
+    The request is matched token by token against `session.token_ids`. When it diverges
+    before the end of the history (or stops short of it), the cache is truncated to the
+    divergence point if that is exact (`KVStore.truncate`), else rebuilt from scratch.
+
+    Raises:
+        ValueError: `token_ids` is empty.
+    """
+    if not token_ids:
+        raise ValueError("a request needs at least one token")
+    history = session.token_ids
+    common = 0
+    for old, new in zip(history, token_ids, strict=False):
+        if old != new:
+            break
+        common += 1
+    if common == len(history):
+        suffix = token_ids[common:]
+        if suffix:
+            engine.feed(session, suffix)
+        return HistorySync(common, len(suffix), "none")
+    # diverged, or the request is a strict prefix: keep at least one token to re-feed, whose
+    # logits the reply needs
+    cut = min(common, len(token_ids) - 1)
+    if cut > 0 and cut >= session.store.changed_at[0]:
+        session.store.truncate(cut)
+        del session.token_ids[cut:]
+        engine.feed(session, token_ids[cut:])
+        return HistorySync(cut, len(token_ids) - cut, "truncated")
+    session.replace_with(engine.new_session())
+    engine.feed(session, token_ids)
+    return HistorySync(0, len(token_ids), "scratch")
+
+
 class SessionBusyError(AgentKVError):
     """The session has a request in flight."""
 

@@ -10,7 +10,7 @@ import torch
 
 from agent_kv.engine import Engine
 from agent_kv.policies import make_policy
-from agent_kv.sessions import SessionBusyError, SessionStore
+from agent_kv.sessions import HistorySync, SessionBusyError, SessionStore, sync_history
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 
@@ -107,3 +107,33 @@ def test_requests_to_one_session_are_serialised(engine):
     for thread in threads:
         thread.join(5)
     assert order == ["first in", "first out", "second in"]
+
+
+def fresh_logits(engine, ids):
+    return engine.feed(engine.new_session(), ids)
+
+
+def test_history_is_matched_token_by_token(engine):
+    a, b, c = list(range(100, 160)), list(range(200, 220)), list(range(300, 310))
+    session = engine.new_session()
+    assert sync_history(engine, session, a) == HistorySync(0, 60, "none")
+    assert sync_history(engine, session, a + b) == HistorySync(60, 20, "none")
+    assert (session.last_logits - fresh_logits(engine, a + b)).abs().max() < 1e-4
+    # the client rewrote the end of its history: cut back to the divergence point
+    assert sync_history(engine, session, a + c) == HistorySync(60, 10, "truncated")
+    assert session.token_ids == a + c and session.store.seen_tokens == 70
+    assert (session.last_logits - fresh_logits(engine, a + c)).abs().max() < 1e-4
+    # a request that stops short of the history re-feeds its last token
+    assert sync_history(engine, session, a) == HistorySync(59, 1, "truncated")
+    assert (session.last_logits - fresh_logits(engine, a)).abs().max() < 1e-4
+
+
+def test_history_rebuilt_from_scratch_when_eviction_followed_the_change(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=40))
+    a, b, c = list(range(100, 160)), list(range(200, 260)), list(range(300, 310))
+    session = engine.new_session()
+    sync_history(engine, session, a + b)  # evictions happened after token 60
+    assert session.store.changed_at[0] > 60
+    assert sync_history(engine, session, a + c) == HistorySync(0, 70, "scratch")
+    assert session.token_ids == a + c and session.store.seen_tokens == 70
+    assert torch.equal(session.last_logits, fresh_logits(engine, a + c))
