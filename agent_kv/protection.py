@@ -1,0 +1,131 @@
+"""Protection rules: which token spans of a conversation are pinned (exempt from eviction
+and quantization under every policy).
+
+A conversation is a list of chat messages (`{"role", "content"}`, optionally `"pin": True`)
+rendered with the model's chat template. Rules pin, in token positions of that rendering:
+- every message whose role is in `roles` (default: system; add "tool" to keep every tool
+  result);
+- every message flagged `"pin": True`;
+- the latest `latest_observations` messages whose role is in `observation_roles` (older ones
+  are released when a newer one arrives);
+- every match of the regular expressions in `patterns` (URLs, element ids...), wherever
+  it occurs.
+`protected_spans` computes the spans from scratch for the whole conversation, so applying
+them (`apply_pins`) after each request both pins the new and releases the superseded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+
+from agent_kv.errors import ConfigError
+from agent_kv.store import KVStore
+
+
+@dataclass(frozen=True)
+class PinRules:
+    """Which parts of a conversation to pin.
+
+    Attributes:
+        roles: roles whose messages are always pinned (default: system).
+        latest_observations: how many of the newest observation messages to pin (0: none).
+        observation_roles: the roles that count as observations (default: tool).
+        patterns: regular expressions; every match in the rendered conversation is pinned.
+    """
+
+    roles: frozenset[str] = frozenset({"system"})
+    latest_observations: int = 1
+    observation_roles: frozenset[str] = frozenset({"tool"})
+    patterns: tuple[str, ...] = field(default_factory=tuple)
+
+    def validate(self) -> None:
+        """Raises `ConfigError` for a negative count or a pattern that does not compile."""
+        if self.latest_observations < 0:
+            raise ConfigError(f"latest_observations must be >= 0, got {self.latest_observations}")
+        for pattern in self.patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ConfigError(f"pin pattern {pattern!r} does not compile: {err}") from None
+
+
+def message_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with the generation prompt) and each message's character
+    span in it.
+
+    Raises:
+        ConfigError: the chat template does not render the conversation append-only (each
+            message's rendering a prefix of the next), so messages have no fixed place.
+    """
+    spans, previous = [], ""
+    for i in range(len(messages)):
+        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(previous):
+            raise ConfigError(
+                "the model's chat template re-renders earlier messages when one is added; "
+                "message spans cannot be pinned"
+            )
+        spans.append((len(previous), len(text)))
+        previous = text
+    full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return full, spans
+
+
+def protected_spans(tokenizer, messages: list[dict], rules: PinRules) -> list[tuple[int, int]]:
+    """Token spans `[start, end)` of the rendered conversation that the rules pin, sorted and
+    merged. Positions count tokens of `tokenizer(text, add_special_tokens=False)` of the
+    rendering `message_char_spans` returns.
+
+    Raises:
+        ConfigError: invalid rules, or a chat template that is not append-only.
+    """
+    rules.validate()
+    text, spans = message_char_spans(tokenizer, messages)
+    chosen = [
+        span
+        for span, message in zip(spans, messages, strict=True)
+        if message["role"] in rules.roles or message.get("pin")
+    ]
+    observations = [
+        span
+        for span, message in zip(spans, messages, strict=True)
+        if message["role"] in rules.observation_roles
+    ]
+    if rules.latest_observations:
+        chosen += observations[-rules.latest_observations :]
+    for pattern in rules.patterns:
+        chosen += [
+            match.span() for match in re.finditer(pattern, text) if match.end() > match.start()
+        ]
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
+        "offset_mapping"
+    ]
+    token_starts = [start for start, _ in offsets]
+    token_ends = [end for _, end in offsets]
+    pinned = [False] * len(offsets)
+    for start, end in chosen:  # the tokens that overlap [start, end) characters
+        first = bisect.bisect_right(token_ends, start)
+        last = bisect.bisect_left(token_starts, end)
+        pinned[first:last] = [True] * max(last - first, 0)
+    return _runs(pinned)
+
+
+def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> None:
+    """Make exactly `spans` pinned in the row: every other position is released."""
+    store.unpin(0, store.seen(row), row)
+    for start, end in spans:
+        store.pin(start, end, row)
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """`[start, end)` runs of True in `flags`."""
+    runs, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

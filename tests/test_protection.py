@@ -1,0 +1,65 @@
+"""Protection rules: token spans pinned by role, flag, latest observation and regex."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import random_tokens
+
+from agent_kv.errors import ConfigError
+from agent_kv.protection import PinRules, apply_pins, message_char_spans, protected_spans
+from agent_kv.store import KVStore
+
+URL = "http://127.0.0.1:8000/item/42"
+MESSAGES = [
+    {"role": "system", "content": "You are a web agent. Answer with one action."},
+    {"role": "user", "content": "Goal: buy the cheapest blue bike.", "pin": True},
+    {"role": "tool", "content": "Observation one: a list of forty bikes."},
+    {"role": "assistant", "content": "click [12]"},
+    {"role": "tool", "content": "Observation two: the bike page, 120 dollars."},
+    {"role": "user", "content": f"The page you are on is {URL} now."},
+]
+
+
+def pinned_text(tokenizer, spans) -> str:
+    text, _ = message_char_spans(tokenizer, MESSAGES)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return "|".join(tokenizer.decode(ids[start:end]) for start, end in spans)
+
+
+def test_roles_flags_latest_observation_and_patterns(smollm):
+    rules = PinRules(patterns=(r"http://\S+",))
+    spans = protected_spans(smollm.tokenizer, MESSAGES, rules)
+    pinned = pinned_text(smollm.tokenizer, spans)
+    assert "You are a web agent" in pinned  # role system
+    assert "Goal: buy the cheapest blue bike" in pinned  # "pin": true
+    assert "Observation two" in pinned and "Observation one" not in pinned  # latest only
+    assert URL in pinned and "The page you are on" not in pinned  # the match alone
+    assert "click [12]" not in pinned
+    assert spans == sorted(spans) and all(a < b for a, b in spans)
+    # two observations kept, and no rules at all
+    two = PinRules(latest_observations=2)
+    assert "Observation one" in pinned_text(
+        smollm.tokenizer, protected_spans(smollm.tokenizer, MESSAGES, two)
+    )
+    every_tool = PinRules(roles=frozenset({"system", "tool"}), latest_observations=0)
+    assert "Observation one" in pinned_text(
+        smollm.tokenizer, protected_spans(smollm.tokenizer, MESSAGES, every_tool)
+    )
+    none = PinRules(roles=frozenset(), latest_observations=0)
+    plain = [{k: v for k, v in m.items() if k != "pin"} for m in MESSAGES]
+    assert protected_spans(smollm.tokenizer, plain, none) == []
+
+
+def test_bad_rules_are_configuration_errors(smollm):
+    with pytest.raises(ConfigError, match="does not compile"):
+        protected_spans(smollm.tokenizer, MESSAGES, PinRules(patterns=("(unclosed",)))
+    with pytest.raises(ConfigError, match="latest_observations"):
+        PinRules(latest_observations=-1).validate()
+
+
+def test_apply_pins_sets_exactly_the_spans():
+    store = KVStore(1, 1, 4)
+    random_tokens(store, 20)
+    store.pin(0, 20)
+    apply_pins(store, [(2, 4), (10, 12)])
+    assert store.pinned_mask(0).nonzero().squeeze(1).tolist() == [2, 3, 10, 11]
