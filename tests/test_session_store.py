@@ -10,6 +10,7 @@ import torch
 
 from agent_kv.engine import Engine
 from agent_kv.policies import make_policy
+from agent_kv.sampling import SamplingParams
 from agent_kv.sessions import HistorySync, SessionBusyError, SessionStore, sync_history
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
@@ -137,3 +138,35 @@ def test_history_rebuilt_from_scratch_when_eviction_followed_the_change(smollm):
     assert sync_history(engine, session, a + c) == HistorySync(0, 70, "scratch")
     assert session.token_ids == a + c and session.store.seen_tokens == 70
     assert torch.equal(session.last_logits, fresh_logits(engine, a + c))
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_fact_survives_twenty_turns_under_a_tight_budget(smollm, pinned):
+    tok = smollm.tokenizer
+    head = tok(
+        "There is important info hidden inside a lot of irrelevant text. Find it and memorize "
+        "it.\nThe pass key is 4817. Remember it. 4817 is the pass key.\n",
+        add_special_tokens=False,
+    )["input_ids"]
+    engine = Engine(smollm.model, tok, make_policy("window", budget=256), prefill_chunk=128)
+    session = engine.new_session()
+    if pinned:
+        session.store.pin(0, len(head))
+    ids = list(head)
+    for turn in range(20):
+        filler = (
+            f" Turn {turn}. The grass is green. The sky is blue. The sun is yellow. Here we "
+            "go. There and back again."
+        ) * 2
+        ids += tok(filler, add_special_tokens=False)["input_ids"]
+        sync_history(engine, session, ids)  # each turn prefills only its own tokens
+        assert session.steps[-1].seen_tokens == len(ids)
+    ids += tok("\nWhat is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
+    sync_history(engine, session, ids)
+    assert max(session.store.lengths()) <= 256 + 128 + len(head)
+    reply = engine.generate(session, [], SamplingParams(max_new_tokens=6)).text
+    kept = set(session.store.layers[0].live_positions().tolist())
+    if pinned:
+        assert set(range(len(head))) <= kept and reply.strip().startswith("4817")
+    else:
+        assert not kept & set(range(len(head))) and "4817" not in reply
