@@ -241,7 +241,7 @@ def _writable_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise AgentKVError(f"cannot use --out {path}: {err.strerror}") from None
+        raise AgentKVError(f"cannot use {path}: {err.strerror}") from None
 
 
 def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, out) -> dict:
@@ -278,23 +278,44 @@ def serve_command(
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
     model: ModelOption = None,
+    session_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="Cap on the KV bytes of all sessions in memory (e.g. 2GB); the least recently "
+            "used idle session leaves memory first."
+        ),
+    ] = None,
+    session_ttl: Annotated[
+        float, typer.Option(min=1.0, help="Seconds an idle session is kept.")
+    ] = 3600.0,
+    spill_dir: Annotated[
+        Path | None,
+        typer.Option(help="Save sessions over the byte cap here instead of dropping them."),
+    ] = None,
 ) -> None:
-    """Serve the OpenAI-compatible API (`/v1/chat/completions`, `/v1/models`, `/health`)."""
+    """Serve the OpenAI-compatible API (`/v1/chat/completions`, `/v1/models`, `/health`,
+    `DELETE /sessions/{id}`)."""
     import uvicorn
 
+    from agent_kv.budgets import parse_bytes
     from agent_kv.model_loading import load_model
+    from agent_kv.sessions import SessionStore
     from api.app import create_app
 
     try:
         spec = PolicySpec.parse(
             policy, budget, budget_bytes, int8=int8, fp_window=fp_window, positions=positions
         )
+        cap = None if session_bytes is None else parse_bytes(session_bytes)
+        if spill_dir is not None:
+            _writable_dir(spill_dir)
         _free_port(host, port)
         loaded = load_model(model)
         engine = spec.engine(loaded)
     except AgentKVError as err:
         fail(str(err))
-    uvicorn.run(create_app(engine, loaded.name), host=host, port=port)
+    sessions = SessionStore(engine, cap, session_ttl, spill_dir)
+    uvicorn.run(create_app(engine, loaded.name, sessions), host=host, port=port)
 
 
 def _free_port(host: str, port: int) -> None:

@@ -12,17 +12,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from contextlib import nullcontext
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent_kv.chat import ChatSession
 from agent_kv.engine import Engine
 from agent_kv.errors import ConfigError, ContextOverflowError
+from agent_kv.protection import PinRules, apply_pins, protected_spans
 from agent_kv.sampling import SamplingParams
+from agent_kv.sessions import SessionBusyError, SessionStore, sync_history
 from api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -31,10 +34,13 @@ from api.schemas import (
     ErrorDetail,
     ErrorResponse,
     KVStats,
+    PromptTokensDetails,
     Usage,
 )
 
 DEFAULT_MAX_TOKENS = 256
+PIN_RULES = PinRules()
+"""Pins applied to every session: the system message and the latest tool message."""
 
 
 class APIError(Exception):
@@ -54,10 +60,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(status_code=status, content=body.model_dump())
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """The API serving `engine` under the model id `model_name`."""
+def create_app(engine: Engine, model_name: str, sessions: SessionStore | None = None) -> FastAPI:
+    """The API serving `engine` under the model id `model_name`; `sessions` keeps the caches
+    of requests that name a session (default: an uncapped store without TTL)."""
     app = FastAPI(title="agent_kv", version="0.1.0")
     lock = asyncio.Lock()
+    sessions = sessions or SessionStore(engine)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
@@ -88,12 +96,27 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "agent_kv"}
         return {"object": "list", "data": [entry]}
 
+    @app.delete("/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict:
+        try:
+            deleted = sessions.drop(session_id)
+        except SessionBusyError as err:
+            raise APIError(409, str(err), "session_id", "session_busy") from None
+        if not deleted:
+            raise APIError(404, f"no session {session_id!r}", "session_id", "not_found")
+        return {"id": session_id, "deleted": True}
+
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
-    async def chat_completions(request: ChatCompletionRequest) -> ChatCompletion:
+    async def chat_completions(
+        request: ChatCompletionRequest,
+        x_session_id: Annotated[str | None, Header()] = None,
+    ) -> ChatCompletion:
         params = _sampling(request)
+        session_id = x_session_id or request.user
         async with lock:
-            chat, reply = await run_in_threadpool(_complete, engine, request, params)
-        store = chat.session.store
+            store, reply, sync = await run_in_threadpool(
+                _complete, engine, sessions, session_id, request, params
+            )
         completion = len(reply.token_ids)
         return ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
@@ -107,16 +130,20 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 )
             ],
             usage=Usage(
-                prompt_tokens=reply.prompt_tokens,
+                prompt_tokens=sync.reused_tokens + sync.prefilled_tokens,
                 completion_tokens=completion,
-                total_tokens=reply.prompt_tokens + completion,
+                total_tokens=sync.reused_tokens + sync.prefilled_tokens + completion,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=sync.reused_tokens),
             ),
             kv=KVStats(
                 policy=engine.policy.name,
+                session_id=session_id,
+                rebuild=sync.rebuild,
                 peak_kv_bytes=store.peak_bytes,
                 kv_bytes=store.nbytes(),
                 full_kv_bytes=store.full_kv_nbytes(),
                 evicted_tokens=store.evicted_tokens,
+                quantized_tokens=store.quantized_tokens,
             ),
         )
 
@@ -181,28 +208,38 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
     return params
 
 
-def _complete(engine: Engine, request: ChatCompletionRequest, params: SamplingParams):
+def _complete(
+    engine: Engine,
+    sessions: SessionStore,
+    session_id: str | None,
+    request: ChatCompletionRequest,
+    params: SamplingParams,
+):
+    """Run one request in its session (a fresh cache without a session id); returns the
+    store, the reply and how the prompt was matched against the session's history."""
     messages = [{"role": m.role, "content": m.text} for m in request.messages]
     prompt = engine.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    prompt_tokens = len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    prompt_ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     limit = engine.model.config.max_position_embeddings
     # rerotate positions with a budget keep every position inside the context, whatever the
     # length; otherwise a request past it is refused before any compute
     rerotating = engine.store_options["rerotate"] and engine.policy.budget(None) is not None
-    if not rerotating and prompt_tokens + params.max_new_tokens > limit:
+    if not rerotating and len(prompt_ids) + params.max_new_tokens > limit:
         raise APIError(
             400,
-            f"prompt of {prompt_tokens} tokens plus max_tokens={params.max_new_tokens} exceeds "
-            f"the model's context of {limit} tokens",
+            f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_new_tokens} "
+            f"exceeds the model's context of {limit} tokens",
             "messages",
             "context_length_exceeded",
         )
-    chat = ChatSession(engine)
-    for message in messages:
-        chat.add(message["role"], message["content"])
+    session_scope = sessions.use(session_id) if session_id else nullcontext(engine.new_session())
     try:
-        return chat, chat.reply(params)
+        with session_scope as session:
+            sync = sync_history(engine, session, prompt_ids)
+            apply_pins(session.store, protected_spans(engine.tokenizer, messages, PIN_RULES))
+            reply = engine.generate(session, [], params)
+            return session.store, reply, sync
     except ContextOverflowError as err:
         raise APIError(400, str(err), "messages", "context_length_exceeded") from None

@@ -53,6 +53,7 @@ class ChatCompletionRequest(BaseModel):
     seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     n: StrictInt = 1
+    user: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -63,22 +64,32 @@ class ChatCompletionRequest(BaseModel):
         return stop
 
 
+class PromptTokensDetails(BaseModel):
+    """How much of the prompt the session's cache already held."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     """Token counts of one completion."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class KVStats(BaseModel):
     """What the request's KV cache held (agent_kv extension of the response)."""
 
     policy: str
+    session_id: str | None
+    rebuild: str
     peak_kv_bytes: int
     kv_bytes: int
     full_kv_bytes: int
     evicted_tokens: int
+    quantized_tokens: int
 
 
 class AssistantMessage(BaseModel):

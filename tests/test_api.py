@@ -129,3 +129,33 @@ async def test_text_parts_developer_role_and_null_tools_are_accepted(client):
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] <= 3
+
+
+async def test_a_session_reuses_its_cache_across_turns(client):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant for a classifieds site."},
+        {"role": "user", "content": "Name one thing people sell on classifieds sites."},
+    ]
+    body = {"messages": messages, "max_tokens": 6}
+    headers = {"X-Session-Id": "episode-1"}
+    first = (await client.post("/v1/chat/completions", json=body, headers=headers)).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert first["kv"]["session_id"] == "episode-1" and first["kv"]["rebuild"] == "none"
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And another one?"},
+    ]
+    second = (await client.post("/v1/chat/completions", json=body, headers=headers)).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 1  # the first turn is not prefilled again
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"]
+    # the body's `user` names the same session; another id is a separate cache
+    other = {**body, "user": "episode-2"}
+    third = (await client.post("/v1/chat/completions", json=other)).json()
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (await client.delete("/sessions/episode-1")).json() == {
+        "id": "episode-1",
+        "deleted": True,
+    }
+    missing = await client.delete("/sessions/episode-1")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

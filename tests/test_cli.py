@@ -149,9 +149,8 @@ def test_usage_errors_are_one_line(tmp_path):
     assert_one_line_error(
         run_cli("run-episode", "--task", "1", "--positions", "sideways"), "--positions"
     )
+    assert_one_line_error(run_cli("serve", "--session-bytes", "lots"), "cannot read 'lots'")
     assert_one_line_error(run_cli("run-episode"), "Missing option '--task'")
     afile = tmp_path / "afile"
     afile.write_text("")
-    assert_one_line_error(
-        run_cli("run-episode", "--task", "1", "--out", str(afile)), "cannot use --out"
-    )
+    assert_one_line_error(run_cli("run-episode", "--task", "1", "--out", str(afile)), "cannot use")
