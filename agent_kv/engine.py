@@ -298,12 +298,18 @@ class Engine:
         return out.logits.float() if all_positions else out.logits[:, -1].float()
 
     def generate(
-        self, session: Session, prompt_ids: list[int], params: SamplingParams
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         """Prefill `prompt_ids`, then decode a reply.
 
         Every generated token except a final EOS is fed to the cache, so the cache ends with
-        the prompt followed by `raw_text`.
+        the prompt followed by `raw_text`. `on_text`, if given, receives the reply's text as
+        it grows, in pieces that concatenate to `text`: a piece is held back while it could
+        still be the start of a stop string or ends in an incomplete character.
 
         Raises:
             ConfigError: invalid sampling parameters.
@@ -321,6 +327,8 @@ class Engine:
         generated: list[int] = []
         first_token_at = None
         finish = "length"
+        sent = 0  # characters of the reply handed to on_text
+        hold = max((len(s) for s in params.stop), default=1) - 1
         for _ in range(params.max_new_tokens):
             token = sample_next(session.last_logits, params, generator)
             if first_token_at is None:
@@ -334,11 +342,19 @@ class Engine:
             if any(s in text for s in params.stop):
                 finish = "stop"
                 break
+            if on_text is not None:
+                safe = len(text.rstrip("\ufffd")) - hold
+                if safe > sent:
+                    on_text(text[sent:safe])
+                    sent = safe
         end = time.perf_counter()
         raw_ids = [t for t in generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
+        reply = _cut_at_stop(raw_text, params.stop)
+        if on_text is not None and len(reply) > sent:
+            on_text(reply[sent:])
         return Generation(
-            text=_cut_at_stop(raw_text, params.stop),
+            text=reply,
             raw_text=raw_text,
             token_ids=generated,
             finish_reason=finish,

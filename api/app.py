@@ -1,7 +1,10 @@
-"""FastAPI application: `/health`, `/v1/models` and `POST /v1/chat/completions`.
+"""FastAPI application: `/health`, `/v1/models`, `POST /v1/chat/completions` (plain or
+streamed as server-sent events) and `DELETE /sessions/{id}`.
 
-Each chat request runs in a fresh session (one managed KV cache, the engine's policy) and the
-reply carries the cache's memory figures under `kv`. Requests are served one at a time (the
+A request naming a session (`X-Session-Id` header or the body's `user`) runs in that
+session's managed KV cache (`agent_kv.sessions`): its tokens are matched against the
+session's history and only the new suffix is prefilled; without an id it gets a fresh cache.
+The reply carries the cache's memory figures under `kv`. Model calls run one at a time (the
 engine owns one model). Client errors are 4xx with an OpenAI-shaped body
 `{"error": {"message", "type", "param", "code"}}`, never a 500; a server-side failure (a
 model whose chat template cannot be extended, say) is a 500 with the same shape.
@@ -10,15 +13,17 @@ model whose chat template cannot be extended, say) is a 500 with the same shape.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Annotated
 
 from fastapi import FastAPI, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_kv.engine import Engine
@@ -113,41 +118,102 @@ def create_app(engine: Engine, model_name: str, sessions: SessionStore | None = 
     ) -> ChatCompletion:
         params = _sampling(request)
         session_id = x_session_id or request.user
+        prepared = _prepare(engine, request, params)
+        if request.stream:
+            return StreamingResponse(
+                _stream(lock, engine, sessions, session_id, prepared, params, request, model_name),
+                media_type="text/event-stream",
+            )
         async with lock:
             store, reply, sync = await run_in_threadpool(
-                _complete, engine, sessions, session_id, request, params
+                _complete, engine, sessions, session_id, prepared, params
             )
-        completion = len(reply.token_ids)
-        return ChatCompletion(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            created=int(time.time()),
-            model=model_name,
-            choices=[
-                ChatChoice(
-                    index=0,
-                    message=AssistantMessage(content=reply.text),
-                    finish_reason=reply.finish_reason,
-                )
-            ],
-            usage=Usage(
-                prompt_tokens=sync.reused_tokens + sync.prefilled_tokens,
-                completion_tokens=completion,
-                total_tokens=sync.reused_tokens + sync.prefilled_tokens + completion,
-                prompt_tokens_details=PromptTokensDetails(cached_tokens=sync.reused_tokens),
-            ),
-            kv=KVStats(
-                policy=engine.policy.name,
-                session_id=session_id,
-                rebuild=sync.rebuild,
-                peak_kv_bytes=store.peak_bytes,
-                kv_bytes=store.nbytes(),
-                full_kv_bytes=store.full_kv_nbytes(),
-                evicted_tokens=store.evicted_tokens,
-                quantized_tokens=store.quantized_tokens,
-            ),
-        )
+        return _completion(engine, model_name, session_id, store, reply, sync)
 
     return app
+
+
+def _completion(engine, model_name, session_id, store, reply, sync) -> ChatCompletion:
+    """The response body of a finished request."""
+    completion = len(reply.token_ids)
+    return ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        created=int(time.time()),
+        model=model_name,
+        choices=[
+            ChatChoice(
+                index=0,
+                message=AssistantMessage(content=reply.text),
+                finish_reason=reply.finish_reason,
+            )
+        ],
+        usage=Usage(
+            prompt_tokens=sync.reused_tokens + sync.prefilled_tokens,
+            completion_tokens=completion,
+            total_tokens=sync.reused_tokens + sync.prefilled_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sync.reused_tokens),
+        ),
+        kv=KVStats(
+            policy=engine.policy.name,
+            session_id=session_id,
+            rebuild=sync.rebuild,
+            peak_kv_bytes=store.peak_bytes,
+            kv_bytes=store.nbytes(),
+            full_kv_bytes=store.full_kv_nbytes(),
+            evicted_tokens=store.evicted_tokens,
+            quantized_tokens=store.quantized_tokens,
+        ),
+    )
+
+
+async def _stream(lock, engine, sessions, session_id, prepared, params, request, model_name):
+    """Server-sent events of one request: a role chunk, content chunks as the reply grows, a
+    final chunk with the finish reason, a usage chunk when `stream_options.include_usage`,
+    then `data: [DONE]`. The model runs in a worker thread; its text reaches this generator
+    through a queue. An error after the stream began is sent as an `error` event."""
+    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def event(choices: list, **extra) -> str:
+        body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created}
+        body |= {"model": model_name, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def delta(content: dict, finish: str | None = None) -> list:
+        return [{"index": 0, "delta": content, "finish_reason": finish}]
+
+    def work():
+        try:
+            result = _complete(
+                engine, sessions, session_id, prepared, params,
+                lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text)),
+            )  # fmt: skip
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+        except Exception as err:  # sent to the client as an error event
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
+
+    async with lock:
+        yield event(delta({"role": "assistant", "content": ""}))
+        task = loop.run_in_executor(None, work)
+        while True:
+            kind, value = await queue.get()
+            if kind == "text":
+                yield event(delta({"content": value}))
+                continue
+            if kind == "error":
+                message = value.message if isinstance(value, APIError) else str(value)
+                error = ErrorDetail(message=message, type="server_error", param=None, code=None)
+                yield f"data: {json.dumps({'error': error.model_dump()})}\n\n"
+            else:
+                store, reply, sync = value
+                yield event(delta({}, reply.finish_reason))
+                if request.stream_options and request.stream_options.include_usage:
+                    usage = _completion(engine, model_name, session_id, store, reply, sync).usage
+                    yield event([], usage=usage.model_dump())
+            break
+        await task
+    yield "data: [DONE]\n\n"
 
 
 UNSUPPORTED_FIELDS = (
@@ -182,10 +248,6 @@ def _param_name(loc: tuple) -> str | None:
 
 
 def _sampling(request: ChatCompletionRequest) -> SamplingParams:
-    if request.stream:
-        raise APIError(
-            400, "stream=true is not supported by this server yet", "stream", "unsupported"
-        )
     if request.n != 1:
         raise APIError(400, "only n=1 is supported", "n", "unsupported")
     extra = request.model_extra or {}
@@ -208,15 +270,9 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
     return params
 
 
-def _complete(
-    engine: Engine,
-    sessions: SessionStore,
-    session_id: str | None,
-    request: ChatCompletionRequest,
-    params: SamplingParams,
-):
-    """Run one request in its session (a fresh cache without a session id); returns the
-    store, the reply and how the prompt was matched against the session's history."""
+def _prepare(engine: Engine, request: ChatCompletionRequest, params: SamplingParams):
+    """The request's messages and prompt tokens; raises `APIError` for a prompt that cannot
+    fit the model's context (before any compute)."""
     messages = [{"role": m.role, "content": m.text} for m in request.messages]
     prompt = engine.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
@@ -234,12 +290,26 @@ def _complete(
             "messages",
             "context_length_exceeded",
         )
+    return messages, prompt_ids
+
+
+def _complete(
+    engine: Engine,
+    sessions: SessionStore,
+    session_id: str | None,
+    prepared: tuple[list[dict], list[int]],
+    params: SamplingParams,
+    on_text: Callable[[str], None] | None = None,
+):
+    """Run one request in its session (a fresh cache without a session id); returns the
+    store, the reply and how the prompt was matched against the session's history."""
+    messages, prompt_ids = prepared
     session_scope = sessions.use(session_id) if session_id else nullcontext(engine.new_session())
     try:
         with session_scope as session:
             sync = sync_history(engine, session, prompt_ids)
             apply_pins(session.store, protected_spans(engine.tokenizer, messages, PIN_RULES))
-            reply = engine.generate(session, [], params)
+            reply = engine.generate(session, [], params, on_text)
             return session.store, reply, sync
     except ContextOverflowError as err:
         raise APIError(400, str(err), "messages", "context_length_exceeded") from None

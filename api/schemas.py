@@ -38,6 +38,12 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class StreamOptions(BaseModel):
+    """`stream_options`: whether the stream ends with a usage chunk."""
+
+    include_usage: bool = False
+
+
 class ChatCompletionRequest(BaseModel):
     """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
 
@@ -52,6 +58,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: str | None = Field(default=None, min_length=1, max_length=256)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -60,7 +62,13 @@ async def test_chat_completion_reports_usage_and_kv(client):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-        ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream_options": {"include_usage": "maybe"},
+            },
+            "stream_options.include_usage",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         (
             {
@@ -159,3 +167,33 @@ async def test_a_session_reuses_its_cache_across_turns(client):
     }
     missing = await client.delete("/sessions/episode-1")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+async def test_streamed_reply_equals_the_plain_one(client):
+    body = {
+        "messages": [{"role": "user", "content": "List three fruits, comma separated."}],
+        "max_tokens": 12,
+        "stop": ["\n\n"],
+    }
+    plain = (await client.post("/v1/chat/completions", json=body)).json()
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == plain["choices"][0]["finish_reason"] and set(finish[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+async def test_a_prompt_too_long_for_a_stream_is_still_a_400(client):
+    body = {"messages": [{"role": "user", "content": "word " * 9000}], "stream": True}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"

@@ -1,0 +1,65 @@
+"""The real `openai` client against a live uvicorn on 127.0.0.1, streamed and not."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from api.app import create_app
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(engine, "smollm2-135m"), host="127.0.0.1", port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_openai_client_plain_streamed_and_errors(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name a color."}]
+    plain = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=8, user="client-test"
+    )
+    text = plain.choices[0].message.content
+    assert text and plain.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # the same session again: the prompt is served from its cache
+    again = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=8, user="client-test"
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens >= plain.usage.prompt_tokens - 1
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2-135m", messages=messages, n=2)
+    assert err.value.status_code == 400 and "n=1" in err.value.message
