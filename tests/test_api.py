@@ -49,6 +49,8 @@ async def test_chat_completion_reports_usage_and_kv(client):
     usage = data["usage"]
     assert usage["prompt_tokens"] > 256
     assert 1 <= usage["completion_tokens"] <= 8
+    # cut at max_tokens exactly when the reply ran out of tokens, not when it stopped
+    assert (choice["finish_reason"] == "length") == (usage["completion_tokens"] == 8)
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     kv = data["kv"]
     assert kv["evicted_tokens"] > 0

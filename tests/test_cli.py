@@ -31,6 +31,8 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     assert isinstance(summary["success"], bool)
     assert summary["success"] == (summary["score"] == 1.0)
     assert 1 <= summary["steps"] <= 2
+    assert summary["end_reason"] != "max_steps" or summary["steps"] == 2
+    assert len(summary["step_s"]) == summary["steps"]
     assert summary["end_reason"] in {"stop", "max_steps", "parse_failures", "repeated_action"}
     assert summary["tokens_seen"] > 100
     assert 0 < summary["peak_kv_bytes"] <= summary["full_kv_bytes"]
