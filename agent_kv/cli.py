@@ -292,13 +292,20 @@ def serve_command(
         Path | None,
         typer.Option(help="Save sessions over the byte cap here instead of dropping them."),
     ] = None,
+    max_waiting: Annotated[
+        int, typer.Option(min=1, help="Requests that may wait for the model (then 429).")
+    ] = 32,
+    queue_timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds a request may wait for the model (then 503).")
+    ] = 600.0,
 ) -> None:
-    """Serve the OpenAI-compatible API (`/v1/chat/completions`, `/v1/models`, `/health`,
-    `DELETE /sessions/{id}`)."""
+    """Serve the API: `/v1/chat/completions` (OpenAI-compatible), `/chat` (native),
+    `/v1/models`, `/health`, `/metrics` and `DELETE /sessions/{id}`."""
     import uvicorn
 
     from agent_kv.budgets import parse_bytes
     from agent_kv.model_loading import load_model
+    from agent_kv.service import ChatService
     from agent_kv.sessions import SessionStore
     from api.app import create_app
 
@@ -315,7 +322,8 @@ def serve_command(
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)
-    uvicorn.run(create_app(engine, loaded.name, sessions), host=host, port=port)
+    service = ChatService(engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout)
+    uvicorn.run(create_app(service, loaded.name), host=host, port=port)
 
 
 def _free_port(host: str, port: int) -> None:

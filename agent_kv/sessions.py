@@ -58,11 +58,7 @@ def sync_history(engine: Engine, session: Session, token_ids: list[int]) -> Hist
     if not token_ids:
         raise ValueError("a request needs at least one token")
     history = session.token_ids
-    common = 0
-    for old, new in zip(history, token_ids, strict=False):
-        if old != new:
-            break
-        common += 1
+    common = common_prefix(history, token_ids)
     if common == len(history):
         suffix = token_ids[common:]
         if suffix:
@@ -79,6 +75,16 @@ def sync_history(engine: Engine, session: Session, token_ids: list[int]) -> Hist
     session.replace_with(engine.new_session())
     engine.feed(session, token_ids)
     return HistorySync(0, len(token_ids), "scratch")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    common = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        common += 1
+    return common
 
 
 class SessionBusyError(AgentKVError):
@@ -152,6 +158,21 @@ class SessionStore:
                 entry.in_flight -= 1
                 entry.last_used = self.clock()
                 self._enforce()
+
+    def longest_prefix(self, token_ids: list[int], required: dict[str, int]) -> str | None:
+        """The session, among the idle ones in memory named in `required`, whose history
+        shares the longest prefix with `token_ids`, counting only sessions whose first
+        `required[id]` tokens all match; None when there is none."""
+        best, best_common = None, 0
+        with self._lock:
+            for sid, needed in required.items():
+                entry = self._entries.get(sid)
+                if entry is None or entry.session is None or entry.in_flight:
+                    continue
+                common = common_prefix(entry.session.token_ids, token_ids)
+                if common >= needed and common > best_common:
+                    best, best_common = sid, common
+        return best
 
     def drop(self, session_id: str) -> bool:
         """Forget a session (memory and disk); False when there was none.

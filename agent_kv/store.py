@@ -566,6 +566,10 @@ class KVStore:
         self._grow_pins(end)
         self._pinned[row, start:end] = False
 
+    def pinned_tokens(self, row: int = 0) -> int:
+        """Positions of the row pinned now (pinned tokens are never evicted, so all live)."""
+        return int(self._pinned[row, : self.seen(row)].sum())
+
     def _check_span(self, start: int, end: int, row: int) -> None:
         if start < 0 or end < start:
             raise ValueError(f"invalid position span [{start}, {end})")

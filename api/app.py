@@ -1,13 +1,18 @@
-"""FastAPI application: `/health`, `/v1/models`, `POST /v1/chat/completions` (plain or
-streamed as server-sent events) and `DELETE /sessions/{id}`.
+"""FastAPI application: `POST /v1/chat/completions` (OpenAI-compatible, plain or streamed as
+server-sent events), `POST /chat` (native), `GET /v1/models`, `GET /health`, `GET /metrics`
+(Prometheus) and `DELETE /sessions/{id}`.
 
-A request naming a session (`X-Session-Id` header or the body's `user`) runs in that
-session's managed KV cache (`agent_kv.sessions`): its tokens are matched against the
-session's history and only the new suffix is prefilled; without an id it gets a fresh cache.
-The reply carries the cache's memory figures under `kv`. Model calls run one at a time (the
-engine owns one model). Client errors are 4xx with an OpenAI-shaped body
-`{"error": {"message", "type", "param", "code"}}`, never a 500; a server-side failure (a
-model whose chat template cannot be extended, say) is a 500 with the same shape.
+Every turn runs through `agent_kv.service.ChatService`: in a session named by the request
+(`X-Session-Id` header or the body's `user`; `session_id` for `/chat`) or, without one, in
+the anonymous session the conversation continues (prefix match). Only the tokens the
+session's cache lacks are prefilled. Replies carry the cache's figures under `kv`.
+
+Client errors are 4xx with an OpenAI-shaped body `{"error": {"message", "type", "param",
+"code"}}`, never a 500: 400 for malformed or unsupported input and prompts over the context,
+404 for unknown routes and sessions, 409 for deleting a session in use, 413 for a body over
+`max_body_bytes`, 422 for well-formed `/chat` pin rules or policy overrides that cannot be
+applied, 429 when too many requests wait for the model, 503 when one waited too long. A
+server-side failure is a 500 with the same shape.
 """
 
 from __future__ import annotations
@@ -16,21 +21,23 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import nullcontext
+from dataclasses import asdict
 from typing import Annotated
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent_kv.engine import Engine
 from agent_kv.errors import ConfigError, ContextOverflowError
-from agent_kv.protection import PinRules, apply_pins, protected_spans
+from agent_kv.policies import Policy, make_policy
+from agent_kv.protection import PinRules
 from agent_kv.sampling import SamplingParams
-from agent_kv.sessions import SessionBusyError, SessionStore, sync_history
+from agent_kv.service import ChatService, ChatTurn, QueueFullError, QueueTimeoutError
+from agent_kv.sessions import SessionBusyError
+from api.body_limit import BodyLimit
+from api.metrics import ServerMetrics
 from api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -39,13 +46,19 @@ from api.schemas import (
     ErrorDetail,
     ErrorResponse,
     KVStats,
+    NativeChatRequest,
+    NativeChatResponse,
     PromptTokensDetails,
+    SamplingFields,
+    Timing,
     Usage,
 )
 
 DEFAULT_MAX_TOKENS = 256
-PIN_RULES = PinRules()
-"""Pins applied to every session: the system message and the latest tool message."""
+MAX_BODY_BYTES = 8 * 2**20
+"""Request bodies above this many bytes are refused with a 413."""
+RETRY_AFTER_S = 5
+"""The `Retry-After` a 429 or 503 suggests, in seconds."""
 
 
 class APIError(Exception):
@@ -59,18 +72,33 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None):
-    """A JSONResponse with an OpenAI-shaped error body."""
+    """A JSONResponse with an OpenAI-shaped error body (and `Retry-After` on 429 and 503)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(status_code=status, content=body.model_dump(), headers=headers)
 
 
-def create_app(engine: Engine, model_name: str, sessions: SessionStore | None = None) -> FastAPI:
-    """The API serving `engine` under the model id `model_name`; `sessions` keeps the caches
-    of requests that name a session (default: an uncapped store without TTL)."""
+def create_app(
+    service: ChatService, model_name: str, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The API serving `service`'s engine under the model id `model_name`."""
     app = FastAPI(title="agent_kv", version="0.1.0")
-    lock = asyncio.Lock()
-    sessions = sessions or SessionStore(engine)
+    engine = service.engine
+    metrics = ServerMetrics(service.sessions)
+    routes = {"/v1/chat/completions", "/chat", "/v1/models", "/health", "/metrics"}
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path
+        endpoint = (
+            path if path in routes else "/sessions" if path.startswith("/sessions/") else "other"
+        )
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, reject=error_response)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
@@ -101,41 +129,127 @@ def create_app(engine: Engine, model_name: str, sessions: SessionStore | None = 
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "agent_kv"}
         return {"object": "list", "data": [entry]}
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
     @app.delete("/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict:
         try:
-            deleted = sessions.drop(session_id)
+            deleted = service.sessions.drop(session_id)
         except SessionBusyError as err:
             raise APIError(409, str(err), "session_id", "session_busy") from None
         if not deleted:
             raise APIError(404, f"no session {session_id!r}", "session_id", "not_found")
         return {"id": session_id, "deleted": True}
 
+    async def run_turn(*args, **kwargs) -> ChatTurn:
+        turn = await run_in_threadpool(_run, service, *args, **kwargs)
+        metrics.observe(turn)
+        return turn
+
     @app.post("/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(
         request: ChatCompletionRequest,
+        response: Response,
         x_session_id: Annotated[str | None, Header()] = None,
     ) -> ChatCompletion:
-        params = _sampling(request)
+        _refuse_unsupported(request)
+        params = _sampling(request, request.max_completion_tokens)
+        messages = [m.as_dict() for m in request.messages]
         session_id = x_session_id or request.user
-        prepared = _prepare(engine, request, params)
+        _check_fits(service, messages, params)
         if request.stream:
-            return StreamingResponse(
-                _stream(lock, engine, sessions, session_id, prepared, params, request, model_name),
-                media_type="text/event-stream",
-            )
-        async with lock:
-            store, reply, sync = await run_in_threadpool(
-                _complete, engine, sessions, session_id, prepared, params
-            )
-        return _completion(engine, model_name, session_id, store, reply, sync)
+            if service.queue_full():
+                raise APIError(429, "too many requests are waiting for the model", None, "busy")
+            stream = _stream(service, metrics, session_id, messages, params, request, model_name)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        turn = await run_turn(messages, params, session_id)
+        if turn.kv.session_id.isascii() and turn.kv.session_id.isprintable():
+            response.headers["X-Session-Id"] = turn.kv.session_id  # also in the body's `kv`
+        return _completion(model_name, turn)
+
+    @app.post("/chat", response_model=NativeChatResponse)
+    async def chat(request: NativeChatRequest) -> NativeChatResponse:
+        params = _sampling(request)
+        messages = [m.as_dict() for m in request.messages]
+        rules = None if request.pin is None else _pin_rules(request)
+        policy = None if request.policy is None else _policy(request)
+        _check_fits(service, messages, params, policy)
+        turn = await run_turn(messages, params, request.session_id, rules, policy)
+        return NativeChatResponse(
+            session_id=turn.kv.session_id,
+            message=AssistantMessage(content=turn.reply.text),
+            finish_reason=turn.reply.finish_reason,
+            usage=_usage(turn),
+            kv=KVStats.model_validate(asdict(turn.kv)),
+            timing=Timing(
+                wait_s=turn.wait_s,
+                ttft_s=turn.ttft_s,
+                decode_tokens_per_s=turn.reply.decode_tokens_per_s,
+            ),
+        )
 
     return app
 
 
-def _completion(engine, model_name, session_id, store, reply, sync) -> ChatCompletion:
-    """The response body of a finished request."""
-    completion = len(reply.token_ids)
+def _pin_rules(request: NativeChatRequest) -> PinRules:
+    """The request's pin rules; a 422 for rules that cannot be applied."""
+    pin = request.pin
+    rules = PinRules(
+        roles=frozenset(pin.roles),
+        latest_observations=pin.latest_observations,
+        observation_roles=frozenset(pin.observation_roles),
+        patterns=tuple(pin.patterns),
+    )
+    try:
+        rules.validate()
+    except ConfigError as err:
+        raise APIError(422, str(err), "pin.patterns", "unprocessable") from None
+    return rules
+
+
+def _policy(request: NativeChatRequest) -> Policy:
+    """The request's policy override; a 422 for one that cannot be built."""
+    spec = request.policy
+    try:
+        return make_policy(spec.name, spec.budget, **spec.params)
+    except ConfigError as err:
+        raise APIError(422, str(err), "policy", "unprocessable") from None
+
+
+def _run(service: ChatService, *args, **kwargs) -> ChatTurn:
+    """`service.run` with its errors as API errors."""
+    try:
+        return service.run(*args, **kwargs)
+    except ContextOverflowError as err:
+        raise APIError(400, str(err), "messages", "context_length_exceeded") from None
+    except QueueFullError as err:
+        raise APIError(429, str(err), None, "busy") from None
+    except QueueTimeoutError as err:
+        raise APIError(503, str(err), None, "timeout") from None
+
+
+def _check_fits(service, messages, params, policy=None) -> None:
+    """A 400 for a prompt that cannot fit the model's context, before any compute."""
+    try:
+        service.check_fits(len(service.prompt_ids(messages)), params.max_new_tokens, policy)
+    except ContextOverflowError as err:
+        raise APIError(400, str(err), "messages", "context_length_exceeded") from None
+
+
+def _usage(turn: ChatTurn) -> Usage:
+    completion = len(turn.reply.token_ids)
+    return Usage(
+        prompt_tokens=turn.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=turn.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=turn.sync.reused_tokens),
+    )
+
+
+def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
+    """The response body of a finished `/v1/chat/completions` request."""
     return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
         created=int(time.time()),
@@ -143,30 +257,16 @@ def _completion(engine, model_name, session_id, store, reply, sync) -> ChatCompl
         choices=[
             ChatChoice(
                 index=0,
-                message=AssistantMessage(content=reply.text),
-                finish_reason=reply.finish_reason,
+                message=AssistantMessage(content=turn.reply.text),
+                finish_reason=turn.reply.finish_reason,
             )
         ],
-        usage=Usage(
-            prompt_tokens=sync.reused_tokens + sync.prefilled_tokens,
-            completion_tokens=completion,
-            total_tokens=sync.reused_tokens + sync.prefilled_tokens + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sync.reused_tokens),
-        ),
-        kv=KVStats(
-            policy=engine.policy.name,
-            session_id=session_id,
-            rebuild=sync.rebuild,
-            peak_kv_bytes=store.peak_bytes,
-            kv_bytes=store.nbytes(),
-            full_kv_bytes=store.full_kv_nbytes(),
-            evicted_tokens=store.evicted_tokens,
-            quantized_tokens=store.quantized_tokens,
-        ),
+        usage=_usage(turn),
+        kv=KVStats.model_validate(asdict(turn.kv)),
     )
 
 
-async def _stream(lock, engine, sessions, session_id, prepared, params, request, model_name):
+async def _stream(service, metrics, session_id, messages, params, request, model_name):
     """Server-sent events of one request: a role chunk, content chunks as the reply grows, a
     final chunk with the finish reason, a usage chunk when `stream_options.include_usage`,
     then `data: [DONE]`. The model runs in a worker thread; its text reaches this generator
@@ -185,34 +285,32 @@ async def _stream(lock, engine, sessions, session_id, prepared, params, request,
 
     def work():
         try:
-            result = _complete(
-                engine, sessions, session_id, prepared, params,
-                lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text)),
+            turn = _run(
+                service, messages, params, session_id,
+                on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text)),
             )  # fmt: skip
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", turn))
         except Exception as err:  # sent to the client as an error event
             loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
 
-    async with lock:
-        yield event(delta({"role": "assistant", "content": ""}))
-        task = loop.run_in_executor(None, work)
-        while True:
-            kind, value = await queue.get()
-            if kind == "text":
-                yield event(delta({"content": value}))
-                continue
-            if kind == "error":
-                message = value.message if isinstance(value, APIError) else str(value)
-                error = ErrorDetail(message=message, type="server_error", param=None, code=None)
-                yield f"data: {json.dumps({'error': error.model_dump()})}\n\n"
-            else:
-                store, reply, sync = value
-                yield event(delta({}, reply.finish_reason))
-                if request.stream_options and request.stream_options.include_usage:
-                    usage = _completion(engine, model_name, session_id, store, reply, sync).usage
-                    yield event([], usage=usage.model_dump())
-            break
-        await task
+    yield event(delta({"role": "assistant", "content": ""}))
+    task = loop.run_in_executor(None, work)
+    while True:
+        kind, value = await queue.get()
+        if kind == "text":
+            yield event(delta({"content": value}))
+            continue
+        if kind == "error":
+            message = value.message if isinstance(value, APIError) else str(value)
+            error = ErrorDetail(message=message, type="server_error", param=None, code=None)
+            yield f"data: {json.dumps({'error': error.model_dump()})}\n\n"
+        else:
+            metrics.observe(value)
+            yield event(delta({}, value.reply.finish_reason))
+            if request.stream_options and request.stream_options.include_usage:
+                yield event([], usage=_usage(value).model_dump())
+        break
+    await task
     yield "data: [DONE]\n\n"
 
 
@@ -247,7 +345,8 @@ def _param_name(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def _sampling(request: ChatCompletionRequest) -> SamplingParams:
+def _refuse_unsupported(request: ChatCompletionRequest) -> None:
+    """A 400 for `n > 1` and the OpenAI features this server does not implement."""
     if request.n != 1:
         raise APIError(400, "only n=1 is supported", "n", "unsupported")
     extra = request.model_extra or {}
@@ -255,9 +354,13 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
         value = extra.get(field)
         if value and value not in NO_OP_VALUES.get(field, []):
             raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
+
+
+def _sampling(request: SamplingFields, max_tokens: int | None = None) -> SamplingParams:
+    """The request's sampling parameters; a 400 for invalid ones."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = SamplingParams(
-        max_new_tokens=request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
+        max_new_tokens=max_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
@@ -268,48 +371,3 @@ def _sampling(request: ChatCompletionRequest) -> SamplingParams:
     except ConfigError as err:
         raise APIError(400, str(err), None, "invalid_value") from None
     return params
-
-
-def _prepare(engine: Engine, request: ChatCompletionRequest, params: SamplingParams):
-    """The request's messages and prompt tokens; raises `APIError` for a prompt that cannot
-    fit the model's context (before any compute)."""
-    messages = [{"role": m.role, "content": m.text} for m in request.messages]
-    prompt = engine.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-    prompt_ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    limit = engine.model.config.max_position_embeddings
-    # rerotate positions with a budget keep every position inside the context, whatever the
-    # length; otherwise a request past it is refused before any compute
-    rerotating = engine.store_options["rerotate"] and engine.policy.budget(None) is not None
-    if not rerotating and len(prompt_ids) + params.max_new_tokens > limit:
-        raise APIError(
-            400,
-            f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_new_tokens} "
-            f"exceeds the model's context of {limit} tokens",
-            "messages",
-            "context_length_exceeded",
-        )
-    return messages, prompt_ids
-
-
-def _complete(
-    engine: Engine,
-    sessions: SessionStore,
-    session_id: str | None,
-    prepared: tuple[list[dict], list[int]],
-    params: SamplingParams,
-    on_text: Callable[[str], None] | None = None,
-):
-    """Run one request in its session (a fresh cache without a session id); returns the
-    store, the reply and how the prompt was matched against the session's history."""
-    messages, prompt_ids = prepared
-    session_scope = sessions.use(session_id) if session_id else nullcontext(engine.new_session())
-    try:
-        with session_scope as session:
-            sync = sync_history(engine, session, prompt_ids)
-            apply_pins(session.store, protected_spans(engine.tokenizer, messages, PIN_RULES))
-            reply = engine.generate(session, [], params, on_text)
-            return session.store, reply, sync
-    except ContextOverflowError as err:
-        raise APIError(400, str(err), "messages", "context_length_exceeded") from None

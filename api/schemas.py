@@ -19,11 +19,17 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message: role and text content (a string or a list of text parts, joined).
 
-    The `developer` role is read as `system`.
+    The `developer` role is read as `system`. `pin: true` (an agent_kv extension) pins the
+    message's tokens: never evicted or quantized.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
+    pin: bool = False
+
+    def as_dict(self) -> dict:
+        """`{"role", "content", "pin"}` with the content as one string."""
+        return {"role": self.role, "content": self.text, "pin": self.pin}
 
     @field_validator("role")
     @classmethod
@@ -44,23 +50,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
-
-    model_config = ConfigDict(extra="allow")
+class SamplingFields(BaseModel):
+    """The conversation and sampling fields both chat endpoints take."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: StrictInt = 1
-    user: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -69,6 +67,53 @@ class ChatCompletionRequest(BaseModel):
         if any(not value for value in values):
             raise ValueError("stop strings must be non-empty")
         return stop
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    user: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class PinRulesBody(BaseModel):
+    """`pin` of a `/chat` request: the protection rules of this turn (`PinRules`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    roles: list[Role] = ["system"]
+    latest_observations: StrictInt = Field(default=1, ge=0)
+    observation_roles: list[Role] = ["tool"]
+    patterns: list[str] = []
+
+
+class PolicyOverride(BaseModel):
+    """`policy` of a `/chat` request: a policy for this turn only (`make_policy`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    budget: StrictInt | None = Field(default=None, ge=1)
+    params: dict[str, StrictInt | float] = {}
+
+
+class NativeChatRequest(SamplingFields):
+    """`POST /chat` body: the conversation, sampling, and agent_kv's own controls."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    pin: PinRulesBody | None = None
+    policy: PolicyOverride | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -86,17 +131,29 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class ConfidenceStats(BaseModel):
+    """CONF-KV's confidence `c` over the turn's gated forward calls (`ConfidenceSummary`)."""
+
+    last: float
+    mean: float
+    min: float
+    steps: int
+
+
 class KVStats(BaseModel):
-    """What the request's KV cache held (agent_kv extension of the response)."""
+    """What the session's KV cache holds after the turn (`KVReport`; an agent_kv extension
+    of the OpenAI response). Bytes are live KV bytes; token counts sum over layers."""
 
     policy: str
-    session_id: str | None
+    session_id: str
     rebuild: str
-    peak_kv_bytes: int
     kv_bytes: int
+    peak_kv_bytes: int
     full_kv_bytes: int
     evicted_tokens: int
     quantized_tokens: int
+    pinned_tokens: int
+    confidence: ConfidenceStats | None
 
 
 class AssistantMessage(BaseModel):
@@ -139,3 +196,22 @@ class ErrorResponse(BaseModel):
     """OpenAI-shaped error body: `{"error": {...}}`."""
 
     error: ErrorDetail
+
+
+class Timing(BaseModel):
+    """Seconds of one turn."""
+
+    wait_s: float
+    ttft_s: float
+    decode_tokens_per_s: float
+
+
+class NativeChatResponse(BaseModel):
+    """`POST /chat` response."""
+
+    session_id: str
+    message: AssistantMessage
+    finish_reason: str
+    usage: Usage
+    kv: KVStats
+    timing: Timing

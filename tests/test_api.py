@@ -9,6 +9,7 @@ import pytest
 
 from agent_kv.engine import Engine
 from agent_kv.policies import make_policy
+from agent_kv.service import ChatService
 from api.app import create_app
 
 
@@ -17,7 +18,7 @@ async def client(smollm):
     engine = Engine(
         smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256, protect_recent=32)
     )
-    app = create_app(engine, "smollm2-135m")
+    app = create_app(ChatService(engine), "smollm2-135m")
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         yield http
@@ -191,7 +192,12 @@ async def test_streamed_reply_equals_the_plain_one(client):
     assert text == plain["choices"][0]["message"]["content"]
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] == plain["choices"][0]["finish_reason"] and set(finish[:-1]) == {None}
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    # the same conversation again without a session id continues the anonymous session of
+    # the first request: every prompt token but the last (re-fed for its logits) is cached
+    usage = plain["usage"]
+    cached = usage["prompt_tokens"] - 1
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def test_a_prompt_too_long_for_a_stream_is_still_a_400(client):

@@ -12,6 +12,7 @@ import uvicorn
 
 from agent_kv.engine import Engine
 from agent_kv.policies import make_policy
+from agent_kv.service import ChatService
 from api.app import create_app
 
 
@@ -22,7 +23,10 @@ def base_url(smollm):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     config = uvicorn.Config(
-        create_app(engine, "smollm2-135m"), host="127.0.0.1", port=port, log_level="warning"
+        create_app(ChatService(engine), "smollm2-135m"),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -132,6 +132,9 @@ def test_pins_never_crowd_out_the_newest_tokens():
         ("window", {"evict_slack": -1}, "evict_slack"),
         ("window", {"bogus": 1}, "no parameter .bogus."),
         ("conf-kv", {"budget": 100}, "too small"),
+        ("random", {"seed": 1.5}, "'seed' must be int, got 1.5"),
+        ("conf-kv", {"tau": "high"}, "'tau' must be float"),
+        ("window", {"window": True}, "'window' must be int"),
     ],
 )
 def test_bad_configuration_is_a_clear_error(name, kwargs, message):

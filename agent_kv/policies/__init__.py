@@ -43,6 +43,8 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
             f"policy {name!r} has no parameter {unknown[0]!r} (its parameters: "
             f"{', '.join(sorted(fields)) or 'none'})"
         )
+    for key, value in params.items():
+        _check_type(name, key, value, _default(cls, key))
     if budget is not None:
         budget_fields = cls.budget_params(budget, params)  # refuses a budget for `full`
         check_budget(name, "budget", budget)
@@ -50,6 +52,20 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     policy = cls(**params)
     policy.validate()
     return policy
+
+
+def _default(cls: type[Policy], field_name: str):
+    field = next(f for f in dataclasses.fields(cls) if f.name == field_name)
+    return field.default
+
+
+def _check_type(policy: str, key: str, value, default) -> None:
+    """Raise ConfigError unless `value` has the type of the field's default (an int is
+    accepted for a float field; a bool is never a number)."""
+    expected = (int, float) if isinstance(default, float) else type(default)
+    if isinstance(value, bool) or not isinstance(value, expected):
+        kind = type(default).__name__
+        raise ConfigError(f"policy {policy!r} parameter {key!r} must be {kind}, got {value!r}")
 
 
 __all__ = [

@@ -1,0 +1,231 @@
+"""The native `/chat` endpoint, anonymous sessions matched by prefix, `/metrics`, and the
+413/422/429/503 statuses (httpx AsyncClient over ASGITransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.service import ChatService
+from api.app import create_app
+
+SYSTEM = "You help a web agent. Item id 4817 is the red bicycle at http://shop.local/item/4817."
+
+
+@pytest.fixture
+def service(smollm):
+    engine = Engine(
+        smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256, protect_recent=32)
+    )
+    return ChatService(engine, max_waiting=1, queue_timeout_s=1.0)
+
+
+@pytest.fixture
+async def client(service):
+    app = create_app(service, "smollm2-135m", max_body_bytes=64 * 1024)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield http
+
+
+def _metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """`{(sample name, sorted labels): value}` of a Prometheus exposition."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_native_chat_reports_kv_stats_pins_and_confidence(client, service):
+    body = {
+        "session_id": "agent-7",
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Which item is the red bicycle? " + "Think. " * 150},
+        ],
+        "max_tokens": 4,
+        "pin": {"roles": [], "latest_observations": 0, "patterns": [r"http://[\w./]+\d"]},
+    }
+    response = await client.post("/chat", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["session_id"] == "agent-7"
+    kv = data["kv"]
+    # only the URL is pinned: its tokens, not the system message's
+    url_tokens = len(service.engine.tokenizer(" http://shop.local/item/4817")["input_ids"])
+    assert kv["pinned_tokens"] == url_tokens
+    assert kv["policy"] == "conf-kv"
+    # one gated call for the prompt (one chunk), one per generated token fed back (not EOS)
+    confidence = kv["confidence"]
+    fed = data["usage"]["completion_tokens"] - (data["finish_reason"] == "stop")
+    assert confidence["steps"] == 1 + fed
+    assert 0.0 <= confidence["min"] <= confidence["mean"] <= 1.0
+    assert confidence["min"] <= confidence["last"] <= 1.0
+    assert data["usage"]["prompt_tokens"] > 256 and kv["evicted_tokens"] > 0
+    assert kv["kv_bytes"] <= kv["peak_kv_bytes"] < kv["full_kv_bytes"]
+    assert data["timing"]["ttft_s"] > 0 and data["timing"]["wait_s"] >= 0
+
+    # the next turn: the default rules pin the whole system message; the first turn's
+    # tokens are not prefilled again
+    body.pop("pin")
+    body["messages"] += [data["message"], {"role": "user", "content": "And its price?"}]
+    again = (await client.post("/chat", json=body)).json()
+    assert again["kv"]["pinned_tokens"] > 2 * url_tokens
+    assert (
+        again["usage"]["prompt_tokens_details"]["cached_tokens"] >= data["usage"]["prompt_tokens"]
+    )
+
+
+async def test_native_chat_policy_override_applies_to_that_turn_only(client, service):
+    messages = [{"role": "user", "content": "Count the words. " + "word " * 200}]
+    body = {"messages": messages, "max_tokens": 2, "policy": {"name": "window", "budget": 64}}
+    data = (await client.post("/chat", json=body)).json()
+    assert data["kv"]["policy"] == "window" and data["kv"]["pinned_tokens"] == 0
+    with service.sessions.use(data["session_id"]) as session:
+        per_token = session.store.bytes_per_token()
+    # the window keeps at most 64 tokens per layer, and it did evict
+    assert 32 * per_token <= data["kv"]["kv_bytes"] <= 64 * per_token
+    assert data["kv"]["evicted_tokens"] > 0
+    assert service.engine.policy.name == "conf-kv"
+    follow = {"messages": messages, "max_tokens": 2, "session_id": data["session_id"]}
+    assert (await client.post("/chat", json=follow)).json()["kv"]["policy"] == "conf-kv"
+
+
+@pytest.mark.parametrize(
+    "extra,status,param",
+    [
+        ({"pin": {"patterns": ["(unclosed"]}}, 422, "pin.patterns"),
+        ({"policy": {"name": "conf-kv", "params": {"tau": 3.0}}}, 422, "policy"),
+        ({"policy": {"name": "lru"}}, 422, "policy"),
+        ({"policy": {"name": "full", "budget": 64}}, 422, "policy"),
+        ({"policy": {"name": "window", "params": {"window": "big"}}}, 400, "policy.params.window"),
+        ({"pin": {"latest_observations": -1}}, 400, "pin.latest_observations"),
+        ({"pin": {"roles": ["wizard"]}}, 400, "pin.roles.0"),
+        ({"sesion_id": "typo"}, 400, "sesion_id"),
+        ({"session_id": ""}, 400, "session_id"),
+    ],
+)
+async def test_native_chat_bad_controls(client, extra, status, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    response = await client.post("/chat", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+async def test_anonymous_conversations_are_matched_by_prefix(client):
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name one thing people sell on classifieds sites."},
+    ]
+    first = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5})
+    session = first.json()["kv"]["session_id"]
+    assert session.startswith("auto-") and first.headers["x-session-id"] == session
+    messages += [
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And another one?"},
+    ]
+    second = (
+        await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5})
+    ).json()
+    assert second["kv"]["session_id"] == session
+    assert (
+        second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        >= (first.json()["usage"]["prompt_tokens"])
+    )
+    # another conversation that shares only the system message gets its own session
+    other = [messages[0], {"role": "user", "content": "What is a bicycle?"}]
+    third = (
+        await client.post("/v1/chat/completions", json={"messages": other, "max_tokens": 5})
+    ).json()
+    assert third["kv"]["session_id"] not in {session} and third["kv"]["rebuild"] == "none"
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_per_message_pin_flag(client):
+    note = "Remember: the locker code is 5521."
+    plain = [{"role": "user", "content": note}, {"role": "user", "content": "Hi."}]
+    flagged = [{**plain[0], "pin": True}, plain[1]]
+    counts = []
+    for i, messages in enumerate([plain, flagged]):
+        headers = {"X-Session-Id": f"pin-{i}"}
+        body = {"messages": messages, "max_tokens": 1}
+        data = (await client.post("/v1/chat/completions", json=body, headers=headers)).json()
+        counts.append(data["kv"]["pinned_tokens"])
+    assert counts[0] == 0 and counts[1] >= 10  # the flagged message's tokens, template included
+
+
+async def test_metrics_count_what_the_turns_did(client, service):
+    messages = [{"role": "user", "content": "Say yes. " * 50}]
+    replies = []
+    for _ in range(2):
+        body = {"messages": messages, "max_tokens": 3}
+        response = await client.post(
+            "/v1/chat/completions", json=body, headers={"X-Session-Id": "m"}
+        )
+        replies.append(response.json())
+        messages += [replies[-1]["choices"][0]["message"], {"role": "user", "content": "Again."}]
+    await client.post("/chat", json={"messages": [{"role": "user", "content": "hi"}], "bad": 1})
+    text = (await client.get("/metrics")).text
+    samples = _metrics(text)
+    assert samples[("agent_kv_ttft_seconds_count", ())] == 2
+    reused = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+    prompt = sum(r["usage"]["prompt_tokens"] for r in replies)
+    assert samples[("agent_kv_prompt_tokens_total", (("source", "reused"),))] == reused > 0
+    assert samples[("agent_kv_prompt_tokens_total", (("source", "prefilled"),))] == prompt - reused
+    assert samples[("agent_kv_completion_tokens_total", ())] == sum(
+        r["usage"]["completion_tokens"] for r in replies
+    )
+    assert samples[("agent_kv_kv_bytes", ())] == service.sessions.kv_bytes() > 0
+    assert samples[("agent_kv_sessions", (("where", "memory"),))] == 1
+    evicted = replies[-1]["kv"]["evicted_tokens"]
+    assert samples[("agent_kv_evicted_tokens_total", ())] == evicted > 0
+    rebuilds = [r["kv"]["rebuild"] for r in replies if r["kv"]["rebuild"] != "none"]
+    for kind in ("truncated", "scratch"):
+        counted = samples.get(("agent_kv_cache_rebuilds_total", (("kind", kind),)), 0)
+        assert counted == rebuilds.count(kind)
+    ok = (("endpoint", "/v1/chat/completions"), ("status", "200"))
+    assert samples[("agent_kv_requests_total", ok)] == 2
+    assert samples[("agent_kv_requests_total", (("endpoint", "/chat"), ("status", "400")))] == 1
+
+
+async def test_oversized_body_is_a_413(client):
+    body = {"messages": [{"role": "user", "content": "x" * 70_000}]}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_busy_model_gives_429_then_503(client, service):
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with service._model_lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(5)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    waiting = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    for _ in range(100):
+        if service.queue_full():
+            break
+        await asyncio.sleep(0.01)
+    refused = await client.post("/chat", json=body)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+    assert refused.json()["error"]["code"] == "busy"
+    timed_out = await waiting  # queue_timeout_s is 1 s
+    assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "timeout"
+    release.set()
+    holder.join()
+    assert (await client.post("/chat", json=body)).status_code == 200
