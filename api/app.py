@@ -268,9 +268,11 @@ def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
 
 async def _stream(service, metrics, session_id, messages, params, request, model_name):
     """Server-sent events of one request: a role chunk, content chunks as the reply grows, a
-    final chunk with the finish reason, a usage chunk when `stream_options.include_usage`,
-    then `data: [DONE]`. The model runs in a worker thread; its text reaches this generator
-    through a queue. An error after the stream began is sent as an `error` event."""
+    final chunk with the finish reason and the cache's figures (`kv`, as in a plain reply), a
+    usage chunk when `stream_options.include_usage`, then `data: [DONE]`. The model runs in a
+    worker thread; its text reaches this generator through a queue. An error after the stream
+    began is sent as an `error` event with the status's type and code (`busy`, `timeout`,
+    `context_length_exceeded`)."""
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -301,12 +303,18 @@ async def _stream(service, metrics, session_id, messages, params, request, model
             yield event(delta({"content": value}))
             continue
         if kind == "error":
-            message = value.message if isinstance(value, APIError) else str(value)
-            error = ErrorDetail(message=message, type="server_error", param=None, code=None)
+            known = isinstance(value, APIError)
+            error = ErrorDetail(
+                message=value.message if known else str(value),
+                type="invalid_request_error" if known and value.status < 500 else "server_error",
+                param=value.param if known else None,
+                code=value.code if known else None,
+            )
             yield f"data: {json.dumps({'error': error.model_dump()})}\n\n"
         else:
             metrics.observe(value)
-            yield event(delta({}, value.reply.finish_reason))
+            kv = KVStats.model_validate(asdict(value.kv)).model_dump()
+            yield event(delta({}, value.reply.finish_reason), kv=kv)
             if request.stream_options and request.stream_options.include_usage:
                 yield event([], usage=_usage(value).model_dump())
         break

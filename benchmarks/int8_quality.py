@@ -20,24 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from agent_kv.engine import Engine
 from agent_kv.model_loading import load_model
 from agent_kv.policies import make_policy
 from agent_kv.store import Int8Config
+from agent_kv.texts import licence_text
 from kernels.int8 import dequantize, quantize_groups
-
-LICENCES = [
-    "GPL-3", "GPL-2", "LGPL-2.1", "LGPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "Artistic",
-]  # fmt: skip
-
-
-def load_text(path: str | None) -> str:
-    if path:
-        return Path(path).read_text()
-    root = Path("/usr/share/common-licenses")
-    return "\n\n".join((root / name).read_text() for name in LICENCES)
 
 
 def error_table(engine_full: Engine, ids: list[int], group: int) -> None:
@@ -116,7 +105,7 @@ def main() -> None:
     parser.add_argument("--text", help="a text file instead of the licence texts")
     args = parser.parse_args()
     loaded = load_model()
-    ids = loaded.tokenizer(load_text(args.text), add_special_tokens=False)["input_ids"]
+    ids = loaded.tokenizer(licence_text(args.text), add_special_tokens=False)["input_ids"]
     if len(ids) < max(args.tokens):
         parser.error(f"the text has {len(ids)} tokens, fewer than {max(args.tokens)}")
     print(f"model {loaded.name}; text of {len(ids)} tokens")

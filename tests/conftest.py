@@ -1,6 +1,11 @@
-"""Shared fixtures: the default model is loaded once per test session."""
+"""Shared fixtures: the default model is loaded once per test session; a live server on it
+serves each module that asks."""
 
 from __future__ import annotations
+
+import socket
+import threading
+import time
 
 import pytest
 
@@ -11,3 +16,45 @@ from agent_kv.model_loading import LoadedModel, load_model
 def smollm() -> LoadedModel:
     """The bundled SmolLM2-135M-Instruct (fp32, CPU), attention through the KV store."""
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def live_server(smollm):
+    """The root URL of a uvicorn on 127.0.0.1 serving the default model as "smollm2-135m"
+    (conf-kv, budget 256), running in a thread for the module. The server's modules are
+    imported here, so that a broken API fails only the tests that use it."""
+    import uvicorn
+
+    from agent_kv.engine import Engine
+    from agent_kv.policies import make_policy
+    from agent_kv.service import ChatService
+    from api.app import create_app
+
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(ChatService(engine), "smollm2-135m"),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on a live server keep their sockets in a run that disables them
+    (`--disable-socket` of pytest-socket, which langchain-tests installs)."""
+    for item in items:
+        if "live_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.enable_socket)

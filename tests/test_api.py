@@ -192,6 +192,9 @@ async def test_streamed_reply_equals_the_plain_one(client):
     assert text == plain["choices"][0]["message"]["content"]
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] == plain["choices"][0]["finish_reason"] and set(finish[:-1]) == {None}
+    final = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    assert final["kv"]["session_id"] == plain["kv"]["session_id"]
+    assert final["kv"]["rebuild"] == "truncated"
     # the same conversation again without a session id continues the anonymous session of
     # the first request: every prompt token but the last (re-fed for its logits) is cached
     usage = plain["usage"]

@@ -2,42 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import openai
 import pytest
-import uvicorn
-
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.service import ChatService
-from api.app import create_app
 
 
 @pytest.fixture(scope="module")
-def base_url(smollm):
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(ChatService(engine), "smollm2-135m"),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+def base_url(live_server):
+    return f"{live_server}/v1"
 
 
 def test_openai_client_plain_streamed_and_errors(base_url):

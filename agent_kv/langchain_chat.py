@@ -1,0 +1,479 @@
+"""`ChatAgentKV`: agent_kv as a LangChain chat model, in-process or through a running server.
+
+In-process (`ChatAgentKV(service=ChatService(engine))` or `ChatAgentKV.local()`), every call
+is one `ChatService.run` turn. Against a server (`ChatAgentKV(base_url=...)` or
+`$AGENT_KV_BASE_URL`), every call is one `POST /v1/chat/completions`, streamed as server-sent
+events when streaming. Either way the turn runs in the session `session_id` names (None: the
+anonymous session the conversation continues), so only what the session's cache lacks is
+prefilled: the part read from the cache is `usage_metadata["input_token_details"]
+["cache_read"]`, and the cache's figures are `response_metadata["kv"]` (`KVReport`).
+
+Per call, `stop` and the keyword arguments `max_tokens`, `temperature`, `top_p`, `seed` and
+`session_id` override the fields (e.g. `model.bind(session_id="episode-2")`); `model` is sent
+as the request's model (the server serves one model; in-process it is ignored).
+A message with `additional_kwargs["pin"]` true has its tokens pinned (never evicted or
+quantized).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, model_validator
+
+from agent_kv.errors import AgentKVError
+from agent_kv.sampling import SamplingParams
+from agent_kv.service import ChatService, ChatTurn
+
+BASE_URL_ENV = "AGENT_KV_BASE_URL"
+"""Read for `base_url` when neither `service` nor `base_url` is given."""
+COMPLETIONS = "/v1/chat/completions"
+ROLES = (
+    (SystemMessage, "system"),
+    (HumanMessage, "user"),
+    (AIMessage, "assistant"),
+    (ToolMessage, "tool"),
+)
+"""LangChain message classes (their chunks included) and the chat roles they become."""
+IDENTIFYING = (
+    "model_name",
+    "base_url",
+    "session_id",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+)
+"""The fields that tell one configured model from another (caching, tracing)."""
+
+
+class ServerError(AgentKVError):
+    """The server answered with an error: an OpenAI-shaped error body, or an error event in a
+    stream that had begun.
+
+    Attributes:
+        status_code: the HTTP status (200 for an error event mid-stream).
+        message: the server's message.
+        code: the server's error code (e.g. "invalid_value"), if any.
+        param: the request parameter at fault, if any.
+    """
+
+    def __init__(
+        self, status_code: int, message: str, code: str | None = None, param: str | None = None
+    ):
+        super().__init__(f"agent_kv server error {status_code}: {message}")
+        self.status_code, self.message, self.code, self.param = status_code, message, code, param
+
+
+class ChatAgentKV(BaseChatModel):
+    """A chat model whose KV cache agent_kv manages per session (see the module docstring).
+
+    Args:
+        service: run turns in-process on this `ChatService`.
+        base_url: or send them to the server at this root URL (e.g. "http://127.0.0.1:8000");
+            `$AGENT_KV_BASE_URL` when neither is given.
+        session_id: the session (agent episode) turns run in; None lets the service match an
+            anonymous session by prefix.
+        model_name: (alias `model`) the model's name in traces and in `response_metadata`
+            (a server reports its own there).
+        max_tokens, temperature, top_p, seed, stop: sampling (`SamplingParams`).
+        timeout: seconds an HTTP request may take (server mode).
+        max_retries: retries of a failed connection (server mode).
+        streaming: whether `invoke` streams, so token callbacks fire.
+
+    Raises:
+        pydantic.ValidationError: neither or both of `service` and `base_url` (also on
+            invalid field values).
+    """
+
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
+    service: ChatService | None = Field(default=None, exclude=True)
+    base_url: str | None = None
+    session_id: str | None = None
+    model_name: str = Field(default="agent-kv", alias="model")
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = 600.0
+    max_retries: int = 2
+    streaming: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_backend(cls, values: dict) -> dict:
+        if values.get("service") is None and values.get("base_url") is None:
+            values = {**values, "base_url": os.environ.get(BASE_URL_ENV)}
+        if (values.get("service") is None) == (values.get("base_url") is None):
+            raise ValueError(
+                "ChatAgentKV needs one backend: service= (in-process) or base_url= (a running "
+                f"server; also read from ${BASE_URL_ENV}), not both"
+            )
+        return values
+
+    @classmethod
+    def local(
+        cls,
+        model_path: str | os.PathLike | None = None,
+        policy: str = "conf-kv",
+        budget: int | None = None,
+        **fields: Any,
+    ) -> ChatAgentKV:
+        """An in-process model over a freshly loaded model.
+
+        Args:
+            model_path: a Hugging Face model directory or a `.gguf` file; None for the
+                bundled SmolLM2-135M-Instruct (`load_model`).
+            policy: the KV policy's name (`agent_kv.policies.POLICIES`).
+            budget: unpinned tokens per layer (`make_policy`); None for the policy's default.
+            **fields: further fields (`session_id`, `max_tokens`, ...).
+
+        Raises:
+            ConfigError: an unknown policy or an invalid budget (before the model loads).
+            ModelNotFoundError: the model cannot be loaded.
+        """
+        from agent_kv.engine import Engine
+        from agent_kv.model_loading import load_model
+        from agent_kv.policies import make_policy
+
+        kv_policy = make_policy(policy, budget=budget)
+        loaded = load_model(model_path)
+        engine = Engine(loaded.model, loaded.tokenizer, kv_policy)
+        return cls(service=ChatService(engine), model_name=loaded.name, **fields)
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """True: server-mode models serialise (an in-process one holds a live model)."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        """Where `langchain_core.load` finds the class."""
+        return ["agent_kv", "langchain_chat"]
+
+    def to_json(self):
+        """The serialised model; "not implemented" for an in-process one."""
+        return self.to_json_not_implemented() if self.service is not None else super().to_json()
+
+    @property
+    def _llm_type(self) -> str:
+        return "agent-kv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in IDENTIFYING}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop or self.stop, **kwargs)
+        params["ls_provider"] = "agent_kv"
+        return params
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """One turn; the keyword arguments override fields (module docstring).
+
+        Raises:
+            ValueError: a message this model cannot send (another role, non-text content).
+            ConfigError, ContextOverflowError, QueueFullError, QueueTimeoutError: in-process,
+                as `ChatService.run` raises them.
+            ServerError: the server answered with an error.
+            httpx.HTTPError: the server could not be reached or timed out.
+        """
+        params = self._params(stop, kwargs)
+        if self.service is not None:
+            message = _turn_message(self._run(messages, params, kwargs), self.model_name)
+        else:
+            with self._client() as client:
+                response = client.post(COMPLETIONS, **self._request(messages, params, kwargs))
+            message = _completion_message(_checked(response).json())
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """`_generate` without blocking the event loop (in-process, the turn runs in a worker
+        thread). Raises as `_generate`."""
+        params = self._params(stop, kwargs)
+        if self.service is not None:
+            turn = await asyncio.to_thread(self._run, messages, params, kwargs)
+            message = _turn_message(turn, self.model_name)
+        else:
+            async with self._async_client() as client:
+                request = self._request(messages, params, kwargs)
+                response = await client.post(COMPLETIONS, **request)
+            message = _completion_message(_checked(response).json())
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        """One turn as text chunks as the reply grows, with the finish reason and the usage in
+        the last chunks. Raises as `_generate`."""
+        params = self._params(stop, kwargs)
+        stream = self._local_stream if self.service is not None else self._server_stream
+        for chunk in stream(messages, params, kwargs):
+            if run_manager:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """`_stream` without blocking the event loop. Raises as `_generate`."""
+        params = self._params(stop, kwargs)
+        stream = self._alocal_stream if self.service is not None else self._aserver_stream
+        async for chunk in stream(messages, params, kwargs):
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    def _params(self, stop: list[str] | None, kwargs: dict) -> SamplingParams:
+        """The sampling parameters of one call: the fields, overridden by the call's."""
+        return SamplingParams(
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            seed=kwargs.get("seed", self.seed),
+            stop=list(stop if stop is not None else self.stop or []),
+        )
+
+    def _run(
+        self,
+        messages: list[BaseMessage],
+        params: SamplingParams,
+        kwargs: dict,
+        on_text: Callable[[str], None] | None = None,
+    ) -> ChatTurn:
+        """One in-process turn."""
+        session_id = kwargs.get("session_id", self.session_id)
+        return self.service.run(_dicts(messages), params, session_id=session_id, on_text=on_text)
+
+    def _run_into(self, messages, params, kwargs, put: Callable[[tuple], None]) -> None:
+        """One in-process turn reported to `put` as ("text", piece) events, then ("done",
+        turn) or ("error", exception)."""
+        try:
+            put(("done", self._run(messages, params, kwargs, lambda text: put(("text", text)))))
+        except BaseException as err:  # re-raised where the events are read
+            put(("error", err))
+
+    def _local_stream(self, messages, params, kwargs) -> Iterator[ChatGenerationChunk]:
+        events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run_into, args=(messages, params, kwargs, events.put)).start()
+        while True:
+            chunk = _event_chunk(*events.get(), self.model_name)
+            yield chunk
+            if chunk.message.chunk_position == "last":
+                return
+
+    async def _alocal_stream(self, messages, params, kwargs) -> AsyncIterator[ChatGenerationChunk]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(event: tuple) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        worker = loop.run_in_executor(None, self._run_into, messages, params, kwargs, put)
+        while True:
+            chunk = _event_chunk(*await events.get(), self.model_name)
+            yield chunk
+            if chunk.message.chunk_position == "last":
+                break
+        await worker
+
+    def _request(self, messages, params: SamplingParams, kwargs: dict, stream=False) -> dict:
+        """The keyword arguments of the HTTP request for one call: its JSON body and headers."""
+        body = {
+            "model": kwargs.get("model", self.model_name),
+            "messages": _dicts(messages),
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "stop": params.stop,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        session_id = kwargs.get("session_id", self.session_id)
+        return {"json": body, "headers": {} if session_id is None else {"X-Session-Id": session_id}}
+
+    def _client(self) -> httpx.Client:
+        transport = httpx.HTTPTransport(retries=self.max_retries)
+        return httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=transport)
+
+    def _async_client(self) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(retries=self.max_retries)
+        return httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
+
+    def _server_stream(self, messages, params, kwargs) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, params, kwargs, stream=True)
+        with self._client() as client, client.stream("POST", COMPLETIONS, **request) as response:
+            if response.is_error:
+                response.read()
+            for line in _checked(response).iter_lines():
+                if (chunk := _sse_chunk(line)) is not None:
+                    yield chunk
+
+    async def _aserver_stream(self, messages, params, kwargs) -> AsyncIterator[ChatGenerationChunk]:
+        request = self._request(messages, params, kwargs, stream=True)
+        async with (
+            self._async_client() as client,
+            client.stream("POST", COMPLETIONS, **request) as response,
+        ):
+            if response.is_error:
+                await response.aread()
+            async for line in _checked(response).aiter_lines():
+                if (chunk := _sse_chunk(line)) is not None:
+                    yield chunk
+
+
+def _dicts(messages: list[BaseMessage]) -> list[dict]:
+    """`{"role", "content", "pin"}` dicts of LangChain messages.
+
+    Raises:
+        ValueError: a role other than system, user, assistant and tool, or non-text content.
+    """
+    dicts = []
+    for message in messages:
+        if isinstance(message, ChatMessage):
+            role = message.role
+        else:
+            role = next((role for cls, role in ROLES if isinstance(message, cls)), None)
+        if role not in {"system", "user", "assistant", "tool"}:
+            raise ValueError(
+                f"cannot send a {type(message).__name__} with role {role!r}: the roles are "
+                "system, user, assistant and tool"
+            )
+        blocks = [] if isinstance(message.content, str) else message.content
+        if any(not isinstance(block, str) and block.get("type") != "text" for block in blocks):
+            raise ValueError(f"a {role} message has non-text content: only text is supported")
+        pin = bool(message.additional_kwargs.get("pin", False))
+        dicts.append({"role": role, "content": message.text, "pin": pin})
+    return dicts
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=prompt_tokens,
+        output_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        input_token_details={"cache_read": cached_tokens},
+    )
+
+
+def _turn_fields(turn: ChatTurn, model_name: str) -> dict:
+    """The usage and response metadata of an in-process turn."""
+    usage = _usage(turn.prompt_tokens, len(turn.reply.token_ids), turn.sync.reused_tokens)
+    metadata = {"finish_reason": turn.reply.finish_reason, "model_name": model_name}
+    return {"usage_metadata": usage, "response_metadata": {**metadata, "kv": asdict(turn.kv)}}
+
+
+def _turn_message(turn: ChatTurn, model_name: str) -> AIMessage:
+    return AIMessage(content=turn.reply.text, **_turn_fields(turn, model_name))
+
+
+def _event_chunk(kind: str, value: Any, model_name: str) -> ChatGenerationChunk:
+    """The chunk of an in-process streaming event (`_run_into`); raises an "error" one."""
+    if kind == "error":
+        raise value
+    if kind == "text":
+        return ChatGenerationChunk(message=AIMessageChunk(content=value))
+    fields = _turn_fields(value, model_name)
+    return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    """`response`, unless it is an error (its body read): then raise `ServerError`."""
+    if response.is_error:
+        try:
+            error = dict(response.json()["error"])
+        except (ValueError, KeyError, TypeError):
+            error = {"message": response.text}
+        message = error.get("message") or response.reason_phrase
+        raise ServerError(response.status_code, message, error.get("code"), error.get("param"))
+    return response
+
+
+def _completion_message(body: dict) -> AIMessage:
+    """The reply of a `/v1/chat/completions` response body."""
+    choice, usage = body["choices"][0], body["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return AIMessage(
+        content=choice["message"]["content"],
+        usage_metadata=_usage(usage["prompt_tokens"], usage["completion_tokens"], cached),
+        response_metadata={
+            "finish_reason": choice["finish_reason"],
+            "model_name": body["model"],
+            "kv": body["kv"],
+        },
+    )
+
+
+def _sse_chunk(line: str) -> ChatGenerationChunk | None:
+    """The chunk of one line of a streamed response; None for a line without one.
+
+    Raises:
+        ServerError: an error event.
+    """
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    event = json.loads(line.removeprefix("data: "))
+    if "error" in event:
+        error = event["error"]
+        raise ServerError(200, error["message"], error.get("code"), error.get("param"))
+    if event.get("usage"):
+        usage = event["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        metadata = _usage(usage["prompt_tokens"], usage["completion_tokens"], cached)
+        message = AIMessageChunk(content="", usage_metadata=metadata, chunk_position="last")
+        return ChatGenerationChunk(message=message)
+    choice = event["choices"][0]
+    content = choice["delta"].get("content") or ""
+    if choice["finish_reason"]:
+        metadata = {"finish_reason": choice["finish_reason"], "model_name": event["model"]}
+        metadata["kv"] = event["kv"]
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content=content, response_metadata=metadata)
+        )
+    return ChatGenerationChunk(message=AIMessageChunk(content=content)) if content else None

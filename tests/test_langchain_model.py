@@ -1,0 +1,162 @@
+"""`ChatAgentKV` on the default model: in-process (sync, streamed, async) and against a live
+server, with usage, cache reuse across turns of a session, a chain, and errors."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+
+from agent_kv.engine import Engine
+from agent_kv.errors import ConfigError
+from agent_kv.langchain_chat import ChatAgentKV, ServerError, _dicts
+from agent_kv.policies import make_policy
+from agent_kv.service import ChatService
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 6
+QUESTION = [SystemMessage("You are terse."), HumanMessage("Name a color.")]
+
+
+@pytest.fixture(scope="module")
+def service(smollm):
+    return ChatService(Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256)))
+
+
+@pytest.fixture(scope="module")
+def local(service):
+    return ChatAgentKV(service=service, model="smollm2-135m", max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def reference(local):
+    """The greedy reply to QUESTION, invoked in-process in a fresh session."""
+    return local.invoke(QUESTION, session_id="reference")
+
+
+@pytest.fixture(scope="module")
+def remote(live_server):
+    return ChatAgentKV(base_url=live_server, max_tokens=MAX_TOKENS)
+
+
+def streamed(chunks) -> AIMessage:
+    """The chunks of a stream added up, as LangChain aggregates them."""
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total += chunk
+    return total
+
+
+def test_invoke_reports_usage_and_kv(reference, service):
+    assert reference.content and isinstance(reference.content, str)
+    prompt_tokens = len(service.prompt_ids(_dicts(QUESTION)))
+    usage = reference.usage_metadata
+    assert usage["input_tokens"] == prompt_tokens
+    assert usage["input_token_details"] == {"cache_read": 0}
+    assert 1 <= usage["output_tokens"] <= MAX_TOKENS
+    assert usage["total_tokens"] == prompt_tokens + usage["output_tokens"]
+    metadata = reference.response_metadata
+    assert metadata["finish_reason"] in ("stop", "length")
+    assert metadata["model_name"] == "smollm2-135m"
+    assert metadata["kv"]["session_id"] == "reference"
+    assert metadata["kv"]["policy"] == "conf-kv" and metadata["kv"]["kv_bytes"] > 0
+    if metadata["finish_reason"] == "length":
+        assert usage["output_tokens"] == MAX_TOKENS
+
+
+def test_stream_matches_invoke(local, reference):
+    chunks = list(local.stream(QUESTION, session_id="stream"))
+    assert len(chunks) >= 2 and chunks[-1].chunk_position == "last"
+    total = streamed(chunks)
+    assert total.content == reference.content
+    assert total.usage_metadata == reference.usage_metadata
+    assert total.response_metadata["finish_reason"] == reference.response_metadata["finish_reason"]
+    assert total.response_metadata["kv"]["session_id"] == "stream"
+
+
+async def test_async_invoke_and_stream_match_invoke(local, reference):
+    message = await local.ainvoke(QUESTION, session_id="ainvoke")
+    assert message.content == reference.content
+    assert message.usage_metadata == reference.usage_metadata
+    chunks = [chunk async for chunk in local.astream(QUESTION, session_id="astream")]
+    assert len(chunks) >= 2
+    total = streamed(chunks)
+    assert total.content == reference.content
+    assert total.usage_metadata == reference.usage_metadata
+
+
+def test_stop_passed_to_invoke_overrides_the_field(service, reference):
+    text = reference.content
+    assert len(text) >= 2, "the reference reply is too short to cut"
+    model = ChatAgentKV(service=service, max_tokens=MAX_TOKENS, stop=[text[1:]])
+    cut = model.invoke(QUESTION, session_id="stop-field")
+    assert cut.content == text[:1] and cut.response_metadata["finish_reason"] == "stop"
+    whole = model.invoke(QUESTION, stop=["\N{SNOWMAN}"], session_id="stop-call")
+    assert whole.content == text
+
+
+def test_second_turn_of_a_session_reads_the_cache(local, service):
+    model = local.bind(session_id="episode")
+    first = model.invoke(QUESTION)
+    second = model.invoke([*QUESTION, first, HumanMessage("Another one.")])
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    cached = second.usage_metadata["input_token_details"]["cache_read"]
+    assert first.usage_metadata["input_tokens"] <= cached < second.usage_metadata["input_tokens"]
+    assert second.response_metadata["kv"]["session_id"] == "episode"
+
+
+def test_chain_on_the_default_model(reference):
+    model = ChatAgentKV.local(budget=256, max_tokens=MAX_TOKENS)
+    assert model.model_name.startswith("SmolLM2-135M-Instruct")
+    prompt = ChatPromptTemplate.from_messages([("system", "You are terse."), ("human", "{ask}")])
+    chain = prompt | model | StrOutputParser()
+    assert chain.invoke({"ask": "Name a color."}) == reference.content
+
+
+def test_in_process_errors_and_serialisation(local):
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+        local.invoke(QUESTION, max_tokens=0)
+    with pytest.raises(ConfigError, match="max_new_tokens must be >= 1"):
+        list(local.stream(QUESTION, max_tokens=0))
+    assert local.to_json()["type"] == "not_implemented"
+
+
+def test_server_invoke_and_stream_match_in_process(remote, reference):
+    message = remote.invoke(QUESTION, session_id="server-invoke")
+    assert message.content == reference.content
+    assert message.usage_metadata == reference.usage_metadata
+    assert message.response_metadata["model_name"] == "smollm2-135m"
+    assert message.response_metadata["kv"]["session_id"] == "server-invoke"
+    total = streamed(list(remote.stream(QUESTION, session_id="server-stream")))
+    assert total.content == reference.content
+    assert total.usage_metadata == reference.usage_metadata
+    kv = total.response_metadata.pop("kv")
+    assert total.response_metadata == {
+        "finish_reason": reference.response_metadata["finish_reason"],
+        "model_name": "smollm2-135m",
+    }
+    assert kv["session_id"] == "server-stream" and kv["policy"] == "conf-kv"
+    assert kv["kv_bytes"] == reference.response_metadata["kv"]["kv_bytes"]
+
+
+async def test_server_async_and_session_reuse(remote, reference):
+    first = await remote.ainvoke(QUESTION, session_id="server-episode")
+    assert first.content == reference.content
+    turn = [*QUESTION, first, HumanMessage("Another one.")]
+    chunks = [chunk async for chunk in remote.astream(turn, session_id="server-episode")]
+    second = streamed(chunks)
+    cached = second.usage_metadata["input_token_details"]["cache_read"]
+    assert first.usage_metadata["input_tokens"] <= cached < second.usage_metadata["input_tokens"]
+
+
+async def test_server_errors_carry_the_message(remote):
+    for call in (remote.invoke, lambda m, **kw: list(remote.stream(m, **kw))):
+        with pytest.raises(ServerError, match="max_tokens") as err:
+            call(QUESTION, max_tokens=0)
+        assert err.value.status_code == 400 and "greater than or equal to 1" in err.value.message
+    with pytest.raises(ServerError, match="max_tokens"):
+        await remote.ainvoke(QUESTION, max_tokens=0)
+    with pytest.raises(ServerError, match="max_tokens"):
+        _ = [chunk async for chunk in remote.astream(QUESTION, max_tokens=0)]
