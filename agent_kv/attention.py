@@ -17,9 +17,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kernels.reference import segmented_attention
+from kernels.reference import fused_attention, segmented_attention
 
 NAME = "agent_kv"
+SCORED_QUERIES = 64
+"""A forward call's attention mass is measured over its last `SCORED_QUERIES` queries: all
+of a decode step or a short chunk; in a longer prefill chunk, a window at its end (SnapKV's
+observation window, Li et al. 2024, §4.1), whose output comes from the fused kernel
+(`fused_attention`) while the window's mass comes from the block-wise read."""
 UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
 """Attention keywords of some model families this function does not implement."""
 
@@ -66,9 +71,16 @@ def store_attention(
             "(sliding-window layers, logit soft-capping, attention sinks)"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, masses = segmented_attention(query, kv_store.segments(module.layer_idx), scale)
+    segments = kv_store.segments(module.layer_idx)
+    query_len = query.shape[2]
+    if query_len > SCORED_QUERIES:
+        out = fused_attention(query, segments, scale)
+        _, masses = segmented_attention(query[:, :, -SCORED_QUERIES:], segments, scale)
+    else:
+        out, masses = segmented_attention(query, segments, scale)
     group = query.shape[1] // key.shape[1]
-    kv_store.record_attention(module.layer_idx, masses, query.shape[2], group)
+    scored = min(query_len, SCORED_QUERIES)
+    kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)
     return out, None
 
 

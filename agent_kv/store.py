@@ -508,24 +508,32 @@ class KVStore:
         return cos_q, sin_q, cos_fp, sin_fp
 
     def record_attention(
-        self, layer_idx: int, masses: list[torch.Tensor], query_len: int, group: int
+        self,
+        layer_idx: int,
+        masses: list[torch.Tensor],
+        query_len: int,
+        group: int,
+        scored_queries: int | None = None,
     ) -> None:
         """Fold one forward call's attention into the layer's scores, for the current rows.
 
         Args:
             masses: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
-                attention probability each slot received, summed over the `query_len` queries
+                attention probability each slot received, summed over the scored queries
                 and the `group` query heads of its KV head.
             query_len: queries per row in this call (1 in decode, the chunk size in prefill).
             group: query heads per KV head.
+            scored_queries: how many of the call's last queries the mass sums over (default
+                all `query_len`).
 
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
-        the queries that could see token j under the causal mask, removes the bias toward old
+        the scored queries that could see token j under the causal mask, removes the bias toward old
         tokens (architecture.md, "Score bias"). Tokens already scored update as
         `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The raw mass is also
         added to `accumulated` (H2O's score).
         """
         layer = self.layers[layer_idx]
+        scored = query_len if scored_queries is None else scored_queries
         for i, row in enumerate(self._rows):
             parts = [masses[-1][i, :, : layer.fp_len[row]]]
             if len(masses) == 2:
@@ -533,9 +541,9 @@ class KVStore:
             mass = torch.cat(parts, dim=1)  # [kv_heads, length], logical order
             n = mass.shape[1]
             first_new = n - query_len
-            visible = torch.full((n,), float(query_len), device=mass.device)
-            visible[first_new:] = torch.arange(
-                query_len, 0, -1, device=mass.device, dtype=torch.float32
+            visible = torch.full((n,), float(scored), device=mass.device)
+            visible[n - scored :] = torch.arange(
+                scored, 0, -1, device=mass.device, dtype=torch.float32
             )
             step = mass / (visible * group)
             scores = layer.scores[row, :, :n]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.int8 import dequantize
 
@@ -243,3 +244,43 @@ def segmented_attention(
         padded[..., : part.shape[-1]] = part
         masses.append(padded)
     return out, masses
+
+
+def fused_attention(query: torch.Tensor, segments: list[Segment], scaling: float) -> torch.Tensor:
+    """Softmax attention over the segments through torch's fused `scaled_dot_product_attention`,
+    without the attention mass: for prefill chunks, where the block loop's explicit softmax
+    costs ~4x more on CPU (the mass then comes from a window of queries, see
+    `agent_kv.attention`). Each segment is read whole (INT8 dequantized, rotated): a transient
+    float copy of the live cache for one layer. Causality and row lengths as in
+    `segmented_attention`.
+
+    Args:
+        query: `[B, Hq, q, D]`.
+        segments: as for `segmented_attention`.
+        scaling: softmax scale.
+
+    Returns:
+        `out [B, q, Hq, D]` in the query's dtype.
+    """
+    batch, _, q_len, _ = query.shape
+    keys, values, masks = [], [], []
+    for segment in segments:
+        live = max(segment.lengths, default=0)
+        if live == 0:
+            continue
+        segment_keys, segment_values = segment.read(0, live)
+        keys.append(segment_keys)
+        values.append(segment_values)
+        visible = _visibility(segment, q_len, 1, query.device)
+        if visible is None:
+            visible = torch.ones(batch, 1, q_len, live, dtype=torch.bool, device=query.device)
+        masks.append(visible[..., :live])
+    out = F.scaled_dot_product_attention(
+        query.float(),
+        torch.cat(keys, dim=2),
+        torch.cat(values, dim=2),
+        attn_mask=torch.cat(masks, dim=-1),
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return out.to(query.dtype).transpose(1, 2)

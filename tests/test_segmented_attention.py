@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from kernels.int8 import QMAX, dequantize, quantize_groups
-from kernels.reference import Segment, apply_rotation, attention_with_mass, segmented_attention
+from kernels.reference import (
+    Segment,
+    apply_rotation,
+    attention_with_mass,
+    fused_attention,
+    segmented_attention,
+)
 
 
 def int8_segment(keys: torch.Tensor, values: torch.Tensor, group: int, lengths: list[int]):
@@ -45,6 +51,7 @@ def test_int8_then_fp_segments_match_dense_attention(q_heads, kv_heads, q_len, h
     )
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([mass_q, mass_fp], -1), ref_mass, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_attention(query, [segment, fp], scaling), ref_out)
 
 
 def test_ragged_rows_are_masked_not_padded():
@@ -69,6 +76,10 @@ def test_ragged_rows_are_masked_not_padded():
         got_mass = torch.cat([mass_q[b : b + 1, :, :nq], mass_fp[b : b + 1, :, :nf]], -1)
         torch.testing.assert_close(got_mass, ref_mass, atol=1e-5, rtol=1e-5)
         assert mass_q[b, :, nq:].abs().sum() == 0 and mass_fp[b, :, nf:].abs().sum() == 0
+    # values of size ~100: the fused kernel's other summation order differs by ~1e-5 relative
+    torch.testing.assert_close(
+        fused_attention(query, [segment, fp], 0.25), out, rtol=1e-4, atol=1e-3
+    )
 
 
 def test_rotation_is_applied_to_keys_at_read():
@@ -81,6 +92,7 @@ def test_rotation_is_applied_to_keys_at_read():
     out, _ = segmented_attention(query, [rotated], 0.3)
     ref_out, _ = attention_with_mass(query, apply_rotation(keys, cos, sin), values, 0.3)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_attention(query, [rotated], 0.3), ref_out)
 
 
 def test_int8_error_is_within_half_a_step_per_channel():
