@@ -10,9 +10,9 @@ side:
 - stateless: the same messages in a fresh session, so the whole history is prefilled (one
   token generated: only the TTFT is wanted).
 TTFT is `ChatTurn.ttft_s`: from the model being free to the first reply token, prefill
-included. Both runs use the same policy and positions; the default, conf-kv with a 2,048
-token budget and `rerotate` positions, lets a 15-turn conversation with 600-token
-observations (~10K tokens) pass SmolLM2's 8K context.
+included. Both runs use the same policy and positions; the default, conf-kv with its own
+budgets (N_low 1024, N_high 512) and `rerotate` positions, lets a 15-turn conversation with
+600-token observations (~9K tokens) pass SmolLM2's 8K context.
 
     .venv/bin/python benchmarks/session_ttft.py --turns 15 --obs-tokens 600
 """
@@ -54,17 +54,16 @@ def main() -> None:
     parser.add_argument("--obs-tokens", type=int, default=600)
     parser.add_argument("--reply-tokens", type=int, default=8)
     parser.add_argument("--policy", default="conf-kv")
-    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=None, help="default: the policy's own")
     parser.add_argument("--positions", choices=["original", "rerotate"], default="rerotate")
     parser.add_argument("--int8", action="store_true")
     args = parser.parse_args()
 
     loaded = load_model()
-    budget = None if args.policy == "full" else args.budget
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
-        make_policy(args.policy, budget),
+        make_policy(args.policy, args.budget),
         int8=Int8Config() if args.int8 else None,
         rerotate=args.positions == "rerotate",
     )
@@ -74,7 +73,7 @@ def main() -> None:
     first_token = SamplingParams(max_new_tokens=1)
     print(
         f"{args.turns} turns, ~{args.obs_tokens}-token observations, {args.reply_tokens}-token "
-        f"replies; policy {args.policy} budget {budget}, positions {args.positions}, "
+        f"replies; {engine.policy}, positions {args.positions}, "
         f"int8 {args.int8}"
     )
     print(
