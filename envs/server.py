@@ -36,12 +36,20 @@ class SiteSpec:
         placeholder: the token tasks use for its base URL, e.g. "__CLASSIFIEDS__".
         build_template_db: `(path, seed) -> path`, writes the seeded SQLite template.
         create_app: `(db_path) -> FastAPI`, the app serving that database.
+        login_path: where the site takes `POST` form fields `username` and `password` (the
+            fixed `TEST_ACCOUNT`) and sets its session cookie, for tasks with
+            `require_login`; None for a site without accounts.
     """
 
     name: str
     placeholder: str
     build_template_db: Callable[[Path, int], Path]
     create_app: Callable[[Path], FastAPI]
+    login_path: str | None = None
+
+
+TEST_ACCOUNT = {"username": "agent", "password": "agent-kv-test"}
+"""The fixed account every site with logins seeds; tasks with `require_login` start signed in."""
 
 
 SITES: dict[str, SiteSpec] = {
