@@ -129,8 +129,9 @@ def run_episode(
 ) -> EpisodeResult:
     """Run `task` to its end in `env` with `engine`, writing a trace to `trace_dir`.
 
-    The trace holds `step_NNN.json` (observation, reply, action, KV stats) and `step_NNN.png`
-    (the screenshot the agent acted on) per step, `kv_steps.jsonl` (one record per forward
+    The trace holds `step_NNN.json` (observation, reply, action, blocked requests, KV stats),
+    `step_NNN.png` (the screenshot the agent acted on) and, with a set-of-marks observation,
+    `step_NNN.som.png` per step, `kv_steps.jsonl` (one record per forward
     call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
     `on_step`, if given, receives each step's record as it is written (for progress output).
 
@@ -175,7 +176,7 @@ def run_episode(
                 answer, end_reason = result.answer, result.info.get("reason", "stop")
                 break
             observation = result.observation
-        verdict = evaluate(task, answer, env.url, env.servers)
+        verdict = evaluate(task, answer, env.url, env.servers, env.read_page)
         score, details = verdict.score, verdict.details
     except PlaywrightError as err:
         error = f"browser failed: {str(err).splitlines()[0]}"
@@ -216,10 +217,12 @@ def run_episode(
 def _write_step(
     trace_dir: Path, step: int, observation: dict, reply: str, result: StepResult, store
 ) -> dict[str, Any]:
-    """Write the step's JSON record (and the screenshot acted on); return the record."""
+    """Write the step's JSON record (and the screenshots acted on); return the record."""
     stem = trace_dir / f"step_{step:03d}"
     if observation.get("screenshot"):
         stem.with_suffix(".png").write_bytes(observation["screenshot"])
+    if observation.get("som_screenshot"):
+        stem.with_suffix(".som.png").write_bytes(observation["som_screenshot"])
     record = {
         "step": step,
         "url": observation["url"],
@@ -227,6 +230,7 @@ def _write_step(
         "reply": reply,
         "action": result.info.get("action"),
         "error": result.observation.get("error"),
+        "blocked_requests": observation.get("blocked_requests", []),
         "info": result.info,
         "kv_bytes": store.nbytes(),
         "peak_kv_bytes": store.peak_bytes,

@@ -75,17 +75,9 @@ class ChatSession:
         start, end = self.spans[index]
         self.session.store.unpin(start, end)
 
-    def reply(self, params: SamplingParams) -> Generation:
-        """Prefill the queued messages and the assistant header, then generate the reply.
-
-        The reply is appended to the conversation as an assistant message (its full generated
-        text, stop strings included, which is what the cache holds).
-
-        Raises:
-            ConfigError: invalid sampling parameters (checked before anything is prefilled,
-                so the queued messages stay queued).
-        """
-        params.validate()
+    def _take_prompt(self) -> list[int]:
+        """Queue the assistant header, pin and place the queued messages' tokens, and return
+        them all as the prompt to prefill (the queue is emptied)."""
         self._queue_delta(self._render(generation_prompt=True), pin=False, message=None)
         store = self.session.store
         prompt: list[int] = []
@@ -98,12 +90,63 @@ class ChatSession:
                 store.pin(*span)
             prompt.extend(item.ids)
         self._pending.clear()
+        return prompt
+
+    def reply(self, params: SamplingParams) -> Generation:
+        """Prefill the queued messages and the assistant header, then generate the reply.
+
+        The reply is appended to the conversation as an assistant message (its full generated
+        text, stop strings included, which is what the cache holds).
+
+        Raises:
+            ConfigError: invalid sampling parameters (checked before anything is prefilled,
+                so the queued messages stay queued).
+        """
+        params.validate()
+        prompt = self._take_prompt()
+        store = self.session.store
         reply_start = store.seen_tokens + len(prompt)
         generation = self.engine.generate(self.session, prompt, params)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += generation.raw_text
         return generation
+
+    def force_reply(self, text: str) -> list[bool]:
+        """Teacher-force `text` as the next assistant reply and say whether greedy decoding
+        would have produced it.
+
+        The queued messages and the assistant header are prefilled as `reply` does; then the
+        reply's tokens are fed one at a time, exactly as decoding feeds them (one forward
+        call and one policy step per token, gated by that call's confidence), and each is
+        compared with the argmax of the logits before it. The cache ends holding the prompt
+        followed by `text`, as if the model had replied `text`.
+
+        Args:
+            text: the reply (e.g. a reference action, "click [12]").
+
+        Returns:
+            One bool per token of `text`: whether it was the most likely next token. All
+            True means greedy decoding emits `text` (what it emits after it is not checked).
+
+        Raises:
+            ValueError: `text` is empty.
+            ContextOverflowError: the prompt or reply outgrows the model's context.
+        """
+        if not text:
+            raise ValueError("force_reply needs a non-empty reply")
+        prompt = self._take_prompt()
+        store = self.session.store
+        reply_start = store.seen_tokens + len(prompt)
+        logits = self.engine.feed(self.session, prompt) if prompt else self.session.last_logits
+        hits: list[bool] = []
+        for token in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
+            hits.append(int(logits.argmax()) == token)
+            logits = self.engine.feed(self.session, [token])
+        self.messages.append({"role": "assistant", "content": text})
+        self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
+        self._rendered += text
+        return hits
 
     @property
     def text(self) -> str:

@@ -77,6 +77,9 @@ ModelOption = Annotated[
     str | None,
     typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
 ]
+MaxStepsOption = Annotated[int, typer.Option(min=1, help="Actions before an episode is cut off.")]
+MaxObsTokensOption = Annotated[int, typer.Option(min=64, help="Observation length cap in tokens.")]
+PrefillChunkOption = Annotated[int, typer.Option(min=1, help="Tokens per prefill forward call.")]
 
 
 @app.callback()
@@ -94,15 +97,9 @@ def run_episode_command(
     protect_recent: Annotated[
         int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
     ] = None,
-    max_steps: Annotated[
-        int, typer.Option(min=1, help="Actions before the episode is cut off.")
-    ] = 6,
-    max_obs_tokens: Annotated[
-        int, typer.Option(min=64, help="Observation length cap in tokens.")
-    ] = 1200,
-    prefill_chunk: Annotated[
-        int, typer.Option(min=1, help="Tokens per prefill forward call.")
-    ] = 512,
+    max_steps: MaxStepsOption = 6,
+    max_obs_tokens: MaxObsTokensOption = 1200,
+    prefill_chunk: PrefillChunkOption = 512,
     int8: Int8Option = False,
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
@@ -265,6 +262,100 @@ def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_
         engine = spec.engine(loaded, prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
+
+
+@app.command("bench")
+def bench_command(
+    tasks: Annotated[
+        str,
+        typer.Option(help="A bundled suite, a glob of task JSON files, or ids/ranges: 1,3,5-8."),
+    ],
+    out: Annotated[Path, typer.Option(help="Sweep directory (results, summary, traces).")],
+    policies: Annotated[
+        str, typer.Option(help="Comma-separated policies; full runs once, without a budget.")
+    ] = "full,window,h2o,conf-kv,conf-kv-l",
+    budgets: Annotated[
+        str, typer.Option(help="Comma-separated budgets (unpinned tokens per layer).")
+    ] = "512,1024",
+    workers: Annotated[
+        int, typer.Option(min=1, help="Processes, each with its own browser, sites and model.")
+    ] = 1,
+    max_steps: MaxStepsOption = 6,
+    max_obs_tokens: MaxObsTokensOption = 1200,
+    prefill_chunk: PrefillChunkOption = 512,
+    int8: Annotated[
+        bool,
+        typer.Option(
+            "--int8/--no-int8", help="Mixed precision for every policy but full (the baseline)."
+        ),
+    ] = False,
+    reference_accuracy: Annotated[
+        bool,
+        typer.Option(
+            "--reference-accuracy/--no-reference-accuracy",
+            help="Also replay each task's reference actions, teacher-forced, and report how "
+            "often the model's greedy action is the reference one.",
+        ),
+    ] = True,
+    retry_errors: Annotated[
+        bool, typer.Option(help="Rerun episodes recorded with end_reason error.")
+    ] = False,
+    model: ModelOption = None,
+) -> None:
+    """Sweep tasks x policies x budgets; write results.jsonl, summary.md and
+    success_vs_memory.png under --out and print the summary table."""
+    from agent_kv import bench
+    from envs.browser_env import ChromiumNotFoundError, find_chromium
+    from envs.tasks import TaskError
+
+    try:
+        task_list = bench.select_tasks(tasks)
+        names = bench.parse_list(policies, "--policies")
+        try:
+            sizes = [int(b) for b in bench.parse_list(budgets, "--budgets")]
+        except ValueError:
+            raise ConfigError(
+                f"--budgets must be comma-separated integers, got {budgets!r}"
+            ) from None
+        jobs = bench.make_jobs(task_list, names, sizes, int8)
+        for job in {(j.policy, j.budget, j.precision): j for j in jobs}.values():
+            PolicySpec.parse(job.policy, job.budget, None, int8=job.precision == "int8")
+        find_chromium()
+        _writable_dir(out)
+    except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
+        fail(str(err))
+    settings = bench.BenchSettings(
+        max_steps, max_obs_tokens, prefill_chunk, model, reference_accuracy
+    )
+    runner = bench.EpisodeRunner(settings)
+    try:
+        if workers == 1:  # a missing model or broken Chromium fails here, once
+            runner.start({site for task in task_list for site in task.sites})
+        bench.run_bench(task_list, jobs, out, runner, workers, settings, retry_errors=retry_errors)
+        table = bench.write_report(out)
+    except (AgentKVError, ChromiumNotFoundError) as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot write under {out}: {err.strerror or err}")
+    finally:
+        runner.close()
+    typer.echo(table)
+    typer.echo(f"\nwrote {out / bench.SUMMARY}, {out / bench.PLOT}", err=True)
+
+
+@app.command("trace")
+def trace_command(
+    trace_dir: Annotated[Path, typer.Argument(help="An episode's trace directory.")],
+) -> None:
+    """Write TRACE_DIR/trace.html: screenshots, observations, replies and actions per step,
+    and the KV-bytes / confidence plot, in one self-contained page."""
+    from agent_kv.trace_view import write_trace_html
+
+    try:
+        path = write_trace_html(trace_dir)
+    except AgentKVError as err:
+        fail(str(err))
+    typer.echo(str(path))
 
 
 @app.command("serve")

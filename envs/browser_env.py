@@ -3,7 +3,7 @@
     with SiteServers() as sites, BrowserEnv(sites) as env:
         obs = env.reset(load_task(1))          # observation dict, see below
         result = env.step("stop [$120]")       # StepResult(observation, done, info, answer)
-        evaluate(load_task(1), result.answer, env.url, sites)
+        evaluate(load_task(1), result.answer, env.url, sites, env.read_page)
 
 Observation dict keys:
     text (str): tab list line, "URL: ..." line, then the accessibility tree (envs.observation);
@@ -12,7 +12,22 @@ Observation dict keys:
     tabs (list[str]): titles of the open tabs, in order.
     active_tab (int): index of the active tab in `tabs`.
     screenshot (bytes | None): PNG of the active tab's viewport; None when screenshots=False.
+    som_screenshot (bytes | None): with observation="som", the viewport PNG with a numbered
+        box on every interactive element in view (the label is the element id); else None.
+    blocked_requests (list[tuple[str, str]]): (url, resource type) of the requests blocked
+        since the previous observation (see below).
     error (str | None): why the last action failed, or None.
+
+With observation="som" (set of marks), `text` lists only the marked elements after the tab and
+URL lines, `[id] role 'name'` one a line, as VisualWebArena's SoM mode does; the element ids and
+actions are the same as with the accessibility tree (the default).
+
+The browser reaches only the served sites: every request of the browser context is routed, and
+one to anything but a served site's origin (or a data:, blob: or about: URL) is aborted and
+logged in `env.blocked_requests`. A blocked navigation of the active tab (a link or redirect
+to an outside site) gives an error observation and goes back to the page before it. Tasks with
+`require_login` start signed in: `reset` posts `TEST_ACCOUNT` to each site's `login_path`.
+`read_page(url, locator)` reads a page for `envs.evaluators.evaluate`'s program_html checks.
 
 Actions (envs.actions) execute as in VisualWebArena: click and hover move the mouse to the
 centre of the element's box (CDP `DOM.scrollIntoViewIfNeeded` + `DOM.getBoxModel` on the
@@ -28,6 +43,7 @@ failing browser action give an error observation. Three consecutive parse failur
 action five times in a row end the episode (info["reason"]), as in VisualWebArena.
 """
 
+import io
 import os
 import shutil
 from collections.abc import Callable
@@ -35,13 +51,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urljoin
 
-from playwright.sync_api import BrowserContext, CDPSession, Page, sync_playwright
+from PIL import Image
+from playwright.sync_api import BrowserContext, CDPSession, Page, Route, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
 from envs.actions import Action, ActionParseError, parse_action
 from envs.lifecycle import Closing
-from envs.observation import AXTree, observation_text, render_ax_tree
-from envs.server import SiteServers
+from envs.observation import (
+    AXTree,
+    Mark,
+    draw_marks,
+    interactive_elements,
+    marks_text,
+    observation_text,
+    render_ax_tree,
+)
+from envs.server import TEST_ACCOUNT, SiteServers
 from envs.tasks import Task
 
 CHROMIUM_ARGS = [
@@ -60,6 +85,24 @@ MAX_PARSE_FAILURES = 3
 MAX_REPEATED_ACTIONS = 5
 _DOC_MARK = "__agentKvDocument"
 _SELECT_CONTENTS = "function() { if (typeof this.select === 'function') this.select(); }"
+OBSERVATION_MODES = ("accessibility_tree", "som")
+ALLOWED_SCHEMES = ("data:", "blob:", "about:")
+"""URL schemes the browser may load besides the served sites."""
+_READ_VALUE = """() => {{
+    let value;
+    try {{ value = (
+{expression}
+    ); }} catch (error) {{ return ""; }}
+    if (value === null || value === undefined) return "";
+    if (typeof value === "string") return value;
+    if (value instanceof Element) return value.innerText ?? value.textContent ?? "";
+    if (value instanceof Node) return value.textContent ?? "";
+    if (typeof value === "object") {{
+        try {{ return JSON.stringify(value) ?? ""; }} catch (error) {{ return String(value); }}
+    }}
+    return String(value);
+}}"""
+"""Reads a program_html locator: the expression's value as a string (see `read_page`)."""
 
 
 class ChromiumNotFoundError(RuntimeError):
@@ -102,7 +145,8 @@ class StepResult:
         observation: the observation dict (see the module docstring).
         done: whether the episode is over (stop, or an early-stop rule).
         info: "step" (1-based), "action" (canonical text or None), "reason" when done
-            ("stop", "parse_failures", "repeated_action", "episode_over").
+            ("stop", "parse_failures", "repeated_action", "episode_over"),
+            "blocked_requests" ((url, resource type) list) when the action caused any.
         answer: the stop answer when the agent stopped, else None.
     """
 
@@ -130,8 +174,14 @@ class BrowserEnv(Closing):
         viewport: (width, height) in CSS pixels.
         screenshots: put a PNG of the viewport in every observation.
         timeout_s: limit for one navigation or browser call.
+        observation: "accessibility_tree" (the default) or "som" (set-of-marks screenshot
+            and the list of marked elements; see the module docstring).
+
+    Attributes:
+        blocked_requests: (url, resource type) of every request blocked in this episode.
 
     Raises:
+        ValueError: an unknown `observation` mode.
         ChromiumNotFoundError: see `find_chromium`; also when the executable fails to start.
     """
 
@@ -142,9 +192,18 @@ class BrowserEnv(Closing):
         viewport: tuple[int, int] = (1280, 720),
         screenshots: bool = True,
         timeout_s: float = 10.0,
+        observation: str = "accessibility_tree",
     ) -> None:
+        if observation not in OBSERVATION_MODES:
+            raise ValueError(
+                f"unknown observation mode {observation!r}: use one of {OBSERVATION_MODES}"
+            )
         executable = find_chromium()
         self.servers = servers
+        self.observation_mode = observation
+        self.blocked_requests: list[tuple[str, str]] = []
+        self._blocked_navigations: list[str] = []
+        self._reported_blocked = 0
         self.viewport = viewport
         self.screenshots = screenshots
         self.timeout_ms = timeout_s * 1000
@@ -192,10 +251,14 @@ class BrowserEnv(Closing):
         """Start an episode of `task`: reset its sites, open its start URL(s), observe.
 
         Several start URLs (joined by ' |AND| ') open one tab each; the first is active.
+        With `task.require_login`, the new browser context first signs in to each of the
+        task's sites that has a `login_path` (form POST of `TEST_ACCOUNT`), so the start
+        pages open with the session cookie.
 
         Raises:
             KeyError: a site of the task is not served by `servers`.
-            playwright Error: a start URL cannot be loaded.
+            RuntimeError: a login answered with an HTTP error status.
+            playwright Error: a start URL cannot be loaded, or a login request fails.
         """
         self.servers.reset(task.sites)
         if self._context is not None:
@@ -203,16 +266,93 @@ class BrowserEnv(Closing):
         width, height = self.viewport
         self._context = self._browser.new_context(viewport={"width": width, "height": height})
         self._context.set_default_timeout(self.timeout_ms)
+        self._context.route("**/*", self._route)
         self._tabs = {}
         self._history = []
         self._parse_failures = 0
         self._done = False
+        self.blocked_requests = []
+        self._blocked_navigations = []
+        self._reported_blocked = 0
+        if task.require_login:
+            self._log_in(task.sites)
         for url in task.start_urls:
             page = self._context.new_page()
             page.goto(self.servers.substitute(url), wait_until="load")
         self._page = self._context.pages[0]
         self._page.bring_to_front()
         return self.observe()
+
+    def _log_in(self, sites: list[str]) -> None:
+        """Sign the browser context in to each of `sites` that has a `login_path`."""
+        for name in sites:
+            server = self.servers.servers[name]
+            if server.spec.login_path is None:
+                continue
+            url = server.url + server.spec.login_path
+            response = self._context.request.post(url, form=TEST_ACCOUNT)
+            if not response.ok:
+                raise RuntimeError(f"login to {name} at {url} failed: HTTP {response.status}")
+
+    def _allowed(self, url: str) -> bool:
+        """Whether the browser may load `url`: a served site or an ALLOWED_SCHEMES URL."""
+        return url.startswith(ALLOWED_SCHEMES) or self.servers.owns(url)
+
+    def _route(self, route: Route) -> None:
+        """Context route handler: let requests to the served sites through, abort and log the
+        rest."""
+        request = route.request
+        try:
+            if self._allowed(request.url):
+                route.continue_()
+                return
+            self.blocked_requests.append((request.url, request.resource_type))
+            if request.is_navigation_request() and request.frame.parent_frame is None:
+                self._blocked_navigations.append(request.url)
+            route.abort("blockedbyclient")
+        except PlaywrightError:
+            pass  # the page or context closed while the request was pending
+
+    def read_page(self, url: str, locator: str = "") -> str:
+        """The text a program_html check reads (`envs.evaluators.evaluate`'s `read_page`).
+
+        Args:
+            url: "last" reads the active tab as it is; any other URL (placeholders are
+                substituted) opens in a new tab of this context, is read, and is closed.
+            locator: "" reads the page's visible text (`document.body.innerText`); otherwise
+                a JavaScript expression evaluated in the page, its value stringified (null,
+                undefined or a script error give "", an element its innerText, other
+                objects JSON).
+
+        Raises:
+            RuntimeError: called before `reset`.
+            ValueError: `url` is not on a served site.
+            playwright Error: the page cannot be loaded.
+        """
+        if url == "last":
+            return self._read(self.page, locator)
+        url = self.servers.substitute(url)
+        if not self.servers.owns(url):
+            sites = ", ".join(self.servers.urls.values())
+            raise ValueError(f"program_html url {url} is not on a served site ({sites})")
+        if self._context is None:
+            raise RuntimeError("call reset(task) first")
+        page = self._context.new_page()
+        try:
+            page.goto(url, wait_until="load")
+            return self._read(page, locator)
+        finally:
+            page.close()
+            self.page.bring_to_front()
+
+    @staticmethod
+    def _read(page: Page, locator: str) -> str:
+        """`document.body.innerText` for an empty locator, else the expression's value."""
+        expression = locator.strip() or "document.body.innerText"
+        try:
+            return page.evaluate(_READ_VALUE.format(expression=expression))
+        except PlaywrightError:
+            return ""  # the expression does not parse
 
     def observe(self, error: str | None = None) -> dict[str, Any]:
         """The observation of the active tab now (with `error` when the last action failed)."""
@@ -222,17 +362,56 @@ class BrowserEnv(Closing):
         pages = self._context.pages
         titles = [p.title() for p in pages]
         active = pages.index(page)
-        text = observation_text(titles, active, page.url, self._tree)
+        screenshot = som_screenshot = None
+        if self.screenshots or self.observation_mode == "som":
+            screenshot = page.screenshot(type="png")
+        if self.observation_mode == "som":
+            marks = self.marks(screenshot)
+            som_screenshot = draw_marks(screenshot, marks)
+            tree = AXTree(text=marks_text(marks), elements=self._tree.elements)
+            text = observation_text(titles, active, page.url, tree)
+        else:
+            text = observation_text(titles, active, page.url, self._tree)
         if error is not None:
             text = f"ERROR: {error}\n{text}"
+        blocked = self.blocked_requests[self._reported_blocked :]
+        self._reported_blocked = len(self.blocked_requests)
         return {
             "text": text,
             "url": page.url,
             "tabs": titles,
             "active_tab": active,
-            "screenshot": page.screenshot(type="png") if self.screenshots else None,
+            "screenshot": screenshot if self.screenshots else None,
+            "som_screenshot": som_screenshot,
+            "blocked_requests": blocked,
             "error": error,
         }
+
+    def marks(self, screenshot: bytes | None = None) -> list[Mark]:
+        """Set-of-marks boxes of the latest observation's interactive elements that are in
+        the active tab's viewport, in reading order; boxes (CDP `DOM.getBoxModel` border
+        quads, clipped to the viewport) are in the pixels of `screenshot` (CSS pixels when
+        None). Elements without a box (hidden) or wholly outside the viewport are left out.
+        """
+        width, height = self.viewport
+        scale = 1.0
+        if screenshot is not None:
+            scale = Image.open(io.BytesIO(screenshot)).width / width
+        tab = self._tab(self.page)
+        marks: list[Mark] = []
+        for element in interactive_elements(self._tree):
+            try:
+                model = tab.cdp.send("DOM.getBoxModel", {"backendNodeId": element.id})["model"]
+            except PlaywrightError:
+                continue
+            xs, ys = model["border"][0::2], model["border"][1::2]
+            left, top = max(min(xs), 0), max(min(ys), 0)
+            right, bottom = min(max(xs), width), min(max(ys), height)
+            if right - left < 1 or bottom - top < 1:
+                continue
+            box = (left * scale, top * scale, right * scale, bottom * scale)
+            marks.append(Mark(element=element, box=box))
+        return marks
 
     def step(self, action_text: str) -> StepResult:
         """Parse and execute one action; see the module docstring for errors and early stops."""
@@ -260,17 +439,35 @@ class BrowserEnv(Closing):
             info["reason"] = "stop"
             return StepResult(self.observe(), True, info, answer=action.answer)
         error = None
+        blocked_before = len(self.blocked_requests)
+        navigations_before = len(self._blocked_navigations)
         try:
             self._execute(action)
         except ActionError as action_error:
             error = str(action_error)
         except PlaywrightError as browser_error:
             error = f"{action} failed: {browser_error.message.splitlines()[0]}"
+        if len(self._blocked_navigations) > navigations_before:
+            error = self._undo_blocked_navigation(self._blocked_navigations[-1])
+        if len(self.blocked_requests) > blocked_before:
+            info["blocked_requests"] = self.blocked_requests[blocked_before:]
         recent = self._history[-MAX_REPEATED_ACTIONS:]
         if len(recent) == MAX_REPEATED_ACTIONS and len(set(recent)) == 1:
             self._done = True
             info["reason"] = "repeated_action"
         return StepResult(self.observe(error=error), self._done, info)
+
+    def _undo_blocked_navigation(self, url: str) -> str:
+        """After a blocked navigation: leave the error page the tab shows (go back) and
+        return the error message for the agent."""
+        page = self.page
+        if page.url.startswith("chrome-error:"):
+            try:
+                page.go_back(wait_until="load")
+            except PlaywrightError:
+                pass  # the observation shows where the tab is
+        sites = ", ".join(self.servers.urls.values())
+        return f"{url} is blocked: the browser only reaches the local sites ({sites})"
 
     def resolve(self, action: Action) -> Action:
         """`action` with an `[role 'name']` element reference replaced by the element's id.

@@ -1,7 +1,7 @@
-"""Task evaluators in VisualWebArena's format: `string_match` and `url_match`.
+"""Task evaluators in VisualWebArena's format: `string_match`, `url_match` and `program_html`.
 
-`evaluate(task, answer, final_url, sites)` runs every evaluator in `task.eval.eval_types` and
-multiplies their scores (each 0.0 or 1.0).
+`evaluate(task, answer, final_url, sites, read_page=None)` runs every evaluator in
+`task.eval.eval_types` and multiplies their scores (each 0.0 or 1.0).
 
 string_match compares the `stop` answer with `eval.reference_answers`, after cleaning both as
 VisualWebArena does (surrounding quotes stripped, lowercased, outer whitespace stripped):
@@ -25,18 +25,27 @@ query strings are compared parsed. `url_note` "EXACT": same host and path and th
 parameters; "GOLD in PRED" (the default): the predicted path equals the reference path or
 continues it after a "/", and every reference query parameter is present with that value.
 
-`program_html` is not implemented; `envs.tasks` rejects tasks that use it.
+program_html reads pages of the browser at the end of the episode, through `read_page(url,
+locator) -> str` (`BrowserEnv.read_page`). Each check of `eval.program_html` reads one text:
+`url` "last" is the active tab as it is, any other URL (placeholders substituted) is opened in
+a new tab of the same browser context (so a login cookie applies), read and closed; `locator`
+"" reads the page's visible text (`document.body.innerText`), otherwise the value of the
+JavaScript expression (stringified; null, undefined or a script error read as ""). The text is
+scored by string_match's rules against the check's `required_contents`; the evaluator's score
+is the product over its checks. Unlike VisualWebArena, an empty locator reads the visible text
+rather than the HTML source, and `func:` helper functions are not supported (`envs.tasks`
+rejects them when the task is loaded).
 """
 
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from envs.server import SiteServers, replace_placeholders
-from envs.tasks import Task
+from envs.tasks import ProgramHtml, Task
 
 OR = " |OR| "
 _ZERO_CENTS = re.compile(r"(\d)\.00(?!\d|\.\d)")
@@ -145,8 +154,33 @@ def url_match(
     return float(ok), {"final_url": final_url, "reference_urls": references, "url_note": note}
 
 
+PageReader = Callable[[str, str], str]
+"""`(url, locator) -> text`: what a program_html check reads ("last" = the active tab)."""
+
+
+def program_html(
+    checks: list[ProgramHtml], read_page: PageReader, placeholders: Mapping[str, str]
+) -> tuple[float, dict]:
+    """Score (0.0 or 1.0) of the program_html `checks`: the product of one string match per
+    check on the text `read_page(url, locator)` returns, placeholders in `url` substituted.
+    """
+    results = []
+    score = 1.0
+    for check in checks:
+        url = check.url if check.url == "last" else replace_placeholders(check.url, placeholders)
+        text = read_page(url, check.locator)
+        part, info = string_match(check.required_contents.model_dump(exclude_none=True), text)
+        results.append({"url": url, "locator": check.locator, "score": part, **info})
+        score *= part
+    return score, {"checks": results}
+
+
 def evaluate(
-    task: Task, answer: str | None, final_url: str, sites: SiteServers | Mapping[str, str]
+    task: Task,
+    answer: str | None,
+    final_url: str,
+    sites: SiteServers | Mapping[str, str],
+    read_page: PageReader | None = None,
 ) -> EvalResult:
     """Score one finished episode of `task`.
 
@@ -155,23 +189,33 @@ def evaluate(
         answer: the `stop` answer, or None when the episode ended without `stop`.
         final_url: the URL of the active tab at the end.
         sites: a `SiteServers` (or placeholder -> base URL map) for placeholder substitution.
+        read_page: `(url, locator) -> text` for program_html, normally the episode's
+            `BrowserEnv.read_page`; not needed by tasks without program_html.
 
     Returns:
         EvalResult with score = product of the evaluators' scores and details per evaluator.
 
     Raises:
-        ValueError: an evaluator this module does not implement (program_html).
+        ValueError: the task uses program_html and `read_page` is None, or an unknown
+            evaluator.
+        Whatever `read_page` raises (a page that cannot be opened).
     """
     score = 1.0
     details: dict[str, Any] = {}
     spec = task.eval
+    placeholders = sites if isinstance(sites, Mapping) else sites.placeholders
     for eval_type in spec.eval_types:
         if eval_type == "string_match":
             refs = spec.reference_answers.model_dump() if spec.reference_answers else {}
             part, info = string_match(refs, answer)
         elif eval_type == "url_match":
-            placeholders = sites if isinstance(sites, Mapping) else sites.placeholders
             part, info = url_match(spec.reference_url or "", final_url, spec.url_note, placeholders)
+        elif eval_type == "program_html":
+            if read_page is None:
+                raise ValueError(
+                    f"task {task.task_id}: program_html needs read_page (BrowserEnv.read_page)"
+                )
+            part, info = program_html(spec.program_html, read_page, placeholders)
         else:
             raise ValueError(f"task {task.task_id}: evaluator {eval_type!r} is not implemented")
         details[eval_type] = {"score": part, **info}

@@ -17,12 +17,20 @@ text both stay). On top of that: InlineTextBox and ListMarker nodes and unnamed
 main/form/article/region/status nodes are dropped, and properties that repeat the URL, point at
 other nodes or describe live regions are left out.
 The whole page is rendered, not only the viewport (the bundled sites keep pages short).
+
+Set-of-marks (SoM): `interactive_elements(tree)` picks the tree's interactive elements (roles in
+INTERACTIVE_ROLES), `draw_marks(png, marks)` draws a numbered box per element on a screenshot
+(the label is the element's id, as in the tree text) and `marks_text(marks)` lists them as
+`[id] role 'name'`, one a line.
 """
 
+import io
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
 
 IGNORED_PROPERTIES = frozenset(
     {
@@ -198,3 +206,75 @@ def tab_line(titles: Sequence[str], current: int) -> str:
 def observation_text(titles: Sequence[str], current: int, url: str, tree: AXTree) -> str:
     """The full text observation: tab list line, URL line, then the tree."""
     return f"{tab_line(titles, current)}\nURL: {url}\n{tree.text}"
+
+
+INTERACTIVE_ROLES = frozenset(
+    {
+        "button",
+        "checkbox",
+        "combobox",
+        "link",
+        "listbox",
+        "menuitem",
+        "menuitemcheckbox",
+        "menuitemradio",
+        "option",
+        "radio",
+        "searchbox",
+        "slider",
+        "spinbutton",
+        "switch",
+        "tab",
+        "textbox",
+        "treeitem",
+    }
+)
+"""Roles marked in set-of-marks screenshots (elements an action can target)."""
+
+MARK_COLOUR = (230, 0, 0)
+LABEL_TEXT_COLOUR = (255, 255, 255)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One set-of-marks box: the element and its box (left, top, right, bottom) in
+    screenshot pixels."""
+
+    element: AXElement
+    box: tuple[float, float, float, float]
+
+
+def interactive_elements(tree: AXTree) -> list[AXElement]:
+    """The tree's elements whose role is in INTERACTIVE_ROLES, in reading order."""
+    return [element for element in tree.elements.values() if element.role in INTERACTIVE_ROLES]
+
+
+def draw_marks(png: bytes, marks: Sequence[Mark]) -> bytes:
+    """`png` with a box and a numbered label (the element id) drawn for each mark, as PNG.
+
+    Raises:
+        PIL.UnidentifiedImageError: `png` is not an image.
+    """
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default()
+    for mark in marks:
+        left, top, right, bottom = mark.box
+        draw.rectangle((left, top, right, bottom), outline=MARK_COLOUR, width=2)
+        label = str(mark.element.id)
+        text_left, text_top, text_right, text_bottom = draw.textbbox((0, 0), label, font=font)
+        width, height = text_right - text_left + 4, text_bottom - text_top + 4
+        x = left
+        y = top - height if top - height >= 0 else top
+        draw.rectangle((x, y, x + width, y + height), fill=MARK_COLOUR)
+        draw.text((x + 2 - text_left, y + 2 - text_top), label, fill=LABEL_TEXT_COLOUR, font=font)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def marks_text(marks: Sequence[Mark]) -> str:
+    """The marked elements, one `[id] role 'name'` line each, in the order given."""
+    return "\n".join(
+        f"[{mark.element.id}] {mark.element.role} {mark.element.name!r}" for mark in marks
+    )

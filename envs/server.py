@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from envs.lifecycle import Closing
-from envs.sites import classifieds
+from envs.sites import classifieds, forum, shopping
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,20 @@ SITES: dict[str, SiteSpec] = {
         placeholder="__CLASSIFIEDS__",
         build_template_db=classifieds.build_template_db,
         create_app=classifieds.create_app,
+    ),
+    "shopping": SiteSpec(
+        name="shopping",
+        placeholder="__SHOPPING__",
+        build_template_db=shopping.build_template_db,
+        create_app=shopping.create_app,
+        login_path="/login",
+    ),
+    "forum": SiteSpec(
+        name="forum",
+        placeholder="__FORUM__",
+        build_template_db=forum.build_template_db,
+        create_app=forum.create_app,
+        login_path="/login",
     ),
 }
 """All bundled sites by name."""

@@ -16,7 +16,7 @@ Bundled suites live in `tasks/<suite>/*.json` (see tasks/README.md). Every error
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,6 +37,7 @@ class ReferenceAnswers(BaseModel):
     """`eval.reference_answers` of string_match (see `envs.evaluators` for the semantics)."""
 
     model_config = ConfigDict(extra="forbid")
+    label: ClassVar[str] = "reference_answers"
     exact_match: str | None = None
     must_include: list[str] | None = None
     must_exclude: list[str] | None = None
@@ -48,21 +49,47 @@ class ReferenceAnswers(BaseModel):
         given = {k: v for k, v in self.model_dump().items() if v is not None}
         if not given:
             raise ValueError(
-                "reference_answers needs at least one of " + ", ".join(type(self).model_fields)
+                f"{self.label} needs at least one of " + ", ".join(type(self).model_fields)
             )
         for key, value in given.items():
             values = value if isinstance(value, list) else [value]
             if not values or any(not str(v).strip() for v in values):
-                raise ValueError(f"reference_answers.{key} must hold non-empty strings")
+                raise ValueError(f"{self.label}.{key} must hold non-empty strings")
         return self
 
 
-class ProgramHtml(BaseModel):
-    """One `eval.program_html` check (VisualWebArena format; not evaluated here yet)."""
+class RequiredContents(ReferenceAnswers):
+    """`required_contents` of one program_html check: the same keys and semantics as
+    `reference_answers`, matched against the text the check reads from a page."""
 
-    url: str
+    label: ClassVar[str] = "required_contents"
+
+
+class ProgramHtml(BaseModel):
+    """One `eval.program_html` check (VisualWebArena format, see `envs.evaluators`).
+
+    Attributes:
+        url: "last" (the active tab at the end of the episode) or a URL, usually beginning
+            with a site placeholder, that is opened in a new tab of the episode's browser.
+        locator: "" (the page's visible text) or a JavaScript expression whose value is read.
+            VisualWebArena's `func:` helper functions are not supported.
+        required_contents: what the read text must (not) contain.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1)
     locator: str = ""
-    required_contents: dict[str, Any]
+    required_contents: RequiredContents
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ProgramHtml":
+        for name in ("url", "locator"):
+            if getattr(self, name).strip().startswith("func:"):
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r}: VisualWebArena's func: helper functions "
+                    "are not supported; use 'last', a URL or a JavaScript expression"
+                )
+        return self
 
 
 class EvalSpec(BaseModel):
@@ -79,10 +106,8 @@ class EvalSpec(BaseModel):
 
     @model_validator(mode="after")
     def _evaluators_have_references(self) -> "EvalSpec":
-        if "program_html" in self.eval_types:
-            raise ValueError(
-                "eval_types 'program_html' is not supported yet (only string_match and url_match)"
-            )
+        if "program_html" in self.eval_types and not self.program_html:
+            raise ValueError("program_html needs a non-empty eval.program_html list")
         if "string_match" in self.eval_types and not self.reference_answers:
             raise ValueError("string_match needs eval.reference_answers")
         if "url_match" in self.eval_types and not self.reference_url:
@@ -129,10 +154,15 @@ class Task(BaseModel):
                 raise ValueError(
                     f"start_url {url!r} must begin with a site placeholder ({choices})"
                 )
-        for text in (self.start_url, self.eval.reference_url or ""):
+        texts = {"start_url": self.start_url, "eval.reference_url": self.eval.reference_url or ""}
+        for i, check in enumerate(self.eval.program_html):
+            texts[f"eval.program_html.{i}.url"] = check.url
+        for where, text in texts.items():
             for placeholder in _PLACEHOLDER.findall(text):
                 if placeholder not in known:
-                    raise ValueError(f"placeholder {placeholder} is not one of the task's sites")
+                    raise ValueError(
+                        f"{where}: placeholder {placeholder} is not one of the task's sites"
+                    )
         for i, text in enumerate(self.reference_actions):
             try:
                 action = parse_action(text)

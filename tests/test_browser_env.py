@@ -1,13 +1,27 @@
 """The accessibility-tree observation and the browser env in a real headless Chromium."""
 
+import io
 import re
+import sqlite3
+from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
+from fastapi import FastAPI, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from PIL import Image
 
 from envs import browser_env
 from envs.browser_env import BrowserEnv, ChromiumNotFoundError, find_chromium
-from envs.observation import observation_text, render_ax_tree, tab_line
-from envs.server import SiteServers
+from envs.evaluators import evaluate
+from envs.observation import (
+    INTERACTIVE_ROLES,
+    MARK_COLOUR,
+    observation_text,
+    render_ax_tree,
+    tab_line,
+)
+from envs.server import SITES, TEST_ACCOUNT, SiteServers, SiteSpec
 from envs.tasks import Task
 
 MAX_TREE_LINES = 150
@@ -89,7 +103,7 @@ def test_missing_chromium_names_the_fix_in_one_line(monkeypatch, tmp_path):
     assert "apt-get install chromium" in str(caught.value)
 
 
-def make_task(start_url: str = "__CLASSIFIEDS__/") -> Task:
+def make_task(start_url: str = "__CLASSIFIEDS__/", **fields) -> Task:
     return Task.model_validate(
         {
             "task_id": 1000,
@@ -97,14 +111,65 @@ def make_task(start_url: str = "__CLASSIFIEDS__/") -> Task:
             "start_url": start_url,
             "intent": "Explore.",
             "eval": {"eval_types": ["string_match"], "reference_answers": {"must_include": ["x"]}},
+            **fields,
         }
     )
 
 
+# A tiny site with a login and an outside image and link, registered only for these tests.
+
+SIGNED_IN = "signed in as agent"
+
+
+def _build_test_db(path: Path, seed: int) -> Path:
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS t (x INTEGER)")
+    db.close()
+    return path
+
+
+def _create_test_app(db_path: Path) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/", response_class=HTMLResponse)
+    def home(request: Request) -> str:
+        user = request.cookies.get("session")
+        status = f"signed in as {user}" if user else "not signed in"
+        return f"<html><head><title>Test</title></head><body><p>{status}</p></body></html>"
+
+    @app.post("/login")
+    def login(username: str = Form(), password: str = Form()):
+        if (username, password) != (TEST_ACCOUNT["username"], TEST_ACCOUNT["password"]):
+            return HTMLResponse("bad login", status_code=403)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie("session", username)
+        return response
+
+    @app.get("/external", response_class=HTMLResponse)
+    def external() -> str:
+        return (
+            "<html><head><title>External</title></head><body>"
+            '<img src="http://example.com/x.png" alt="Outside image">'
+            '<a href="http://example.com/">Outside</a> <a href="/">Home</a></body></html>'
+        )
+
+    return app
+
+
 @pytest.fixture(scope="module")
 def sites():
-    with SiteServers(["classifieds"]) as servers:
-        yield servers
+    """classifieds and the test site below (one Playwright per thread: one env serves both)."""
+    spec = SiteSpec(
+        name="testsite",
+        placeholder="__TESTSITE__",
+        build_template_db=_build_test_db,
+        create_app=_create_test_app,
+        login_path="/login",
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(SITES, "testsite", spec)
+        with SiteServers(["classifieds", "testsite"]) as servers:
+            yield servers
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +188,17 @@ def element_id(observation: dict, role: str, name: str) -> int:
 @pytest.mark.browser
 def test_reset_returns_the_documented_observation(env, sites):
     obs = env.reset(make_task())
-    assert set(obs) == {"text", "url", "tabs", "active_tab", "screenshot", "error"}
+    assert set(obs) == {
+        "text",
+        "url",
+        "tabs",
+        "active_tab",
+        "screenshot",
+        "som_screenshot",
+        "blocked_requests",
+        "error",
+    }
+    assert obs["som_screenshot"] is None and obs["blocked_requests"] == []
     base = sites.url("classifieds")
     assert obs["url"] == f"{base}/" and obs["tabs"] == ["Home | Classifieds"]
     assert obs["active_tab"] == 0 and obs["error"] is None
@@ -277,3 +352,130 @@ def test_stop_returns_the_answer(env):
     env.reset(make_task())
     result = env.step("stop [$120]")
     assert result.done and result.answer == "$120" and result.info["reason"] == "stop"
+
+
+@pytest.mark.browser
+def test_read_page_reads_the_last_tab_or_a_new_one_for_program_html(env, sites):
+    env.reset(make_task("__CLASSIFIEDS__/listing/1"))
+    assert "Blue road bike" in env.read_page("last")
+    assert env.read_page("last", "document.title") == "Blue road bike | Classifieds"
+    assert env.read_page("last", "document.querySelector('#nothing')") == ""
+    assert env.read_page("last", "document.querySelector('#nothing').textContent") == ""
+    assert env.read_page("last", "1 + 1") == "2"
+    assert env.read_page("last", "document.querySelector('h1')") == "Blue road bike"
+    assert env.read_page("last", "({price: 120})") == '{"price":120}'
+    assert env.read_page("last", "(((") == ""
+    text = env.read_page("__CLASSIFIEDS__/listing/2", "document.title")
+    assert text == "2013 Volkswagen Golf | Classifieds"
+    assert len(env.page.context.pages) == 1 and env.url.endswith("/listing/1")
+    with pytest.raises(ValueError, match="not on a served site"):
+        env.read_page("http://example.com/", "")
+    task = make_task(
+        "__CLASSIFIEDS__/listing/1",
+        eval={
+            "eval_types": ["program_html"],
+            "program_html": [
+                {"url": "last", "required_contents": {"must_include": ["$120"]}},
+                {
+                    "url": "__CLASSIFIEDS__/listing/2",
+                    "locator": "document.querySelector('h1').textContent",
+                    "required_contents": {"exact_match": "2013 Volkswagen Golf"},
+                },
+            ],
+        },
+    )
+    assert evaluate(task, None, env.url, sites, env.read_page).score == 1.0
+    env.step("goto [__CLASSIFIEDS__/listing/3]")
+    assert evaluate(task, None, env.url, sites, env.read_page).score == 0.0
+
+
+def test_site_task(start_url: str = "__TESTSITE__/", **fields) -> Task:
+    return make_task(start_url, sites=["testsite"], **fields)
+
+
+test_site_task.__test__ = False
+
+
+@pytest.mark.browser
+def test_require_login_starts_signed_in(env):
+    obs = env.reset(test_site_task(require_login=True))
+    assert SIGNED_IN in obs["text"]
+    obs = env.reset(test_site_task(require_login=False))
+    assert "not signed in" in obs["text"]
+
+
+@pytest.mark.browser
+def test_login_failure_is_an_error(env, monkeypatch):
+    monkeypatch.setattr(browser_env, "TEST_ACCOUNT", {"username": "agent", "password": "wrong"})
+    with pytest.raises(RuntimeError, match=r"login to testsite at .*/login failed: HTTP 403"):
+        env.reset(test_site_task(require_login=True))
+
+
+@pytest.mark.browser
+def test_only_the_served_sites_are_reachable(env):
+    env = env
+    base = env.servers.url("testsite")
+    obs = env.reset(test_site_task("__TESTSITE__/external"))
+    assert ("http://example.com/x.png", "image") in env.blocked_requests
+    assert ("http://example.com/x.png", "image") in obs["blocked_requests"]
+    finished: list[str] = []
+    failed: list[tuple[str, str]] = []
+    env.page.context.on("requestfinished", lambda request: finished.append(request.url))
+    env.page.context.on(
+        "requestfailed", lambda request: failed.append((request.url, request.failure))
+    )
+    result = env.step("goto [__TESTSITE__/external]")
+    assert result.observation["error"] is None
+    assert result.info["blocked_requests"] == [("http://example.com/x.png", "image")]
+    assert result.observation["blocked_requests"] == [("http://example.com/x.png", "image")]
+    result = env.step("click [link 'Outside']")
+    assert result.observation["error"].startswith("http://example.com/ is blocked")
+    assert result.observation["text"].startswith("ERROR: http://example.com/ is blocked")
+    assert result.observation["url"] == f"{base}/external"
+    assert ("http://example.com/", "document") in result.info["blocked_requests"]
+    result = env.step("goto [http://example.com/]")
+    assert result.observation["error"].startswith("goto is limited to the local sites")
+    assert env.step("click [link 'Home']").observation["url"] == f"{base}/"
+    assert finished and all(urlparse(url).hostname == "127.0.0.1" for url in finished)
+    assert failed and all(f.startswith("net::ERR_BLOCKED_BY_CLIENT") for _, f in failed)
+    assert {urlparse(url).hostname for url, _ in failed} == {"example.com"}
+    assert {urlparse(url).hostname for url, _ in env.blocked_requests} == {"example.com"}
+
+
+@pytest.mark.browser
+def test_unknown_observation_mode_is_rejected(sites):
+    with pytest.raises(ValueError, match="unknown observation mode 'pixels'"):
+        BrowserEnv(sites, observation="pixels")
+
+
+@pytest.mark.browser
+def test_set_of_marks_boxes_each_interactive_element_in_the_viewport(env, monkeypatch):
+    monkeypatch.setattr(env, "observation_mode", "som")
+    obs = env.reset(make_task())
+    plain, marked = obs["screenshot"], obs["som_screenshot"]
+    assert marked[:8] == b"\x89PNG\r\n\x1a\n" and marked != plain
+    image = Image.open(io.BytesIO(marked)).convert("RGB")
+    assert image.size == Image.open(io.BytesIO(plain)).size == env.viewport
+    marks = env.marks(plain)
+    lines = obs["text"].split("\n")
+    assert lines[0] == "Tab 0 (current): Home | Classifieds" and lines[1].startswith("URL: ")
+    assert lines[2:] == [f"[{m.element.id}] {m.element.role} {m.element.name!r}" for m in marks]
+    assert all(m.element.role in INTERACTIVE_ROLES for m in marks)
+    assert any(m.element.role == "textbox" for m in marks)
+    in_view = env.page.evaluate(
+        """() => [...document.querySelectorAll(
+                'a[href], button, input:not([type=hidden]), select, textarea')]
+            .map((e) => e.getBoundingClientRect())
+            .filter((r) => r.width > 0 && r.height > 0 && r.bottom > 0 && r.right > 0
+                && r.top < innerHeight && r.left < innerWidth).length"""
+    )
+    assert len(marks) == in_view
+    all_interactive = [e for e in env.tree.elements.values() if e.role in INTERACTIVE_ROLES]
+    assert 0 < len(marks) < len(all_interactive)  # the page is taller than the viewport
+    for mark in marks:
+        left, top, right, bottom = mark.box
+        x = int(left) + 1 if left >= 1 else int(left)
+        assert image.getpixel((x, int((top + bottom) / 2))) == MARK_COLOUR
+    result = env.step("click [link 'Bikes (24)']")
+    assert result.observation["error"] is None
+    assert result.observation["url"].endswith("/category/bikes")

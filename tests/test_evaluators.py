@@ -153,3 +153,66 @@ def test_zero_cents_match_on_both_sides_and_versions_are_kept():
 
 def test_no_reference_answers_scores_zero():
     assert string_match({}, "anything")[0] == 0.0
+
+
+def program_html_task(*checks: dict, **eval_fields) -> Task:
+    return make_task(eval_types=["program_html"], program_html=list(checks), **eval_fields)
+
+
+def test_program_html_scores_each_check_on_the_text_read_and_multiplies():
+    pages = {
+        ("last", ""): "Your cart\nBlue road bike $120\nTotal: $120",
+        ("http://127.0.0.1:8123/listing/58", "document.title"): "Orange desk | Classifieds",
+    }
+    calls = []
+
+    def read_page(url: str, locator: str) -> str:
+        calls.append((url, locator))
+        return pages.get((url, locator), "")
+
+    task = program_html_task(
+        {"url": "last", "locator": "", "required_contents": {"must_include": ["road bike"]}},
+        {
+            "url": "__CLASSIFIEDS__/listing/58",
+            "locator": "document.title",
+            "required_contents": {"exact_match": "Orange desk | Classifieds"},
+        },
+    )
+    result = evaluate(task, None, "http://127.0.0.1:8123/", SITES, read_page)
+    assert result.score == 1.0
+    assert calls == [("last", ""), ("http://127.0.0.1:8123/listing/58", "document.title")]
+    checks = result.details["program_html"]["checks"]
+    assert [check["score"] for check in checks] == [1.0, 1.0]
+    assert checks[1]["url"] == "http://127.0.0.1:8123/listing/58"
+
+    task = program_html_task(
+        {"url": "last", "required_contents": {"must_include": ["road bike"]}},
+        {"url": "last", "required_contents": {"must_exclude": ["$120"]}},
+    )
+    result = evaluate(task, None, "", SITES, read_page)
+    assert result.score == 0.0
+    assert [c["score"] for c in result.details["program_html"]["checks"]] == [1.0, 0.0]
+
+
+def test_program_html_uses_the_string_match_rules_and_multiplies_with_string_match():
+    def read_page(url: str, locator: str) -> str:
+        return "Comments (4)\nRiley: Is the price negotiable?"
+
+    task = program_html_task(
+        {
+            "url": "last",
+            "required_contents": {"must_include": ["4 |OR| four"], "fuzzy_match": ["negotiable"]},
+        },
+        reference_answers={"must_include": ["4"]},
+    )
+    task.eval.eval_types.append("string_match")
+    assert evaluate(task, "4", "", SITES, read_page).score == 1.0
+    assert evaluate(task, "5", "", SITES, read_page).score == 0.0
+    strict = program_html_task({"url": "last", "required_contents": {"must_include": ["1"]}})
+    assert evaluate(strict, None, "", SITES, read_page).score == 0.0  # "1" is not in "(4)"
+
+
+def test_program_html_without_a_page_reader_is_an_error():
+    task = program_html_task({"url": "last", "required_contents": {"must_include": ["x"]}})
+    with pytest.raises(ValueError, match="program_html needs read_page"):
+        evaluate(task, None, "", SITES)

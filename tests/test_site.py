@@ -161,5 +161,5 @@ def test_site_servers_substitute_placeholders_and_check_ownership():
         assert "Welcome to Classifieds" in _fetch(sites.substitute("__CLASSIFIEDS__/"))
         with pytest.raises(KeyError, match="not served"):
             sites.reset(["shopping"])
-    with pytest.raises(KeyError, match="unknown site 'forum'"):
-        SiteServers(["forum"])
+    with pytest.raises(KeyError, match="unknown site 'gitlab'"):
+        SiteServers(["gitlab"])

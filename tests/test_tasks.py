@@ -8,9 +8,11 @@ import pytest
 from envs.browser_env import BrowserEnv
 from envs.evaluators import evaluate
 from envs.server import SiteServers
-from envs.tasks import TaskError, load_suite, load_task, load_tasks
+from envs.tasks import TaskError, load_suite, load_task, load_tasks, suite_names
 
 WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
+BUNDLED = [(suite, task) for suite in suite_names() for task in load_suite(suite)]
+"""(suite, task) of every bundled task, replayed below."""
 
 
 def valid_task(task_id: int = 3) -> dict:
@@ -67,25 +69,88 @@ def test_a_task_without_id_is_named_by_its_position(tmp_path, monkeypatch):
         load_tasks("list.json")
 
 
-def test_program_html_is_rejected_not_silently_passed(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def program_html_task(*checks: dict) -> dict:
     task = valid_task()
-    task["eval"] = {
-        "eval_types": ["program_html"],
-        "program_html": [
-            {"url": "last", "locator": "", "required_contents": {"must_include": ["x"]}}
-        ],
+    task["eval"] = {"eval_types": ["program_html"], "program_html": list(checks)}
+    return task
+
+
+def test_program_html_is_loaded(tmp_path):
+    check = {
+        "url": "__CLASSIFIEDS__/listing/1",
+        "locator": "document.querySelector('h1').textContent",
+        "required_contents": {"exact_match": "Blue road bike"},
     }
-    write(tmp_path, task)
+    write(
+        tmp_path,
+        program_html_task(check, {"url": "last", "required_contents": {"must_include": ["x"]}}),
+    )
+    task = load_task(tmp_path / "x.json")
+    assert task.eval.eval_types == ["program_html"]
+    assert task.eval.program_html[0].url == "__CLASSIFIEDS__/listing/1"
+    assert task.eval.program_html[0].required_contents.exact_match == "Blue road bike"
+    assert task.eval.program_html[1].locator == ""
+
+
+@pytest.mark.parametrize(
+    ("check", "field", "expected"),
+    [
+        (
+            {"url": "last", "required_contents": {}},
+            "eval.program_html.0.required_contents",
+            "required_contents needs at least one of",
+        ),
+        (
+            {"url": "last", "required_contents": {"must_inclde": ["x"]}},
+            "eval.program_html.0.required_contents.must_inclde",
+            "",
+        ),
+        (
+            {
+                "url": "last",
+                "locator": "func:get_query_text(__page__, '.x')",
+                "required_contents": {"must_include": ["x"]},
+            },
+            "eval.program_html.0",
+            "func: helper functions are not supported",
+        ),
+        (
+            {
+                "url": "func:shopping_get_latest_order_url()",
+                "required_contents": {"must_include": ["x"]},
+            },
+            "eval.program_html.0",
+            "func: helper functions are not supported",
+        ),
+    ],
+)
+def test_unsupported_program_html_checks_are_rejected(
+    tmp_path, monkeypatch, check, field, expected
+):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, program_html_task(check))
     message = error_of(Path("x.json"))
-    assert message.startswith("x.json task 3: field 'eval': ")
-    assert "program_html" in message and "not supported" in message
+    assert message.startswith("x.json task 3: ") and f"field '{field}'" in message, message
+    assert expected in message
+
+
+def test_program_html_urls_must_use_the_task_sites(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check = {"url": "__SHOPPING__/cart", "required_contents": {"must_include": ["x"]}}
+    write(tmp_path, program_html_task(check))
+    assert error_of(Path("x.json")) == (
+        "x.json task 3: eval.program_html.0.url: placeholder __SHOPPING__ is not one of the "
+        "task's sites"
+    )
+    task = program_html_task()
+    write(tmp_path, task)
+    assert "program_html needs a non-empty eval.program_html list" in error_of(Path("x.json"))
 
 
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ({"sites": ["forum"]}, "site 'forum' is not bundled"),
+        ({"sites": ["gitlab"]}, "site 'gitlab' is not bundled"),
         (
             {"eval": {"eval_types": ["url_match"], "reference_url": "__SHOPPING__/cart"}},
             "placeholder __SHOPPING__ is not one of the task's sites",
@@ -133,9 +198,11 @@ def test_load_task_by_path_id_and_digit_string(tmp_path):
 
 
 def test_unknown_id_lists_the_bundled_ids():
-    ids = [task.task_id for task in load_suite()]
-    with pytest.raises(TaskError, match=rf"^unknown task id 999: bundled ids are 1-{max(ids)}$"):
+    with pytest.raises(TaskError, match=r"^unknown task id 999: bundled ids are 1-\d+") as caught:
         load_task(999)
+    for suite in suite_names():  # each suite's ids are one range
+        ids = [task.task_id for task in load_suite(suite)]
+        assert f"{min(ids)}-{max(ids)}" in str(caught.value)
 
 
 def test_bundled_suite_is_complete_and_mixed():
@@ -161,12 +228,17 @@ def test_task_1_is_a_one_step_answer_on_the_start_page():
 
 @pytest.fixture(scope="module")
 def env():
-    with SiteServers(["classifieds"]) as sites, BrowserEnv(sites, screenshots=False) as browser:
+    names = sorted({site for _, task in BUNDLED for site in task.sites})
+    with SiteServers(names) as sites, BrowserEnv(sites, screenshots=False) as browser:
         yield browser
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("task", load_suite(), ids=lambda task: f"task{task.task_id}")
+@pytest.mark.parametrize(
+    "task",
+    [task for _, task in BUNDLED],
+    ids=[f"{suite}-task{task.task_id}" for suite, task in BUNDLED],
+)
 def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
     env.reset(task)
     for number, action in enumerate(task.reference_actions, start=1):
@@ -174,7 +246,7 @@ def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
         assert result.observation["error"] is None, f"step {number} {action}"
         assert result.done == (number == len(task.reference_actions))
     assert result.info["reason"] == "stop"
-    verdict = evaluate(task, result.answer, env.url, env.servers)
+    verdict = evaluate(task, result.answer, env.url, env.servers, env.read_page)
     assert verdict.score == 1.0, verdict.details
     for wrong in WRONG_ANSWERS:
-        assert evaluate(task, wrong, env.url, env.servers).score == 0.0, wrong
+        assert evaluate(task, wrong, env.url, env.servers, env.read_page).score == 0.0, wrong

@@ -14,9 +14,10 @@ rows on every machine; the bundled tasks' reference answers depend on seed 0.
 
 import datetime as dt
 import random
-import sqlite3
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from envs.sites.common import seeding
 
 SITE_TODAY = dt.date(2024, 4, 1)
 """The site's notion of "today": new comments carry this date, so pages stay deterministic."""
@@ -31,19 +32,7 @@ CATEGORIES: list[tuple[str, str, int]] = [
 ]
 """(slug, display name, number of listings)."""
 
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "Red": (200, 40, 40),
-    "Blue": (40, 80, 200),
-    "Green": (40, 150, 70),
-    "Black": (30, 30, 30),
-    "White": (235, 235, 235),
-    "Yellow": (230, 200, 40),
-    "Orange": (235, 130, 30),
-    "Purple": (120, 50, 160),
-    "Silver": (170, 175, 180),
-    "Grey": (110, 110, 115),
-    "Brown": (120, 80, 45),
-}
+COLOURS = seeding.COLOURS
 """Colour words used in titles and images, with their RGB values."""
 
 # (noun, lowest price, highest price) per category; books and cars use their own title parts.
@@ -268,17 +257,7 @@ def generate_listings(seed: int = 0) -> list[dict]:
     Listing 1 is `ANCHOR_LISTING`; titles are unique. Deterministic in `seed`.
     """
     rng = random.Random(seed)
-    listings = [_Listing(**ANCHOR_LISTING)]
-    titles = {listings[0].title}
-    for slug, _, count in CATEGORIES:
-        made = sum(1 for item in listings if item.category == slug)
-        while made < count:
-            item = _draw_listing(rng, slug)
-            if item.title in titles:
-                continue
-            titles.add(item.title)
-            listings.append(item)
-            made += 1
+    listings = seeding.draw_unique(rng, CATEGORIES, _draw_listing, [_Listing(**ANCHOR_LISTING)])
     order = list(range(1, len(listings)))
     rng.shuffle(order)
     shuffled = [listings[0]] + [listings[i] for i in order]
@@ -310,18 +289,10 @@ def build_template_db(path: str | Path, seed: int = 0) -> Path:
 
     Returns the path. Deterministic in `seed`; takes a few milliseconds.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
     listings = generate_listings(seed)
     comments = generate_comments(len(listings), seed)
-    with sqlite3.connect(path) as db:
-        db.executescript(SCHEMA)
-        db.executemany(
-            "INSERT INTO categories (id, slug, name) VALUES (?, ?, ?)",
-            [(i, slug, name) for i, (slug, name, _) in enumerate(CATEGORIES, start=1)],
-        )
-        category_ids = {slug: i for i, (slug, _, _) in enumerate(CATEGORIES, start=1)}
+    with seeding.template_db(path, SCHEMA) as db:
+        category_ids = seeding.insert_categories(db, CATEGORIES)
         seller_ids = {name: i for i, name in enumerate(SELLERS, start=1)}
         db.executemany(
             "INSERT INTO sellers (id, name, member_since) VALUES (?, ?, ?)",
@@ -349,5 +320,4 @@ def build_template_db(path: str | Path, seed: int = 0) -> Path:
             "INSERT INTO comments (listing_id, author, body, posted) VALUES (?, ?, ?, ?)",
             [(c["listing_id"], c["author"], c["body"], c["posted"].isoformat()) for c in comments],
         )
-    db.close()
-    return path
+    return Path(path)
