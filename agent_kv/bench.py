@@ -107,6 +107,7 @@ class BenchSettings:
         model: model directory or .gguf file, None for the bundled default.
         reference_accuracy: also replay each task's reference actions (see the module
             docstring); tasks without reference actions get none.
+        observation: the browser's observation mode (`envs.browser_env.OBSERVATION_MODES`).
     """
 
     max_steps: int = 6
@@ -114,6 +115,7 @@ class BenchSettings:
     prefill_chunk: int = 512
     model: str | None = None
     reference_accuracy: bool = True
+    observation: str = "accessibility_tree"
 
 
 Runner = Callable[[Task, Job, Path], dict[str, Any]]
@@ -613,7 +615,7 @@ class EpisodeRunner:
             self._servers = SiteServers(sorted(wanted))
             self._sites = wanted
         if self._env is None:
-            self._env = BrowserEnv(self._servers)
+            self._env = BrowserEnv(self._servers, observation=self.settings.observation)
         if self._loaded is None:
             self._loaded = load_model(self.settings.model)
         return self._env, self._loaded

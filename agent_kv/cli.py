@@ -80,6 +80,13 @@ ModelOption = Annotated[
 MaxStepsOption = Annotated[int, typer.Option(min=1, help="Actions before an episode is cut off.")]
 MaxObsTokensOption = Annotated[int, typer.Option(min=64, help="Observation length cap in tokens.")]
 PrefillChunkOption = Annotated[int, typer.Option(min=1, help="Tokens per prefill forward call.")]
+ObservationOption = Annotated[
+    str,
+    typer.Option(
+        help="accessibility_tree (the page as text, and a screenshot) or som (set-of-marks: "
+        "the interactive elements as text, and a screenshot with numbered boxes on them)."
+    ),
+]
 
 
 @app.callback()
@@ -103,24 +110,28 @@ def run_episode_command(
     int8: Int8Option = False,
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
+    observation: ObservationOption = "accessibility_tree",
     model: ModelOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
-    from envs.browser_env import ChromiumNotFoundError, find_chromium
+    from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError, load_task
 
     try:
         task_obj = load_task(task)
+        check_observation_mode(observation)
         find_chromium()
         spec = PolicySpec.parse(
             policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions
         )
         _writable_dir(out)
-    except (TaskError, ChromiumNotFoundError, AgentKVError) as err:
+    except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
     try:
-        summary = _run(task_obj, spec, model, max_steps, max_obs_tokens, prefill_chunk, out)
+        summary = _run(
+            task_obj, spec, model, max_steps, max_obs_tokens, prefill_chunk, observation, out
+        )
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
@@ -241,7 +252,9 @@ def _writable_dir(path: Path) -> None:
         raise AgentKVError(f"cannot use {path}: {err.strerror}") from None
 
 
-def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, out) -> dict:
+def _run(
+    task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, observation, out
+) -> dict:
     from agent_kv.agent import AgentConfig, run_episode
     from agent_kv.model_loading import load_model
     from envs.browser_env import BrowserEnv
@@ -251,7 +264,7 @@ def _run(task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_
     trace_dir = out / f"task{task.task_id}-{spec.name}-{stamp}"
     config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
     # The browser starts before the model loads, so either failing is the first line printed.
-    with SiteServers(task.sites) as servers, BrowserEnv(servers) as env:
+    with SiteServers(task.sites) as servers, BrowserEnv(servers, observation=observation) as env:
         started = time.perf_counter()
         loaded = load_model(model_path)
         load_s = time.perf_counter() - started
@@ -283,6 +296,7 @@ def bench_command(
     max_steps: MaxStepsOption = 6,
     max_obs_tokens: MaxObsTokensOption = 1200,
     prefill_chunk: PrefillChunkOption = 512,
+    observation: ObservationOption = "accessibility_tree",
     int8: Annotated[
         bool,
         typer.Option(
@@ -305,11 +319,12 @@ def bench_command(
     """Sweep tasks x policies x budgets; write results.jsonl, summary.md and
     success_vs_memory.png under --out and print the summary table."""
     from agent_kv import bench
-    from envs.browser_env import ChromiumNotFoundError, find_chromium
+    from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
     try:
         task_list = bench.select_tasks(tasks)
+        check_observation_mode(observation)
         names = bench.parse_list(policies, "--policies")
         try:
             sizes = [int(b) for b in bench.parse_list(budgets, "--budgets")]
@@ -325,7 +340,7 @@ def bench_command(
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
     settings = bench.BenchSettings(
-        max_steps, max_obs_tokens, prefill_chunk, model, reference_accuracy
+        max_steps, max_obs_tokens, prefill_chunk, model, reference_accuracy, observation
     )
     runner = bench.EpisodeRunner(settings)
     try:

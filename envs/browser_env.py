@@ -133,6 +133,14 @@ def find_chromium() -> str:
     )
 
 
+def check_observation_mode(mode: str) -> None:
+    """Raises ValueError unless `mode` is one of `OBSERVATION_MODES`."""
+    if mode not in OBSERVATION_MODES:
+        raise ValueError(
+            f"unknown observation mode {mode!r}: use one of {', '.join(OBSERVATION_MODES)}"
+        )
+
+
 class ActionError(Exception):
     """An action that cannot be executed on the current page; the message is for the agent."""
 
@@ -194,10 +202,7 @@ class BrowserEnv(Closing):
         timeout_s: float = 10.0,
         observation: str = "accessibility_tree",
     ) -> None:
-        if observation not in OBSERVATION_MODES:
-            raise ValueError(
-                f"unknown observation mode {observation!r}: use one of {OBSERVATION_MODES}"
-            )
+        check_observation_mode(observation)
         executable = find_chromium()
         self.servers = servers
         self.observation_mode = observation

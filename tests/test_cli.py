@@ -57,13 +57,17 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
 
 
-def test_episode_with_int8_and_rerotate(tmp_path: Path):
+def test_episode_with_int8_rerotate_and_set_of_marks(tmp_path: Path):
     proc = run_cli(
         "run-episode", "--task", "1", "--max-steps", "2", "--budget", "256", "--int8",
-        "--fp-window", "64", "--positions", "rerotate", "--out", str(tmp_path),
+        "--fp-window", "64", "--positions", "rerotate", "--observation", "som",
+        "--out", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
+    trace = Path(summary["trace_dir"])
+    som = (trace / "step_001.som.png").read_bytes()
+    assert som[:8] == b"\x89PNG\r\n\x1a\n" and som != (trace / "step_001.png").read_bytes()
     assert summary["int8"] == {"fp_window": 64, "group": 32}
     assert summary["positions"] == "rerotate"
     # the first observation, released when the second arrives, leaves the FP window as INT8
@@ -121,6 +125,10 @@ def test_bad_policy_settings_fail_before_any_model_call(tmp_path):
     assert_one_line_error(
         run_cli("run-episode", "--task", "1", "--policy", "full", "--tau", "0.5"),
         "no parameter 'tau'",
+    )
+    assert_one_line_error(
+        run_cli("run-episode", "--task", "1", "--observation", "pixels"),
+        "unknown observation mode 'pixels'",
     )
 
 
