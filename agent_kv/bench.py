@@ -393,6 +393,10 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             reduction = _mean(p[0] for p in peaks) / _mean(p[1] for p in peaks)
         ref_steps = sum(r.get("reference_steps") or 0 for r in group)
         ref_hits = sum(r.get("reference_hits") or 0 for r in group)
+        ref_tokens = sum(r.get("reference_tokens") or 0 for r in group)
+        ref_nll = sum(
+            (r.get("reference_nll") or 0) * (r.get("reference_tokens") or 0) for r in group
+        )
         peak = _mean(r["peak_kv_bytes"] for r in group if r.get("peak_kv_bytes"))
         rows.append(
             {
@@ -411,6 +415,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ),
                 "reference_accuracy": ref_hits / ref_steps if ref_steps else None,
                 "reference_steps": ref_steps,
+                "reference_nll": ref_nll / ref_tokens if ref_tokens else None,
             }
         )
     order = {name: i for i, name in enumerate(POLICIES)}
@@ -442,7 +447,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `aggregate` as a markdown table."""
     header = (
         "| policy | budget | precision | episodes | errors | success | vs full | "
-        "peak KV (MB) | reduction vs full | steps | decode tok/s | ref. action acc. |"
+        "peak KV (MB) | reduction vs full | steps | decode tok/s | ref. action acc. | "
+        "ref. NLL |"
     )
     lines = [header, "|" + "|".join([" --- "] * (header.count("|") - 1)) + "|"]
     for r in rows:
@@ -462,6 +468,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _fmt(r["mean_steps"], ".1f"),
             _fmt(r["decode_tokens_per_s"], ".1f"),
             ref,
+            _fmt(r["reference_nll"], ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -512,7 +519,9 @@ def write_report(out: Path) -> str:
         "Success counts errors as failures; *vs full* is the success rate relative to full "
         "KV on the same tasks; *reduction vs full* is full KV's mean peak KV bytes over this "
         "row's, on the same tasks; *ref. action acc.* is the share of reference steps whose "
-        "action is the model's greedy choice under the policy (teacher-forced).\n\n"
+        "action is the model's greedy choice under the policy (teacher-forced); *ref. NLL* is "
+        "the reference actions' mean negative log-likelihood per token (nats; lower is "
+        "better).\n\n"
         f"{table}\n\n![success vs memory]({PLOT})\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
@@ -529,8 +538,10 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
 
     Returns:
         `reference_steps` (actions replayed), `reference_hits` (steps whose action was the
-        greedy choice), `reference_accuracy` (hits / steps, None for no step) and
-        `reference_matches` (per step, bool).
+        greedy choice), `reference_accuracy` (hits / steps, None for no step),
+        `reference_matches` (per step, bool), `reference_tokens` (action tokens forced) and
+        `reference_nll` (their mean negative log-likelihood, nats per token: finer than the
+        accuracy, so it separates policies even where a small model gets no action right).
 
     Raises:
         playwright Error: the browser failed; ContextOverflowError: the replay outgrew the
@@ -546,6 +557,7 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
     matches: list[bool] = []
+    logprobs: list[float] = []
     previous: int | None = None
     observation = env.reset(task)
     for reference in task.reference_actions:
@@ -557,7 +569,9 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
         )
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        matches.append(all(chat.force_reply(concrete)))
+        forced = chat.force_reply(concrete)
+        matches.append(forced.greedy)
+        logprobs += forced.logprobs
         result = env.step(concrete)
         if result.done:
             break
@@ -568,6 +582,8 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
         "reference_hits": hits,
         "reference_accuracy": hits / len(matches) if matches else None,
         "reference_matches": matches,
+        "reference_tokens": len(logprobs),
+        "reference_nll": -sum(logprobs) / len(logprobs) if logprobs else None,
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from agent_kv.engine import Engine, Generation
 from agent_kv.errors import ConfigError
 from agent_kv.sampling import SamplingParams
@@ -20,6 +22,24 @@ class _Pending:
     ids: list[int]
     pin: bool
     message: int | None  # index in `messages`; None for the assistant header
+
+
+@dataclass
+class ForcedReply:
+    """A teacher-forced reply (`ChatSession.force_reply`), per token.
+
+    Attributes:
+        hits: whether each token was the most likely next token.
+        logprobs: each token's log probability under the model and the policy's cache (nats).
+    """
+
+    hits: list[bool]
+    logprobs: list[float]
+
+    @property
+    def greedy(self) -> bool:
+        """Whether greedy decoding emits the whole reply."""
+        return all(self.hits)
 
 
 class ChatSession:
@@ -112,22 +132,22 @@ class ChatSession:
         self._rendered += generation.raw_text
         return generation
 
-    def force_reply(self, text: str) -> list[bool]:
-        """Teacher-force `text` as the next assistant reply and say whether greedy decoding
-        would have produced it.
+    def force_reply(self, text: str) -> ForcedReply:
+        """Teacher-force `text` as the next assistant reply: whether greedy decoding would
+        have produced it, and how likely the model found it.
 
         The queued messages and the assistant header are prefilled as `reply` does; then the
         reply's tokens are fed one at a time, exactly as decoding feeds them (one forward
         call and one policy step per token, gated by that call's confidence), and each is
-        compared with the argmax of the logits before it. The cache ends holding the prompt
-        followed by `text`, as if the model had replied `text`.
+        compared with the logits before it. The cache ends holding the prompt followed by
+        `text`, as if the model had replied `text`.
 
         Args:
             text: the reply (e.g. a reference action, "click [12]").
 
         Returns:
-            One bool per token of `text`: whether it was the most likely next token. All
-            True means greedy decoding emits `text` (what it emits after it is not checked).
+            Per token of `text`: whether it was the most likely next token, and its log
+            probability (nats).
 
         Raises:
             ValueError: `text` is empty.
@@ -139,14 +159,15 @@ class ChatSession:
         store = self.session.store
         reply_start = store.seen_tokens + len(prompt)
         logits = self.engine.feed(self.session, prompt) if prompt else self.session.last_logits
-        hits: list[bool] = []
+        forced = ForcedReply([], [])
         for token in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
-            hits.append(int(logits.argmax()) == token)
+            forced.hits.append(int(logits.argmax()) == token)
+            forced.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
             logits = self.engine.feed(self.session, [token])
         self.messages.append({"role": "assistant", "content": text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += text
-        return hits
+        return forced
 
     @property
     def text(self) -> str:

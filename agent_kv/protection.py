@@ -113,8 +113,10 @@ def protected_spans(tokenizer, messages: list[dict], rules: PinRules) -> list[tu
 
 
 def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> None:
-    """Make exactly `spans` pinned in the row: every other position is released."""
-    store.unpin(0, store.seen(row), row)
+    """Make exactly `spans` pinned in the row: every other position is released. Spans may
+    lie past the tokens seen so far: apply them before prefilling a prompt, so the policy
+    keeps them from the first chunk on."""
+    store.unpin(0, max([store.seen(row), *(end for _, end in spans)]), row)
     for start, end in spans:
         store.pin(start, end, row)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from agent_kv.engine import Engine, Generation
 from agent_kv.errors import AgentKVError, ContextOverflowError
 from agent_kv.policies import Policy
-from agent_kv.protection import PinRules, apply_pins, protected_spans
+from agent_kv.protection import PinRules, protected_spans
 from agent_kv.sampling import SamplingParams
 from agent_kv.session import StepRecord
 from agent_kv.sessions import HistorySync, SessionStore, sync_history
@@ -245,10 +245,10 @@ class ChatService:
             with self.sessions.use(session_id) as session:
                 evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
                 store_before, steps_before = session.store, len(session.steps)
-                sync = sync_history(self.engine, session, prompt_ids)
+                pins = protected_spans(self.engine.tokenizer, messages, rules)
+                sync = sync_history(self.engine, session, prompt_ids, pins)
                 if session.store is not store_before:  # rebuilt from scratch
                     evicted, quantized, steps_before = 0, 0, 0
-                apply_pins(session.store, protected_spans(self.engine.tokenizer, messages, rules))
                 prefilled = time.perf_counter()
                 reply = self.engine.generate(session, [], params, on_text)
                 store = session.store

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agent_kv.engine import Engine
 from agent_kv.errors import AgentKVError
+from agent_kv.protection import apply_pins
 from agent_kv.session import Session
 
 
@@ -43,10 +44,16 @@ class HistorySync:
     rebuild: str
 
 
-def sync_history(engine: Engine, session: Session, token_ids: list[int]) -> HistorySync:
+def sync_history(
+    engine: Engine,
+    session: Session,
+    token_ids: list[int],
+    pins: list[tuple[int, int]] | None = None,
+) -> HistorySync:
     """Bring `session` to exactly `token_ids` (a request's whole conversation, tokenized),
     prefilling only what the cache does not hold; `session.last_logits` then predicts the
-    token after `token_ids`.
+    token after `token_ids`. `pins` (token spans of `token_ids`), when given, are made the
+    row's pins (`apply_pins`) before anything is prefilled, so no chunk evicts them.
 
     The request is matched token by token against `session.token_ids`. When it diverges
     before the end of the history (or stops short of it), the cache is truncated to the
@@ -60,21 +67,23 @@ def sync_history(engine: Engine, session: Session, token_ids: list[int]) -> Hist
     history = session.token_ids
     common = common_prefix(history, token_ids)
     if common == len(history):
-        suffix = token_ids[common:]
-        if suffix:
-            engine.feed(session, suffix)
-        return HistorySync(common, len(suffix), "none")
-    # diverged, or the request is a strict prefix: keep at least one token to re-feed, whose
-    # logits the reply needs
-    cut = min(common, len(token_ids) - 1)
-    if cut > 0 and cut >= session.store.changed_at[0]:
-        session.store.truncate(cut)
-        del session.token_ids[cut:]
-        engine.feed(session, token_ids[cut:])
-        return HistorySync(cut, len(token_ids) - cut, "truncated")
-    session.replace_with(engine.new_session())
-    engine.feed(session, token_ids)
-    return HistorySync(0, len(token_ids), "scratch")
+        sync = HistorySync(common, len(token_ids) - common, "none")
+    else:
+        # diverged, or the request is a strict prefix: keep at least one token to re-feed,
+        # whose logits the reply needs
+        cut = min(common, len(token_ids) - 1)
+        if cut > 0 and cut >= session.store.changed_at[0]:
+            session.store.truncate(cut)
+            del session.token_ids[cut:]
+            sync = HistorySync(cut, len(token_ids) - cut, "truncated")
+        else:
+            session.replace_with(engine.new_session())
+            sync = HistorySync(0, len(token_ids), "scratch")
+    if pins is not None:
+        apply_pins(session.store, pins)
+    if sync.prefilled_tokens:
+        engine.feed(session, token_ids[sync.reused_tokens :])
+    return sync
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -98,6 +98,24 @@ async def test_native_chat_policy_override_applies_to_that_turn_only(client, ser
     assert (await client.post("/chat", json=follow)).json()["kv"]["policy"] == "conf-kv"
 
 
+async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, service):
+    # the prompt is far over the window: pins must be in place before it is prefilled
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Read this. " + "filler " * 300},
+        {"role": "tool", "content": "[12] link 'Red bicycle - $120'"},
+    ]
+    body = {"messages": messages, "max_tokens": 2, "policy": {"name": "window", "budget": 16}}
+    data = (await client.post("/chat", json=body)).json()
+    pinned = data["kv"]["pinned_tokens"]
+    assert pinned > 40 and data["kv"]["evicted_tokens"] > 0
+    with service.sessions.use(data["session_id"]) as session:
+        store = session.store
+        for layer in range(len(store.layers)):
+            assert int(store.pinned_mask(layer).sum()) == pinned  # every pinned token is live
+            assert store.lengths()[layer] <= pinned + 16
+
+
 @pytest.mark.parametrize(
     "extra,status,param",
     [

@@ -35,15 +35,19 @@ def _write(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def _nll(tokens: int, nll: float) -> dict:
+    return {"reference_tokens": tokens, "reference_nll": nll}
+
+
 HAND_WRITTEN = [
     # full: tasks 1, 2 succeed, 3, 4 fail; peaks 100, 100, 200, 200 MB
-    _record(1, "full", None, True, 100e6, reference_steps=2, reference_hits=2),
-    _record(2, "full", None, True, 100e6, reference_steps=1, reference_hits=1),
+    _record(1, "full", None, True, 100e6, reference_steps=2, reference_hits=2, **_nll(3, 0.5)),
+    _record(2, "full", None, True, 100e6, reference_steps=1, reference_hits=1, **_nll(1, 0.5)),
     _record(3, "full", None, False, 200e6),
     _record(4, "full", None, False, 200e6),
     # window 512: succeeds on 1 of 4; peaks 50 MB each; 3 reference steps, 1 hit
-    _record(1, "window", 512, True, 50e6, reference_steps=2, reference_hits=1),
-    _record(2, "window", 512, False, 50e6, reference_steps=1, reference_hits=0),
+    _record(1, "window", 512, True, 50e6, reference_steps=2, reference_hits=1, **_nll(4, 1.0)),
+    _record(2, "window", 512, False, 50e6, reference_steps=1, reference_hits=0, **_nll(2, 4.0)),
     _record(3, "window", 512, False, 50e6),
     _record(4, "window", 512, False, 50e6, steps=4, rates=(30.0,)),
     # conf-kv 512 ran only tasks 1, 2 (one an error, no peak)
@@ -63,6 +67,7 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert full["relative_success"] == 1.0 and full["reduction_vs_full"] == 1.0
     assert full["peak_kv_mb"] == pytest.approx(150.0)
     assert full["reference_accuracy"] == 1.0 and full["reference_steps"] == 3
+    assert full["reference_nll"] == pytest.approx(0.5)
 
     window = by_label["window 512"]
     assert window["success_rate"] == 0.25
@@ -72,6 +77,7 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert window["mean_steps"] == pytest.approx(2.5)
     assert window["decode_tokens_per_s"] == pytest.approx((10 + 20) * 3 / 7 + 30 / 7)
     assert window["reference_accuracy"] == pytest.approx(1 / 3)
+    assert window["reference_nll"] == pytest.approx((4 * 1.0 + 2 * 4.0) / 6)  # per token
 
     conf = by_label["conf-kv 512"]
     assert conf["episodes"] == 2 and conf["errors"] == 1
@@ -86,7 +92,7 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     lines = table.splitlines()
     assert len(lines) == 2 + 3
     assert "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | 3.00x | 2.5 |" in table
-    assert "33% (3 steps)" in lines[3]
+    assert "33% (3 steps) | 2.00 |" in lines[3]
 
 
 def test_relative_success_is_none_when_full_never_succeeds():
@@ -253,9 +259,14 @@ def test_force_reply_agrees_with_greedy_decoding(smollm):
     generation = decoded.reply(SamplingParams(max_new_tokens=8))
     forced = ChatSession(engine)
     forced.add("user", "Name a colour.")
-    assert all(forced.force_reply(generation.text))
+    reply = forced.force_reply(generation.text)
+    assert reply.greedy and len(reply.logprobs) == len(reply.hits)
+    # greedy tokens are the most likely ones: each at least as likely as a uniform guess
+    assert all(lp <= 0 for lp in reply.logprobs)
     wrong = ChatSession(engine)
     wrong.add("user", "Name a colour.")
-    assert not all(wrong.force_reply("zebra quantum " + generation.text))
+    wrong_reply = wrong.force_reply("zebra quantum " + generation.text)
+    assert not wrong_reply.greedy
+    assert min(wrong_reply.logprobs) < min(reply.logprobs)
     forced.add("user", "Another?")  # the conversation continues append-only
     forced.reply(SamplingParams(max_new_tokens=2))
