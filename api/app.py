@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from dataclasses import asdict
@@ -285,18 +286,41 @@ async def _stream(service, metrics, session_id, messages, params, request, model
     def delta(content: dict, finish: str | None = None) -> list:
         return [{"index": 0, "delta": content, "finish_reason": finish}]
 
+    abandoned = threading.Event()  # the client went away: stop decoding at the next piece
+
+    def on_text(text: str) -> None:
+        if abandoned.is_set():
+            raise StreamAbandoned
+        loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
+
     def work():
         try:
-            turn = _run(
-                service, messages, params, session_id,
-                on_text=lambda text: loop.call_soon_threadsafe(queue.put_nowait, ("text", text)),
-            )  # fmt: skip
+            turn = _run(service, messages, params, session_id, on_text=on_text)
             loop.call_soon_threadsafe(queue.put_nowait, ("done", turn))
+        except StreamAbandoned:
+            return
         except Exception as err:  # sent to the client as an error event
             loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
 
     yield event(delta({"role": "assistant", "content": ""}))
     task = loop.run_in_executor(None, work)
+    try:
+        async for chunk in _events(queue, metrics, request, event, delta):
+            yield chunk
+    finally:  # also when the client disconnects and this generator is closed
+        abandoned.set()
+    await task
+    yield "data: [DONE]\n\n"
+
+
+class StreamAbandoned(Exception):
+    """Raised inside a streamed turn's decode loop once its client has gone, to free the
+    model; the session keeps every token decoded so far."""
+
+
+async def _events(queue: asyncio.Queue, metrics, request, event, delta):
+    """The stream's events after the role chunk, from the worker's queue, up to the finish
+    (or error) event."""
     while True:
         kind, value = await queue.get()
         if kind == "text":
@@ -317,9 +341,7 @@ async def _stream(service, metrics, session_id, messages, params, request, model
             yield event(delta({}, value.reply.finish_reason), kv=kv)
             if request.stream_options and request.stream_options.include_usage:
                 yield event([], usage=_usage(value).model_dump())
-        break
-    await task
-    yield "data: [DONE]\n\n"
+        return
 
 
 UNSUPPORTED_FIELDS = (

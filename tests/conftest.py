@@ -19,10 +19,10 @@ def smollm() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def live_server(smollm):
-    """The root URL of a uvicorn on 127.0.0.1 serving the default model as "smollm2-135m"
-    (conf-kv, budget 256), running in a thread for the module. The server's modules are
-    imported here, so that a broken API fails only the tests that use it."""
+def live_service(smollm):
+    """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving the default model as
+    "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
+    modules are imported here, so that a broken API fails only the tests that use it."""
     import uvicorn
 
     from agent_kv.engine import Engine
@@ -34,8 +34,9 @@ def live_server(smollm):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    service = ChatService(engine)
     config = uvicorn.Config(
-        create_app(ChatService(engine), "smollm2-135m"),
+        create_app(service, "smollm2-135m"),
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -47,14 +48,20 @@ def live_server(smollm):
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", service
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live_server(live_service) -> str:
+    """The root URL of `live_service`."""
+    return live_service[0]
 
 
 def pytest_collection_modifyitems(items):
     """Tests on a live server keep their sockets in a run that disables them
     (`--disable-socket` of pytest-socket, which langchain-tests installs)."""
     for item in items:
-        if "live_server" in getattr(item, "fixturenames", ()):
+        if "live_service" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.enable_socket)
