@@ -32,6 +32,7 @@ figure under a policy where full KV scores well means the cache lost what matter
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent_kv.errors import ConfigError
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
 POLICIES = ("full", "window", "h2o", "random", "conf-kv", "conf-kv-l")
@@ -52,6 +54,7 @@ POLICIES = ("full", "window", "h2o", "random", "conf-kv", "conf-kv-l")
 RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 PLOT = "success_vs_memory.png"
+SETTINGS = "settings.json"
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ def select_tasks(spec: str) -> list[Task]:
         for item in parse_list(spec, "--tasks"):
             low, _, high = item.partition("-")
             if high and low.isdigit() and high.isdigit():
+                if int(low) > int(high):
+                    raise TaskError(f"--tasks range {item!r} runs backwards: write {high}-{low}")
                 tasks.extend(load_task(i) for i in range(int(low), int(high) + 1))
             elif item.isdigit():
                 tasks.append(load_task(item))
@@ -253,6 +258,24 @@ def _run_in_worker(task: Task, job: Job, trace_dir: Path) -> dict[str, Any]:
     return _run_job(_WORKER_RUNNER, task, job, trace_dir)
 
 
+def _check_settings(out: Path, settings: BenchSettings) -> None:
+    """Record the sweep's episode settings in `out/settings.json`, or check them against
+    those recorded by an earlier run (ConfigError when they differ)."""
+    path = out / SETTINGS
+    current = dataclasses.asdict(settings)
+    if path.exists():
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        changed = sorted(key for key in current if recorded.get(key) != current[key])
+        if changed:
+            diffs = ", ".join(f"{k} {recorded.get(k)!r} -> {current[k]!r}" for k in changed)
+            raise ConfigError(
+                f"{out} holds a sweep run with other settings ({diffs}); resume it with the "
+                "same settings or use another --out"
+            )
+        return
+    path.write_text(json.dumps(current, indent=2) + "\n", encoding="utf-8")
+
+
 def run_bench(
     tasks: list[Task],
     jobs: list[Job],
@@ -282,10 +305,13 @@ def run_bench(
 
     Raises:
         OSError: `out` cannot be created or written.
+        ConfigError: `out` holds a sweep run with other episode settings (its results could
+            not be compared with these).
     """
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
+    _check_settings(out, settings or BenchSettings())
     results = out / RESULTS
     done = {
         record_key(r)

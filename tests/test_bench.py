@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from agent_kv import bench
 from agent_kv.bench import Job
 from agent_kv.cli import app
+from agent_kv.errors import ConfigError
 from envs.tasks import TaskError, load_task
 
 
@@ -172,6 +173,15 @@ def test_rerun_skips_finished_episodes(tmp_path: Path, two_tasks):
     assert len(records) == 4 and all(r["end_reason"] != "error" for r in records)
 
 
+def test_a_rerun_with_other_settings_is_refused(tmp_path: Path, two_tasks):
+    jobs = bench.make_jobs(two_tasks[:1], ["full"], [])
+    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=bench.BenchSettings())
+    assert json.loads((tmp_path / "settings.json").read_text())["max_steps"] == 6
+    other = bench.BenchSettings(max_steps=3, reference_accuracy=False)
+    with pytest.raises(ConfigError, match="max_steps 6 -> 3, reference_accuracy True -> False"):
+        bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
+
+
 def test_report_writes_summary_and_png(tmp_path: Path):
     _write(tmp_path / "results.jsonl", HAND_WRITTEN)
     table = bench.write_report(tmp_path)
@@ -207,6 +217,7 @@ def test_select_tasks_by_suite_ids_and_glob(tmp_path: Path):
     "args, message",
     [
         (["--tasks", "nosuch"], "neither a suite"),
+        (["--tasks", "5-3"], "runs backwards"),
         (["--tasks", "1", "--policies", "full,lru"], "unknown policy 'lru'"),
         (["--tasks", "1", "--budgets", "512,abc"], "--budgets must be"),
         (["--tasks", "1", "--budgets", "0"], "budgets must be >= 1"),
