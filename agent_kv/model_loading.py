@@ -73,11 +73,31 @@ def default_gguf_path() -> Path:
     return path
 
 
+FINGERPRINT_BYTES = 2**20
+"""Bytes read from each end of a GGUF file for its cache key."""
+
+
 def _converted_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf.stem}-{digest}"
+    """The cache directory of `gguf`'s conversion, keyed by the file's content (its size and
+    first and last MiB, which hold the header, the tensor index and the end of the weights),
+    not its path: the same model file in another clone or virtual environment reuses one
+    conversion."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(size - FINGERPRINT_BYTES, 0))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return cache_root() / "models" / f"{gguf.stem}-{digest.hexdigest()[:12]}"
+
+
+def _prune_stale(target: Path) -> None:
+    """Remove the other conversions of a file named like `target`'s GGUF (earlier versions of
+    that model file), so the cache holds one per model name."""
+    stem = target.name.rsplit("-", 1)[0]
+    for other in target.parent.glob(f"{stem}-*"):
+        if other != target and other.is_dir() and "." not in other.name[len(stem) :]:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 @contextmanager
@@ -220,6 +240,7 @@ def load_model(
     from_cache = target.is_dir()
     if not from_cache:
         _convert_gguf(gguf, target)
+        _prune_stale(target)
     try:
         hf_model, tokenizer = _load_directory(target, dtype)
     except ModelNotFoundError as err:

@@ -61,3 +61,28 @@ def test_damaged_cache_says_how_to_rebuild(smollm, tmp_path, monkeypatch):
         (target / "model.safetensors").write_bytes(full.read(1000))  # a truncated copy
     with pytest.raises(ModelNotFoundError, match="looks damaged: delete .* to rebuild it"):
         load_model()
+
+
+def test_cache_key_is_the_file_content_not_its_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENT_KV_CACHE", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 10_000  # 2.56 MB: head and tail differ from the middle
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.gguf").write_bytes(data)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "m.gguf").write_bytes(data[:-1] + b"\0")
+    key_a = model_loading._converted_dir(tmp_path / "a" / "m.gguf")
+    assert key_a == model_loading._converted_dir(tmp_path / "b" / "m.gguf")
+    assert key_a != model_loading._converted_dir(tmp_path / "c" / "m.gguf")
+
+
+def test_a_new_conversion_prunes_older_ones_of_the_same_model(tmp_path):
+    models = tmp_path / "models"
+    for name in ("m-111111111111", "m-222222222222", "m-333333333333.tmpx", "other-444444444444"):
+        (models / name).mkdir(parents=True)
+    model_loading._prune_stale(models / "m-222222222222")
+    assert sorted(p.name for p in models.iterdir()) == [
+        "m-222222222222",
+        "m-333333333333.tmpx",  # a conversion in progress elsewhere
+        "other-444444444444",
+    ]
