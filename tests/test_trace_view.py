@@ -118,9 +118,9 @@ def test_html_trace_from_a_real_one_step_episode(tmp_path: Path):
     from envs.tasks import load_task
 
     summary = _run(
-        load_task(1), PolicySpec.parse("window", 256, None), None, 1, 1200, 512, tmp_path
+        load_task(1), PolicySpec.parse("window", 256, None), None, 1, 1200, 512, "som", tmp_path
     )
     trace = Path(summary["trace_dir"])
     html = write_trace_html(trace).read_text()
-    assert html.count("data:image/png;base64,") >= 1
+    assert html.count("data:image/png;base64,") >= 2  # the screenshot and its set-of-marks
     assert "<svg" in html and 'id="step-1"' in html
