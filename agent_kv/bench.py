@@ -480,7 +480,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ref = _fmt(r["reference_accuracy"], ".0%")
         if r["reference_accuracy"] is not None:
-            ref += f" ({r['reference_steps']} steps)"
+            steps = r["reference_steps"]
+            ref += f" ({steps} step{'s' if steps != 1 else ''})"
         cells = [
             r["policy"],
             "–" if r["budget"] is None else str(r["budget"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -25,7 +25,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
-    pin: bool = False
+    pin: StrictBool = False
 
     def as_dict(self) -> dict:
         """`{"role", "content", "pin"}` with the content as one string."""
@@ -47,7 +47,7 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     """`stream_options`: whether the stream ends with a usage chunk."""
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -76,7 +76,7 @@ class ChatCompletionRequest(SamplingFields):
 
     model: str | None = None
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: str | None = Field(default=None, min_length=1, max_length=256)

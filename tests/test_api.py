@@ -85,6 +85,7 @@ async def test_chat_completion_reports_usage_and_kv(client):
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
         (
             {
