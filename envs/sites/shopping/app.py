@@ -110,6 +110,11 @@ def _with_account(request: Request, db: sqlite3.Connection, ctx: dict) -> dict:
     return {"user": user, "cart_count": cart_count, **ctx}
 
 
+def _remove_from_cart(db: sqlite3.Connection, user_id: int, product_id: int) -> None:
+    """Delete one product's line from a user's cart (no-op when absent)."""
+    db.execute("DELETE FROM cart_items WHERE user_id = ? AND product_id = ?", [user_id, product_id])
+
+
 def create_app(db_path: str | Path) -> FastAPI:
     """The shopping FastAPI app reading and writing the SQLite file at `db_path`.
 
@@ -241,10 +246,7 @@ def create_app(db_path: str | Path) -> FastAPI:
             return to_login(request)
         with db:
             if quantity <= 0:
-                db.execute(
-                    "DELETE FROM cart_items WHERE user_id = ? AND product_id = ?",
-                    [user["id"], product_id],
-                )
+                _remove_from_cart(db, user["id"], product_id)
             else:
                 db.execute(
                     "UPDATE cart_items SET quantity = ? WHERE user_id = ? AND product_id = ?",
@@ -258,10 +260,7 @@ def create_app(db_path: str | Path) -> FastAPI:
         if user is None:
             return to_login(request)
         with db:
-            db.execute(
-                "DELETE FROM cart_items WHERE user_id = ? AND product_id = ?",
-                [user["id"], product_id],
-            )
+            _remove_from_cart(db, user["id"], product_id)
         return RedirectResponse("/cart?updated=1", status_code=303)
 
     @app.get("/checkout", response_class=HTMLResponse)
