@@ -2,9 +2,10 @@
 
 `register_attention()` registers, under the name `"agent_kv"`:
 - an attention function (transformers `AttentionInterface`) that reads the layer's segments
-  from the store given as the `kv_store` keyword of the model call (INT8 segment, then FP
-  segment ending with the new tokens) through `kernels.reference.segmented_attention`, and
-  hands the attention mass back to the store;
+  from the store given as the `kv_store` keyword of the model call (quantized segment, then
+  FP segment ending with the new tokens) through `kernels.reference.segmented_attention`, and
+  hands the attention mass back to the store (and in prefill calls, when the store asks, the
+  shape of the attention: `kernels.reference.attention_profile`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -17,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kernels.reference import fused_attention, segmented_attention
+from kernels.reference import attention_profile, fused_attention, segmented_attention
 
 NAME = "agent_kv"
 SCORED_QUERIES = 64
@@ -81,6 +82,9 @@ def store_attention(
     group = query.shape[1] // key.shape[1]
     scored = min(query_len, SCORED_QUERIES)
     kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)
+    if query_len > 1 and kv_store.profile_prefill:
+        window = query[:, :, -SCORED_QUERIES:]
+        kv_store.record_profile(module.layer_idx, attention_profile(window, segments, scale))
     return out, None
 
 

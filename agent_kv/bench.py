@@ -49,7 +49,6 @@ from typing import Any
 from agent_kv.errors import ConfigError
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
-POLICIES = ("full", "window", "h2o", "random", "conf-kv", "conf-kv-l")
 """Policies a sweep may name."""
 RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
@@ -63,9 +62,10 @@ class Job:
 
     Attributes:
         task_id: the task.
-        policy: a name of POLICIES.
+        policy: a name of `agent_kv.policies.POLICIES`.
         budget: unpinned tokens per layer (see `cli.PolicySpec`), None for `full`.
-        precision: "fp", or "int8" for mixed precision (`--int8`).
+        precision: "fp"; "int8" for mixed precision (`--int8`); for a policy that quantizes
+            by its own rule (ARKV's), its format ("fp8").
     """
 
     task_id: int
@@ -176,26 +176,32 @@ def select_tasks(spec: str) -> list[Task]:
 def make_jobs(
     tasks: Iterable[Task], policies: list[str], budgets: list[int], int8: bool = False
 ) -> list[Job]:
-    """Every task under every (policy, budget): `full` once per task with no budget and at
-    full precision; the others at each budget, in INT8 mixed precision with `int8`.
+    """Every task under every (policy, budget): `full` (and `base-quant`, which takes no
+    budget either) once per task with no budget; the others at each budget. `full` runs at
+    full precision; with `int8` the others run in INT8 mixed precision, except the policies
+    that quantize by their own rule (ARKV's), labelled with their default format (`fp8`).
 
     Raises:
         ValueError: an unknown policy, or a budget below 1.
     """
+    from agent_kv.policies import POLICIES
+
     for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     for budget in budgets:
         if budget < 1:
             raise ValueError(f"budgets must be >= 1, got {budget}")
-    precision = "int8" if int8 else "fp"
     jobs = []
     for task in tasks:
         for policy in dict.fromkeys(policies):
-            if policy == "full":
-                jobs.append(Job(task.task_id, "full", None))
+            cls = POLICIES[policy]
+            if cls.manages_precision:
+                precision = cls.quantized
             else:
-                jobs.extend(Job(task.task_id, policy, b, precision) for b in dict.fromkeys(budgets))
+                precision = "int8" if int8 and policy != "full" else "fp"
+            sizes = dict.fromkeys(budgets) if cls.takes_budget else [None]
+            jobs.extend(Job(task.task_id, policy, b, precision) for b in sizes)
     return jobs
 
 
@@ -444,6 +450,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reference_nll": ref_nll / ref_tokens if ref_tokens else None,
             }
         )
+    from agent_kv.policies import POLICIES
+
     order = {name: i for i, name in enumerate(POLICIES)}
     rows.sort(
         key=lambda r: (

@@ -36,14 +36,26 @@ def fail(message: str) -> None:
 
 
 PolicyOption = Annotated[
-    str, typer.Option(help="KV policy: conf-kv, conf-kv-l, h2o, window, random or full.")
+    str,
+    typer.Option(
+        help="KV policy: conf-kv, conf-kv-l, h2o, window, random, full, or ARKV's arkv, "
+        "base-quant, base-origin, conf-kv+arkv."
+    ),
 ]
 BudgetOption = Annotated[
     int | None,
     typer.Option(
         help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
-        "budget N_high is half), the window, or the h2o/random budget. Default: the "
-        "policy's own."
+        "budget N_high is half), the window, the h2o/random budget, or ARKV's bytes per "
+        "layer counted in full-precision tokens. Default: the policy's own."
+    ),
+]
+ParamOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--param",
+        help="A policy parameter as KEY=VALUE, repeatable (e.g. --param quantized=int8 "
+        "--param gamma=0.5).",
     ),
 ]
 BudgetBytesOption = Annotated[
@@ -104,6 +116,7 @@ def run_episode_command(
     protect_recent: Annotated[
         int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
     ] = None,
+    param: ParamOption = None,
     max_steps: MaxStepsOption = 6,
     max_obs_tokens: MaxObsTokensOption = 1200,
     prefill_chunk: PrefillChunkOption = 512,
@@ -123,7 +136,7 @@ def run_episode_command(
         check_observation_mode(observation)
         find_chromium()
         spec = PolicySpec.parse(
-            policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions
+            policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions, param
         )
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
@@ -164,17 +177,21 @@ class PolicySpec:
         int8: bool = False,
         fp_window: int | None = None,
         positions: str = "original",
+        extra: list[str] | None = None,
     ) -> PolicySpec:
-        """Check everything that can be checked before the model loads.
+        """Check everything that can be checked before the model loads; `extra` holds
+        `--param KEY=VALUE` items.
 
         Raises:
             ConfigError: both budgets given, an unreadable size, unknown positions mode,
-                `fp_window` without `int8`, or invalid policy or INT8 settings.
+                `fp_window` without `int8`, a malformed `--param`, invalid policy or INT8
+                settings, or `int8` with a policy that quantizes by its own rule.
         """
         from agent_kv.budgets import parse_bytes
+        from agent_kv.engine import check_policy_precision
         from agent_kv.policies import make_policy
 
-        params = {"tau": tau, "protect_recent": protect_recent}
+        params = {**parse_params(extra or []), "tau": tau, "protect_recent": protect_recent}
         params = {key: value for key, value in params.items() if value is not None}
         if budget is not None and budget_bytes is not None:
             raise ConfigError("give --budget or --budget-bytes, not both")
@@ -197,7 +214,7 @@ class PolicySpec:
         # a byte budget becomes tokens only once the model is known: check the rest now with
         # a budget no conversion can exceed, the real one again in `build`
         placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
-        make_policy(name, budget=placeholder, **params)
+        check_policy_precision(make_policy(name, budget=placeholder, **params), int8_config)
         return spec
 
     def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
@@ -229,6 +246,33 @@ class PolicySpec:
         return Engine(
             loaded.model, loaded.tokenizer, policy, prefill_chunk, self.int8, self.rerotate
         )
+
+
+def parse_params(items: list[str]) -> dict:
+    """`["gamma=0.5", "quantized=int8"]` -> `{"gamma": 0.5, "quantized": "int8"}`: each value
+    read as an integer, a number, true/false, or else kept as text.
+
+    Raises:
+        ConfigError: an item without `=` or with an empty key.
+    """
+    params = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--param takes KEY=VALUE, got {item!r}")
+        params[key.strip()] = _param_value(text.strip())
+    return params
+
+
+def _param_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _print_step(record: dict) -> None:
@@ -380,6 +424,7 @@ def serve_command(
     policy: PolicyOption = "conf-kv",
     budget: BudgetOption = None,
     budget_bytes: BudgetBytesOption = None,
+    param: ParamOption = None,
     int8: Int8Option = False,
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
@@ -417,7 +462,13 @@ def serve_command(
 
     try:
         spec = PolicySpec.parse(
-            policy, budget, budget_bytes, int8=int8, fp_window=fp_window, positions=positions
+            policy,
+            budget,
+            budget_bytes,
+            int8=int8,
+            fp_window=fp_window,
+            positions=positions,
+            extra=param,
         )
         cap = None if session_bytes is None else parse_bytes(session_bytes)
         if spill_dir is not None:

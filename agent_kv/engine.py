@@ -85,6 +85,7 @@ class Engine:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if int8 is not None:
             int8.validate()
+        check_policy_precision(policy, int8)
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -286,6 +287,7 @@ class Engine:
         store. Returns float32 logits after each row's last token, `[len(rows), vocab]`, or
         with `all_positions` after every token, `[len(rows), n, vocab]`."""
         store = cache.store
+        self.policy.prepare(store)
         position_ids = store.begin_forward(rows, len(chunks[0]))  # [rows, n]
         out = self.model(
             input_ids=torch.tensor(chunks, device=position_ids.device),
@@ -388,3 +390,23 @@ def _as_list(value) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple, set)) else [value]
+
+
+def check_policy_precision(
+    policy: Policy, int8: Int8Config | None, store: KVStore | None = None
+) -> None:
+    """Raise `ConfigError` when a policy that chooses its quantized tokens itself (ARKV and
+    its baselines) would run on a store with age-based mixed precision too (`int8`), or on
+    a `store` that already holds quantized tokens of another format."""
+    if not policy.manages_precision:
+        return
+    if int8 is not None:
+        raise ConfigError(
+            f"policy {policy.name!r} chooses which tokens to quantize itself: run it without --int8"
+        )
+    held = None if store is None else store.quantized_format()
+    if held not in (None, policy.quantized):
+        raise ConfigError(
+            f"this session's cache holds {held} tokens; policy {policy.name!r} would add "
+            f"{policy.quantized} ones (one format per session)"
+        )

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from agent_kv.engine import Engine, Generation
+from agent_kv.engine import Engine, Generation, check_policy_precision
 from agent_kv.errors import AgentKVError, ContextOverflowError
 from agent_kv.policies import Policy
 from agent_kv.protection import PinRules, protected_spans
@@ -228,13 +228,16 @@ class ChatService:
             on_text: receives the reply's text as it grows (`Engine.generate`).
 
         Raises:
-            ConfigError: invalid sampling parameters or pin rules.
+            ConfigError: invalid sampling parameters or pin rules, or a `policy` that
+                cannot run on the engine's store.
             ContextOverflowError: the turn cannot fit the model's context.
             QueueFullError, QueueTimeoutError: the model is too busy.
         """
         params.validate()
         rules = rules or self.rules
         rules.validate()
+        if policy is not None:
+            check_policy_precision(policy, self.engine.store_options["int8"])
         prompt_ids = self.prompt_ids(messages)
         self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
         queued = time.perf_counter()
@@ -243,6 +246,7 @@ class ChatService:
             if session_id is None:
                 session_id = self._anonymous_session(prompt_ids)
             with self.sessions.use(session_id) as session:
+                check_policy_precision(self.engine.policy, None, session.store)
                 evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
                 store_before, steps_before = session.store, len(session.steps)
                 pins = protected_spans(self.engine.tokenizer, messages, rules)

@@ -3,10 +3,12 @@
 Layout (architecture.md, "Layout"): each layer holds, for a batch of `B` rows,
 - an FP segment `[B, kv_heads, capacity, head_dim]` in the model's dtype: pinned tokens, the
   newest tokens, and (without INT8) everything;
-- with INT8 on (`Int8Config`), an INT8 segment of the same shape in int8, with float16 scales
-  per KV head and channel for each group of tokens quantized together, and each slot's group
-  index (`kernels.int8`).
-A row's live tokens are its first `q_len[row]` INT8 slots followed by its first
+- a quantized segment of the same shape, in int8 or float8_e4m3fn (`kernels.formats`), with
+  float16 scales per KV head and channel for each group of tokens quantized together, and
+  each slot's group index (`kernels.int8`). Tokens reach it by age (`Int8Config`, CONF-KV's
+  mixed precision: `quantize_stale`) or chosen by a policy (`quantize_slots`, ARKV's
+  tri-state cache); one store holds one format.
+A row's live tokens are its first `q_len[row]` quantized slots followed by its first
 `fp_len[row]` FP slots; that concatenation is the row's *logical order*, the order of the
 per-token metadata (original positions, scores). Rows have their own lengths: slots past a
 row's length are masked by the attention read, never zero-padded into the softmax.
@@ -31,10 +33,13 @@ import torch
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.rope import Rotary
-from kernels.int8 import SCALE_DTYPE, quantize_groups
+from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
+from kernels.int8 import SCALE_DTYPE
 from kernels.reference import Segment
 
 CAPACITY_STEP = 256  # tokens; capacities are multiples of this, grown by doubling
+META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2")
+"""Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
 
 
 def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
@@ -90,15 +95,20 @@ class LayerStore:
     Attributes:
         keys, values: FP segment `[B, kv_heads, capacity, head_dim]`, model dtype.
         fp_len: live FP slots per row.
-        q_keys, q_values: INT8 segment `[B, kv_heads, q_capacity, head_dim]` int8.
-        q_len: live INT8 slots per row.
-        q_group: `[B, q_capacity]` int64, the scale index of each INT8 slot.
+        q_keys, q_values: quantized segment `[B, kv_heads, q_capacity, head_dim]`, int8 or
+            float8_e4m3fn.
+        q_len: live quantized slots per row.
+        q_group: `[B, q_capacity]` int64, the scale index of each quantized slot.
         key_scales, value_scales: `[B, kv_heads, groups, head_dim]` float16.
         n_groups: scale rows in use per row.
         positions: `[B, meta_capacity]` int64, original position of each slot in logical order.
         scores: `[B, kv_heads, meta_capacity]` float32, EMA of normalised attention mass.
         accumulated: same shape, attention mass summed over every query since the token
             arrived (H2O's accumulated score; favours old tokens by design).
+        hits: `[B, meta_capacity]` float32, forward calls that have scored each token.
+        hit_mean, hit_m2: `[B, kv_heads, meta_capacity]` float32, Welford's running mean and
+            sum of squared deviations of the relative attention each token received per call
+            (ARKV's heavy-hitter statistics, see `KVStore.record_attention`).
         appended: tokens ever appended per row (the next original position).
     """
 
@@ -125,11 +135,14 @@ class LayerStore:
         self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.scores = torch.zeros(batch, kv_heads, 0, device=device)
         self.accumulated = torch.zeros_like(self.scores)
+        self.hits = torch.zeros(batch, 0, device=device)
+        self.hit_mean = torch.zeros_like(self.scores)
+        self.hit_m2 = torch.zeros_like(self.scores)
         self._fit_fp(CAPACITY_STEP)
         self._fit_meta(CAPACITY_STEP)
 
     def length(self, row: int = 0) -> int:
-        """Live tokens of a row (INT8 + FP)."""
+        """Live tokens of a row (quantized + FP)."""
         return self.q_len[row] + self.fp_len[row]
 
     @property
@@ -145,11 +158,19 @@ class LayerStore:
     def _fit_meta(self, needed: int) -> None:
         size = _new_capacity(self.positions.shape[1], needed)
         if size is not None:
-            self.positions = _resized(self.positions, 1, size)
-            self.scores = _resized(self.scores, 2, size)
-            self.accumulated = _resized(self.accumulated, 2, size)
+            for name in META_FIELDS:
+                tensor = getattr(self, name)
+                setattr(self, name, _resized(tensor, tensor.dim() - 1, size))
 
-    def _fit_int8(self, needed: int, groups: int) -> None:
+    def _reorder_meta(self, row: int, order: torch.Tensor) -> None:
+        """Put the row's per-token metadata in `order` (logical slots, int64 `[k]`) at its
+        first `k` slots."""
+        k = order.numel()
+        for name in META_FIELDS:
+            tensor = getattr(self, name)[row]
+            tensor[..., :k] = tensor[..., order]
+
+    def _fit_quantized(self, needed: int, groups: int) -> None:
         size = _new_capacity(self.q_keys.shape[2], needed)
         if size is not None:
             self.q_keys, self.q_values = (
@@ -176,8 +197,8 @@ class LayerStore:
             self.positions[row, logical : logical + n] = torch.arange(
                 self.appended[row], self.appended[row] + n, device=self.device
             )
-            self.scores[row, :, logical : logical + n] = 0.0
-            self.accumulated[row, :, logical : logical + n] = 0.0
+            for name in META_FIELDS[1:]:
+                getattr(self, name)[row, ..., logical : logical + n] = 0.0
             self.fp_len[row] += n
             self.appended[row] += n
 
@@ -188,15 +209,13 @@ class LayerStore:
     def compact(self, row: int, keep: torch.Tensor) -> None:
         """Keep only the logical slots `keep` (int64 `[k]`, increasing) of `row`.
 
-        INT8 tokens move with their group index; scale rows no kept token uses are dropped.
-        Buffers shrink when fewer than a quarter of their capacity stays live in every row.
+        Quantized tokens move with their group index; scale rows no kept token uses are
+        dropped. Buffers shrink when fewer than a quarter of their capacity stays live in
+        every row.
         """
         q_len = self.q_len[row]
         kept_q, kept_fp = keep[keep < q_len], keep[keep >= q_len] - q_len
-        k = keep.numel()
-        self.positions[row, :k] = self.positions[row, keep]
-        self.scores[row, :, :k] = self.scores[row, :, keep]
-        self.accumulated[row, :, :k] = self.accumulated[row, :, keep]
+        self._reorder_meta(row, keep)
         nf = kept_fp.numel()
         self.keys[row, :, :nf] = self.keys[row, :, kept_fp]
         self.values[row, :, :nf] = self.values[row, :, kept_fp]
@@ -213,56 +232,72 @@ class LayerStore:
         self.n_groups[row] = used.numel()
         self._fit_fp(max(self.fp_len))
         self._fit_meta(max(self.length(r) for r in range(self.batch)))
-        self._fit_int8(max(self.q_len), max(self.n_groups))
+        self._fit_quantized(max(self.q_len), max(self.n_groups))
 
-    def quantize_stale(self, row: int, pinned: torch.Tensor, config: Int8Config) -> int:
-        """Move the row's FP tokens that left the FP window into the INT8 segment.
-
-        Unpinned FP tokens older than the newest `config.fp_window` move, oldest first, in
-        whole groups of `config.group`. Returns the tokens moved.
+    def stale_slots(self, row: int, pinned: torch.Tensor, config: Int8Config) -> torch.Tensor:
+        """FP slots (int64, indices into the FP segment, oldest first) that left the FP
+        window: unpinned FP tokens older than the newest `config.fp_window`, in whole groups
+        of `config.group`.
 
         Args:
             pinned: `[length]` bool over the row's logical slots.
         """
-        q_len, fp_len = self.q_len[row], self.fp_len[row]
         # the FP segment stays in arrival order: appends go to its end, gathers keep order
-        unpinned = (~pinned[q_len:]).nonzero().squeeze(1)  # FP slots, oldest first
+        unpinned = (~pinned[self.q_len[row] :]).nonzero().squeeze(1)  # FP slots, oldest first
         stale = unpinned[: max(unpinned.numel() - config.fp_window, 0)]
-        moving = stale[: stale.numel() // config.group * config.group]
+        return stale[: stale.numel() // config.group * config.group]
+
+    def quantize(self, row: int, moving: torch.Tensor, group: int, fmt: QuantFormat) -> None:
+        """Move the FP slots `moving` (int64 `[m]`, increasing indices into the FP segment,
+        `m` a multiple of `group`) of `row` into the quantized segment, `group` consecutive
+        ones sharing a scale; they go to the end of the quantized segment, so logical order
+        becomes (old quantized, moved, remaining FP).
+
+        Raises:
+            ValueError: `m` is not a multiple of `group`.
+            ConfigError: the layer already holds tokens in another format (one store, one
+                quantized format).
+        """
         m = moving.numel()
-        if m == 0:
-            return 0
+        if m % group:
+            raise ValueError(f"{m} tokens do not split into groups of {group}")
+        if self.q_keys.dtype != fmt.dtype:
+            if any(self.q_len):
+                held = format_name(self.q_keys.dtype)
+                raise ConfigError(
+                    f"this cache holds {held} tokens; cannot add {fmt.name} ones (one format "
+                    "per session)"
+                )
+            self.q_keys = self.q_keys.to(fmt.dtype)
+            self.q_values = self.q_values.to(fmt.dtype)
+        q_len, fp_len = self.q_len[row], self.fp_len[row]
         staying = torch.ones(fp_len, dtype=torch.bool, device=self.device)
         staying[moving] = False
         staying = staying.nonzero().squeeze(1)
-        q_keys, k_scales = quantize_groups(self.keys[row, :, moving], config.group)
-        q_values, v_scales = quantize_groups(self.values[row, :, moving], config.group)
-        groups = self.n_groups[row]
+        q_keys, k_scales = fmt.quantize(self.keys[row, :, moving], group)
+        q_values, v_scales = fmt.quantize(self.values[row, :, moving], group)
+        groups, new_groups = self.n_groups[row], m // group
         others = [r for r in range(self.batch) if r != row]
-        self._fit_int8(
+        self._fit_quantized(
             max([q_len + m, *(self.q_len[r] for r in others)]),
-            max([groups + m // config.group, *(self.n_groups[r] for r in others)]),
+            max([groups + new_groups, *(self.n_groups[r] for r in others)]),
         )
         self.q_keys[row, :, q_len : q_len + m] = q_keys
         self.q_values[row, :, q_len : q_len + m] = q_values
         self.q_group[row, q_len : q_len + m] = groups + torch.arange(m, device=self.device).div(
-            config.group, rounding_mode="floor"
+            group, rounding_mode="floor"
         )
-        self.key_scales[row, :, groups : groups + m // config.group] = k_scales
-        self.value_scales[row, :, groups : groups + m // config.group] = v_scales
-        self.n_groups[row] = groups + m // config.group
-        order = torch.cat(
-            [torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]
+        self.key_scales[row, :, groups : groups + new_groups] = k_scales
+        self.value_scales[row, :, groups : groups + new_groups] = v_scales
+        self.n_groups[row] = groups + new_groups
+        self._reorder_meta(
+            row,
+            torch.cat([torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]),
         )
-        n = q_len + fp_len
-        self.positions[row, :n] = self.positions[row, order]
-        self.scores[row, :, :n] = self.scores[row, :, order]
-        self.accumulated[row, :, :n] = self.accumulated[row, :, order]
         self.keys[row, :, : staying.numel()] = self.keys[row, :, staying]
         self.values[row, :, : staying.numel()] = self.values[row, :, staying]
         self.q_len[row] = q_len + m
         self.fp_len[row] = fp_len - m
-        return m
 
     def nbytes(self, row: int | None = None) -> int:
         """Bytes of live tokens: FP keys and values, INT8 keys and values, and the scales
@@ -341,6 +376,11 @@ class KVStore:
         """Per row, the tokens seen when eviction or quantization last changed its cache: the
         cache holds exactly what feeding its first `changed_at` tokens would give, plus
         everything fed since, unaltered."""
+        self.profile_prefill = False
+        """Whether multi-token forward calls measure the shape of their attention
+        (`record_profile`); a policy that plans from it turns it on (`Policy.prepare`)."""
+        self.profile: torch.Tensor | None = None
+        """`[num_layers, 4]`: sums of the three prefill statistics and the calls counted."""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
@@ -527,10 +567,15 @@ class KVStore:
                 all `query_len`).
 
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
-        the scored queries that could see token j under the causal mask, removes the bias toward old
-        tokens (architecture.md, "Score bias"). Tokens already scored update as
+        the scored queries that could see token j under the causal mask, removes the bias
+        toward old tokens (architecture.md, "Score bias"). Tokens already scored update as
         `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The raw mass is also
         added to `accumulated` (H2O's score).
+
+        ARKV's heavy-hitter statistics (`hits`, `hit_mean`, `hit_m2`) take one observation per
+        call, the relative attention `x_j = a_j * L` (L the row's live tokens: 1.0 is a uniform
+        share), folded in by Welford's update (`count += 1; d = x - mean; mean += d / count;
+        m2 += d * (x - mean)`), so mean and variance do not drift as the context grows.
         """
         layer = self.layers[layer_idx]
         scored = query_len if scored_queries is None else scored_queries
@@ -552,6 +597,7 @@ class KVStore:
             )
             scores[:, first_new:] = step[:, first_new:]
             layer.accumulated[row, :, :n] += mass
+            _welford(layer, row, step * n, first_new)
 
     def pin(self, start: int, end: int, row: int = 0) -> None:
         """Pin positions `[start, end)` of a row: exempt from eviction and quantization until
@@ -604,19 +650,58 @@ class KVStore:
         layer.compact(row, keep)
 
     def quantize_stale(self, layer_idx: int, row: int = 0) -> int:
-        """Move tokens that left the FP window into INT8 (no-op without INT8); returns the
+        """Move tokens that left the FP window into INT8 (no-op without `int8`); returns the
         tokens moved."""
-        if self.int8 is None or self.layers[layer_idx].fp_len[row] < sum(
-            (self.int8.fp_window, self.int8.group)
-        ):
+        layer = self.layers[layer_idx]
+        if self.int8 is None or layer.fp_len[row] < self.int8.fp_window + self.int8.group:
             return 0  # fewer FP tokens than the window plus a group: nothing can be stale
-        moved = self.layers[layer_idx].quantize_stale(
-            row, self.pinned_mask(layer_idx, row), self.int8
-        )
-        self.quantized_tokens += moved
-        if moved:
-            self.changed_at[row] = self.seen(row)
-        return moved
+        moving = layer.stale_slots(row, self.pinned_mask(layer_idx, row), self.int8)
+        return self._quantize(layer_idx, row, moving, self.int8.group, QUANT_FORMATS["int8"])
+
+    def quantize_slots(
+        self, layer_idx: int, row: int, slots: torch.Tensor, group: int, fmt: str
+    ) -> int:
+        """Quantize the chosen live slots of a row's layer (a policy's choice, e.g. ARKV's
+        middle tier); returns the tokens moved.
+
+        Args:
+            slots: int64 `[m]`, increasing logical slots of FP, unpinned tokens; `m` a
+                multiple of `group`. Afterwards the logical order is (quantized before, these
+                slots, the remaining FP tokens).
+            group: tokens sharing one scale per KV head and channel.
+            fmt: a `kernels.formats.QUANT_FORMATS` name, `"int8"` or `"fp8"`.
+
+        Raises:
+            ValueError: a slot already quantized, pinned or out of range; `m` not a multiple
+                of `group`; an unknown format.
+            ConfigError: a format other than the one the store already holds.
+        """
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"unknown quantized format {fmt!r}: use {', '.join(QUANT_FORMATS)}")
+        layer = self.layers[layer_idx]
+        q_len, n = layer.q_len[row], layer.length(row)
+        if slots.numel() and (int(slots.min()) < q_len or int(slots.max()) >= n):
+            raise ValueError(f"slots must be FP slots in [{q_len}, {n}) of row {row}")
+        if bool(self.pinned_mask(layer_idx, row)[slots].any()):
+            raise ValueError("pinned tokens are never quantized")
+        return self._quantize(layer_idx, row, slots - q_len, group, QUANT_FORMATS[fmt])
+
+    def _quantize(
+        self, layer_idx: int, row: int, fp_slots: torch.Tensor, group: int, fmt: QuantFormat
+    ) -> int:
+        if fp_slots.numel() == 0:
+            return 0
+        self.layers[layer_idx].quantize(row, fp_slots, group, fmt)
+        self.quantized_tokens += fp_slots.numel()
+        self.changed_at[row] = self.seen(row)
+        return fp_slots.numel()
+
+    def quantized_format(self) -> str | None:
+        """The format of the quantized tokens held (`"int8"` or `"fp8"`), None while none."""
+        for layer in self.layers:
+            if any(layer.q_len):
+                return format_name(layer.q_keys.dtype)
+        return None
 
     def truncate(self, end: int, row: int = 0) -> None:
         """Forget every token of the row at position `end` or later, so the next token takes
@@ -641,7 +726,7 @@ class KVStore:
     def state(self) -> dict:
         """Everything the store holds, as tensors and plain values (for `torch.save`)."""
         fields = ("keys", "values", "q_keys", "q_values", "q_group", "key_scales")
-        fields += ("value_scales", "positions", "scores", "accumulated")
+        fields += ("value_scales", *META_FIELDS)
         counts = ("fp_len", "q_len", "n_groups", "appended")
         return {
             "layers": [
@@ -657,6 +742,7 @@ class KVStore:
             "pinned": self._pinned,
             "counters": [self.peak_bytes, self.evicted_tokens, self.quantized_tokens],
             "row_counters": [self.row_peak_bytes, self.changed_at],
+            "profile": self.profile,
         }
 
     @classmethod
@@ -679,6 +765,11 @@ class KVStore:
         for layer, saved in zip(store.layers, state["layers"], strict=True):
             for name, value in saved.items():
                 setattr(layer, name, list(value) if isinstance(value, list) else value)
+            for name in META_FIELDS:  # states saved before a field existed
+                if name not in saved:
+                    like = layer.positions if name == "hits" else layer.scores
+                    setattr(layer, name, torch.zeros_like(like, dtype=torch.float32))
+        store.profile = state.get("profile")
         store._pinned = state["pinned"]
         store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"]
         store.row_peak_bytes, store.changed_at = (list(v) for v in state["row_counters"])
@@ -704,7 +795,44 @@ class KVStore:
         """Bytes a full KV cache would hold for a row's tokens seen so far, at the FP dtype."""
         return self.seen(row) * self.bytes_per_token()
 
+    def record_profile(self, layer_idx: int, stats: torch.Tensor) -> None:
+        """Add one prefill call's attention shape statistics to the layer's running means.
+
+        Args:
+            stats: `[rows, kv_heads, 3]` from `kernels.reference.attention_profile`:
+                normalised entropy, log concentration and log kurtosis, each a mean over the
+                scored queries.
+        """
+        if self.profile is None:
+            self.profile = torch.zeros(len(self.layers), 4)
+        self.profile[layer_idx, :3] += stats.float().mean(dim=(0, 1)).cpu()
+        self.profile[layer_idx, 3] += 1
+
+    def profile_means(self) -> torch.Tensor | None:
+        """`[num_layers, 3]` mean prefill attention statistics per layer (normalised entropy,
+        log concentration, log kurtosis), or None before every layer has one."""
+        if self.profile is None or bool((self.profile[:, 3] == 0).any()):
+            return None
+        return self.profile[:, :3] / self.profile[:, 3:]
+
     def _note_peak(self) -> None:
         for row in self._rows:
             self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+
+def _welford(layer: LayerStore, row: int, observed: torch.Tensor, first_new: int) -> None:
+    """Fold one observation `observed` `[kv_heads, n]` per live token into the row's running
+    mean and squared-deviation sums (Welford, 1962); slots from `first_new` on are new tokens
+    and start a fresh count."""
+    n = observed.shape[1]
+    hits = layer.hits[row, :n]
+    mean = layer.hit_mean[row, :, :n]
+    m2 = layer.hit_m2[row, :, :n]
+    hits[first_new:] = 0.0
+    mean[:, first_new:] = 0.0
+    m2[:, first_new:] = 0.0
+    hits += 1.0
+    delta = observed - mean
+    mean += delta / hits
+    m2 += delta * (observed - mean)

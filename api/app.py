@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agent_kv.engine import check_policy_precision
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.policies import Policy, make_policy
 from agent_kv.protection import PinRules
@@ -175,7 +176,7 @@ def create_app(
         params = _sampling(request)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
-        policy = None if request.policy is None else _policy(request)
+        policy = None if request.policy is None else _policy(request, service)
         _check_fits(service, messages, params, policy)
         turn = await run_turn(messages, params, request.session_id, rules, policy)
         return NativeChatResponse(
@@ -210,11 +211,14 @@ def _pin_rules(request: NativeChatRequest) -> PinRules:
     return rules
 
 
-def _policy(request: NativeChatRequest) -> Policy:
-    """The request's policy override; a 422 for one that cannot be built."""
+def _policy(request: NativeChatRequest, service: ChatService) -> Policy:
+    """The request's policy override; a 422 for one that cannot be built or cannot run on
+    the server's store."""
     spec = request.policy
     try:
-        return make_policy(spec.name, spec.budget, **spec.params)
+        policy = make_policy(spec.name, spec.budget, **spec.params)
+        check_policy_precision(policy, service.engine.store_options["int8"])
+        return policy
     except ConfigError as err:
         raise APIError(422, str(err), "policy", "unprocessable") from None
 
@@ -225,6 +229,8 @@ def _run(service: ChatService, *args, **kwargs) -> ChatTurn:
         return service.run(*args, **kwargs)
     except ContextOverflowError as err:
         raise APIError(400, str(err), "messages", "context_length_exceeded") from None
+    except ConfigError as err:  # e.g. a policy override the session's cache cannot take
+        raise APIError(422, str(err), "policy", "unprocessable") from None
     except QueueFullError as err:
         raise APIError(429, str(err), None, "busy") from None
     except QueueTimeoutError as err:

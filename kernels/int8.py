@@ -30,13 +30,27 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     Raises:
         ValueError: `n` is not a multiple of `group`.
     """
+    scaled, scales = scale_groups(x, group, QMAX)
+    return torch.round(scaled).to(torch.int8), scales
+
+
+def scale_groups(x: torch.Tensor, group: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split `x` `[H, n, D]` into runs of `group` tokens and scale each run's channels into
+    `[-qmax, qmax]`, sharing one scale per head and channel per run.
+
+    Returns:
+        `(x / scale [H, n, D] float32, clamped to +-qmax; scales [H, n // group, D] float16)`.
+
+    Raises:
+        ValueError: `n` is not a multiple of `group`.
+    """
     heads, n, dim = x.shape
     if n % group:
         raise ValueError(f"{n} tokens do not split into groups of {group}")
     runs = x.float().reshape(heads, n // group, group, dim)
-    scales = (runs.abs().amax(dim=2) / QMAX).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
-    q = torch.round(runs / scales.float()[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q.reshape(heads, n, dim), scales
+    scales = (runs.abs().amax(dim=2) / qmax).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+    scaled = (runs / scales.float()[:, :, None]).clamp_(-qmax, qmax)
+    return scaled.reshape(heads, n, dim), scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

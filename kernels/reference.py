@@ -246,6 +246,27 @@ def segmented_attention(
     return out, masses
 
 
+def _read_whole(
+    segments: list[Segment], q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every segment read whole (dequantized, rotated) and joined: float32 keys and values
+    `[B, Hkv, L, D]` and visibility `[B, 1, q_len, L]` bool."""
+    keys, values, masks = [], [], []
+    for segment in segments:
+        live = max(segment.lengths, default=0)
+        if live == 0:
+            continue
+        segment_keys, segment_values = segment.read(0, live)
+        keys.append(segment_keys)
+        values.append(segment_values)
+        visible = _visibility(segment, q_len, 1, device)
+        if visible is None:
+            batch = segment_keys.shape[0]
+            visible = torch.ones(batch, 1, q_len, live, dtype=torch.bool, device=device)
+        masks.append(visible[..., :live])
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=-1)
+
+
 def fused_attention(query: torch.Tensor, segments: list[Segment], scaling: float) -> torch.Tensor:
     """Softmax attention over the segments through torch's fused `scaled_dot_product_attention`,
     without the attention mass: for prefill chunks, where the block loop's explicit softmax
@@ -262,25 +283,54 @@ def fused_attention(query: torch.Tensor, segments: list[Segment], scaling: float
     Returns:
         `out [B, q, Hq, D]` in the query's dtype.
     """
-    batch, _, q_len, _ = query.shape
-    keys, values, masks = [], [], []
-    for segment in segments:
-        live = max(segment.lengths, default=0)
-        if live == 0:
-            continue
-        segment_keys, segment_values = segment.read(0, live)
-        keys.append(segment_keys)
-        values.append(segment_values)
-        visible = _visibility(segment, q_len, 1, query.device)
-        if visible is None:
-            visible = torch.ones(batch, 1, q_len, live, dtype=torch.bool, device=query.device)
-        masks.append(visible[..., :live])
+    keys, values, visible = _read_whole(segments, query.shape[2], query.device)
     out = F.scaled_dot_product_attention(
-        query.float(),
-        torch.cat(keys, dim=2),
-        torch.cat(values, dim=2),
-        attn_mask=torch.cat(masks, dim=-1),
-        scale=scaling,
-        enable_gqa=True,
+        query.float(), keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
     )
     return out.to(query.dtype).transpose(1, 2)
+
+
+def attention_profile(query: torch.Tensor, segments: list[Segment], scaling: float) -> torch.Tensor:
+    """The shape of each query's attention distribution, the inputs of ARKV's per-layer
+    Original:Quantized ratio (methods.md, ARKV, "Per-layer OQ ratio").
+
+    For query row i with `n_i` visible keys and weights `p` (a softmax over them):
+    - normalised entropy `-sum p log p / log n_i`, in [0, 1] (1: uniform);
+    - log concentration `log(n_i * sum p^2)`, i.e. `log(1 + n_i^2 Var(p))`, 0 when uniform,
+      `log n_i` when one key takes everything: the variance of the weights, made independent
+      of `n_i`;
+    - log kurtosis `log(m4 / m2^2)` of the weights around their mean `1/n_i` (central moments
+      over the visible keys): high when a few keys stand out from a flat rest.
+    Rows that see fewer than two keys are left out. Segments are read whole, as in
+    `fused_attention`.
+
+    Args:
+        query: `[B, Hq, q, D]`, the last `q` new tokens of the call.
+        segments: as for `segmented_attention`.
+        scaling: softmax scale.
+
+    Returns:
+        `[B, Hkv, 3]` float32: the three statistics, each a mean over the `q` queries and the
+        query heads of each KV head.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    keys, _, visible = _read_whole(segments, q_len, query.device)
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float() * scaling
+    visible = visible.repeat(1, 1, group, 1)  # [B, 1, G*q, L], rows (head, query) as `grouped`
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [B, Hkv, G*q, L]
+    n = visible.sum(dim=-1).float()  # [B, 1, G*q]
+    counted = n >= 2
+    n = n.clamp_min(2.0)
+    entropy = -torch.special.xlogy(probs, probs).sum(dim=-1) / n.log()
+    concentration = (n * probs.square().sum(dim=-1)).log()
+    deviation = torch.where(visible, probs - 1.0 / n[..., None], 0.0)
+    m2 = deviation.square().sum(dim=-1) / n
+    m4 = deviation.pow(4).sum(dim=-1) / n
+    flat = m2 <= 1e-20  # all weights equal: kurtosis is undefined, take its floor, 1
+    kurtosis = torch.where(flat, 1.0, m4 / m2.square().clamp_min(1e-30)).log()
+    stats = torch.stack([entropy, concentration, kurtosis], dim=-1)  # [B, Hkv, G*q, 3]
+    weight = counted.float()[..., None]  # [B, 1, G*q, 1]
+    return (stats * weight).sum(dim=2) / weight.sum(dim=2).clamp_min(1.0)

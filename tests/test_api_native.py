@@ -98,6 +98,25 @@ async def test_native_chat_policy_override_applies_to_that_turn_only(client, ser
     assert (await client.post("/chat", json=follow)).json()["kv"]["policy"] == "conf-kv"
 
 
+async def test_an_arkv_turn_quantizes_and_a_second_format_is_refused(client, service):
+    messages = [{"role": "user", "content": "Count the words. " + "word " * 400}]
+    arkv = {"name": "arkv", "budget": 160, "params": {"protect_recent": 32}}
+    body = {"messages": messages, "max_tokens": 2, "policy": arkv}
+    data = (await client.post("/chat", json=body)).json()
+    assert data["kv"]["policy"] == "arkv" and data["kv"]["quantized_tokens"] > 0
+    with service.sessions.use(data["session_id"]) as session:
+        assert session.store.quantized_format() == "fp8"
+        seen = session.store.seen_tokens
+    int8 = {**arkv, "params": {"protect_recent": 32, "quantized": "int8"}}
+    follow = {**body, "session_id": data["session_id"], "policy": int8}
+    response = await client.post("/chat", json=follow)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "policy" and "holds fp8 tokens" in error["message"]
+    with service.sessions.use(data["session_id"]) as session:
+        assert session.store.seen_tokens == seen  # the refused turn left the cache alone
+
+
 async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, service):
     # the prompt is far over the window: pins must be in place before it is prefilled
     messages = [
@@ -123,6 +142,7 @@ async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, ser
         ({"policy": {"name": "conf-kv", "params": {"tau": 3.0}}}, 422, "policy"),
         ({"policy": {"name": "lru"}}, 422, "policy"),
         ({"policy": {"name": "full", "budget": 64}}, 422, "policy"),
+        ({"policy": {"name": "arkv", "params": {"quantized": "fp4"}}}, 422, "policy"),
         ({"policy": {"name": "window", "params": {"window": "big"}}}, 400, "policy.params.window"),
         ({"pin": {"latest_observations": -1}}, 400, "pin.latest_observations"),
         ({"pin": {"roles": ["wizard"]}}, 400, "pin.roles.0"),

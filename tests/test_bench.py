@@ -202,6 +202,15 @@ def test_make_jobs_full_once_and_int8_for_the_others(two_tasks):
         bench.make_jobs(two_tasks, ["nope"], [512])
 
 
+def test_make_jobs_runs_arkv_in_its_own_format_and_base_quant_once(two_tasks):
+    jobs = bench.make_jobs(two_tasks[:1], ["arkv", "base-quant", "window"], [256], int8=True)
+    assert [job.name for job in jobs] == [
+        "task1-arkv-256-fp8",
+        "task1-base-quant-fp8",
+        "task1-window-256-int8",
+    ]
+
+
 def test_select_tasks_by_suite_ids_and_glob(tmp_path: Path):
     assert [t.task_id for t in bench.select_tasks("1,3-4,3")] == [1, 3, 4]
     assert len(bench.select_tasks("classifieds")) >= 4

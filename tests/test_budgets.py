@@ -75,3 +75,28 @@ def test_byte_budgets_are_checked_once_converted():
         PolicySpec.parse("window", None, "")
     with pytest.raises(ConfigError, match="needs --int8"):
         PolicySpec.parse("window", 100, None, fp_window=64)
+
+
+def test_policy_params_from_the_command_line():
+    spec = PolicySpec.parse("arkv", 256, None, extra=["quantized=int8", "gamma=0.5", "group=16"])
+    assert spec.params == {"quantized": "int8", "gamma": 0.5, "group": 16}
+    policy = spec.build(SMOLLM_FP32_BYTES_PER_TOKEN)
+    assert (policy.quantized, policy.gamma, policy.group, policy.budget_tokens) == (
+        "int8",
+        0.5,
+        16,
+        256,
+    )
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        PolicySpec.parse("arkv", 256, None, extra=["gamma"])
+    with pytest.raises(ConfigError, match="has no parameter 'colour'"):
+        PolicySpec.parse("arkv", 256, None, extra=["colour=red"])
+    with pytest.raises(ConfigError, match="gamma' must be float"):
+        PolicySpec.parse("arkv", 256, None, extra=["gamma=high"])
+    with pytest.raises(ConfigError, match="without --int8"):
+        PolicySpec.parse("arkv", 256, None, int8=True)
+
+
+def test_an_arkv_byte_budget_counts_full_precision_tokens():
+    spec = PolicySpec.parse("arkv", None, "38MB")
+    assert spec.build(SMOLLM_FP32_BYTES_PER_TOKEN).budget_tokens == 38_000_000 // 46_080

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from agent_kv.errors import ConfigError
+from agent_kv.policies.arkv import Arkv, BaseOrigin
 from agent_kv.policies.base import Policy, check_budget
+from agent_kv.policies.base_quant import BaseQuant
 from agent_kv.policies.conf_kv import ConfKV
+from agent_kv.policies.conf_kv_arkv import ConfKVArkv
 from agent_kv.policies.conf_kv_l import ConfKVL
 from agent_kv.policies.full import FullKV
 from agent_kv.policies.h2o import H2O
@@ -14,19 +17,25 @@ from agent_kv.policies.random_eviction import RandomEviction
 from agent_kv.policies.window import SlidingWindow
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FullKV, SlidingWindow, H2O, RandomEviction, ConfKV, ConfKVL)
-}
+    cls.name: cls
+    for cls in (
+        FullKV, SlidingWindow, H2O, RandomEviction, ConfKV, ConfKVL,
+        Arkv, BaseQuant, BaseOrigin, ConfKVArkv,
+    )
+}  # fmt: skip
 
 
 def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     """Build and validate a policy by name.
 
     Args:
-        name: one of `POLICIES` (`full`, `window`, `h2o`, `random`, `conf-kv`, `conf-kv-l`).
+        name: one of `POLICIES` (`full`, `window`, `h2o`, `random`, `conf-kv`, `conf-kv-l`,
+            `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`).
         budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
             for `window`; the budget (half of it recent) for `h2o`; the budget for `random`;
-            `n_low`, with `n_high = budget // 2`, for `conf-kv` and `conf-kv-l`. `full` takes
-            none.
+            `n_low`, with `n_high = budget // 2`, for `conf-kv`, `conf-kv-l` and
+            `conf-kv+arkv`; for `arkv` and `base-origin` the mean bytes per layer, counted in
+            full-precision tokens. `full` and `base-quant` take none.
         **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`);
             they win over what `budget` implies.
 
@@ -70,7 +79,11 @@ def _check_type(policy: str, key: str, value, default) -> None:
 
 __all__ = [
     "POLICIES",
+    "Arkv",
+    "BaseOrigin",
+    "BaseQuant",
     "ConfKV",
+    "ConfKVArkv",
     "ConfKVL",
     "FullKV",
     "H2O",

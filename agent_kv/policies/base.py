@@ -18,6 +18,7 @@ import torch
 
 from agent_kv.errors import ConfigError
 from agent_kv.store import KVStore
+from kernels.formats import QUANT_FORMATS
 
 
 @dataclass
@@ -37,6 +38,11 @@ class Policy(ABC):
     """
 
     name: ClassVar[str]
+    takes_budget: ClassVar[bool] = True
+    """Whether `--budget` means anything to the policy (see `budget_params`)."""
+    manages_precision: ClassVar[bool] = False
+    """The policy quantizes tokens itself (ARKV's tiers): it cannot share a store with
+    age-based mixed precision (`Int8Config`)."""
     protect_recent: int = 0
     sinks: int = 0
     evict_slack: int = 32
@@ -57,6 +63,11 @@ class Policy(ABC):
             raise ConfigError(f"{self.name}: sinks must be >= 0, got {self.sinks}")
         if self.evict_slack < 0:
             raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
+
+    def prepare(self, store: KVStore) -> None:
+        """Called before every forward call on `store`: say what the call should measure
+        besides the attention mass. Default: no prefill attention statistics."""
+        store.profile_prefill = False
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:
@@ -94,28 +105,38 @@ class Policy(ABC):
         out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
         and the top-ranked others fill the rest of the budget.
         """
-        rows = range(store.batch) if rows is None else rows
-        per_row = confidence if isinstance(confidence, list) else [confidence] * len(rows)
         evicted = 0
-        for row, row_confidence in zip(rows, per_row, strict=True):
+        for row, row_confidence in row_confidences(store, confidence, rows):
             budgets = self.layer_budgets(row_confidence, len(store.layers))
             for idx in range(len(store.layers)):
                 if budgets is not None:
                     evicted += self._evict(store, idx, row, budgets[idx])
-                store.quantize_stale(idx, row)
+                self.quantize(store, idx, row)
         return evicted
 
-    def _evict(self, store: KVStore, idx: int, row: int, budget: int) -> int:
-        pinned = store.pinned_mask(idx, row)  # [n], logical order
-        n, n_pinned = pinned.numel(), int(pinned.sum())
-        if n - n_pinned <= budget:
-            return 0
+    def quantize(self, store: KVStore, idx: int, row: int) -> int:
+        """After a layer's eviction: move what its precision rule says to the quantized tier;
+        returns the tokens moved. Default: the store's age-based mixed precision, if on
+        (`KVStore.quantize_stale`)."""
+        return store.quantize_stale(idx, row)
+
+    def protected(self, store: KVStore, idx: int, row: int, pinned: torch.Tensor) -> torch.Tensor:
+        """`[length]` bool over the row's live slots: pinned, attention sinks (the first
+        `sinks` positions) and the `protect_recent` newest unpinned tokens."""
         positions = store.layers[idx].live_positions(row)
         protected = pinned | (positions < self.sinks)
         if self.protect_recent:
             unpinned = (~pinned).nonzero().squeeze(1)
             newest = torch.topk(positions[unpinned], min(self.protect_recent, unpinned.numel()))
             protected[unpinned[newest.indices]] = True
+        return protected
+
+    def _evict(self, store: KVStore, idx: int, row: int, budget: int) -> int:
+        pinned = store.pinned_mask(idx, row)  # [n], logical order
+        n, n_pinned = pinned.numel(), int(pinned.sum())
+        if n - n_pinned <= budget:
+            return 0
+        protected = self.protected(store, idx, row, pinned)
         ranks = self.rank(store, idx, row, ~protected).clone()  # [n]
         ranks[protected] = float("inf")
         slack = min(self.evict_slack, budget // 2)  # a small budget is never cut below half
@@ -147,6 +168,27 @@ class FixedBudgetPolicy(Policy):
     def budget(self, confidence: float | None) -> int:
         """The fixed budget, whatever the confidence."""
         return self.budget_tokens
+
+
+def row_confidences(
+    store: KVStore, confidence: float | None | list[float | None], rows: range | None
+) -> list[tuple[int, float | None]]:
+    """`(row, confidence)` for each of `rows` (default: every row of the store), given one
+    confidence for all or a list with one per row."""
+    rows = range(store.batch) if rows is None else rows
+    per_row = confidence if isinstance(confidence, list) else [confidence] * len(rows)
+    return list(zip(rows, per_row, strict=True))
+
+
+def check_quantized(policy_name: str, quantized: str, group: int) -> None:
+    """Raise `ConfigError` unless `quantized` names a format of `kernels.formats` and `group`
+    is a whole number of tokens >= 1."""
+    if quantized not in QUANT_FORMATS:
+        raise ConfigError(
+            f"{policy_name}: quantized must be one of {', '.join(QUANT_FORMATS)}, got {quantized!r}"
+        )
+    if group < 1:
+        raise ConfigError(f"{policy_name}: group must be >= 1, got {group}")
 
 
 def check_budget(policy_name: str, label: str, value: int, protect_recent: int = 0) -> None:

@@ -32,24 +32,20 @@ from agent_kv.store import KVStore
 
 
 @dataclass
-class ConfKV(Policy):
-    """CONF-KV eviction.
+class ConfidenceGate(Policy):
+    """CONF-KV's budget (§2): `n_high` tokens per layer when confident, `n_low` otherwise.
 
     Parameters:
         n_high (int, default 512): budget in tokens per layer when confident (`c >= tau`).
         n_low (int, default 1024): budget when uncertain (`c < tau`); must be >= n_high.
         tau (float, default 0.6): confidence threshold in [0, 1].
         protect_recent (int, default 64): `P`, newest tokens never evicted.
-        sinks (int, default 0): the first positions, never evicted (attention sinks).
-        recency_weight (float, default 0.3): weight of recency in the rank, in [0, 1].
     """
 
-    name = "conf-kv"
     n_high: int = 512
     n_low: int = 1024
     tau: float = 0.6
     protect_recent: int = 64
-    recency_weight: float = 0.3
 
     @classmethod
     def budget_params(cls, budget: int, params: dict) -> dict:
@@ -78,16 +74,32 @@ class ConfKV(Policy):
             )
         if not 0.0 <= self.tau <= 1.0:
             raise ConfigError(f"{self.name}: tau must lie in [0, 1], got {self.tau}")
-        if not 0.0 <= self.recency_weight <= 1.0:
-            raise ConfigError(
-                f"{self.name}: recency_weight must lie in [0, 1], got {self.recency_weight}"
-            )
 
     def budget(self, confidence: float | None) -> int:
         """`n_high` when `confidence >= tau`, else (or with no signal) `n_low`."""
         if confidence is not None and confidence >= self.tau:
             return self.n_high
         return self.n_low
+
+
+@dataclass
+class ConfKV(ConfidenceGate):
+    """CONF-KV eviction: the confidence gate's budget, tokens ranked by mass and recency.
+
+    Parameters (besides the gate's `n_high`, `n_low`, `tau`, `protect_recent`):
+        sinks (int, default 0): the first positions, never evicted (attention sinks).
+        recency_weight (float, default 0.3): weight of recency in the rank, in [0, 1].
+    """
+
+    name = "conf-kv"
+    recency_weight: float = 0.3
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.recency_weight <= 1.0:
+            raise ConfigError(
+                f"{self.name}: recency_weight must lie in [0, 1], got {self.recency_weight}"
+            )
 
     def rank(
         self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor

@@ -13,13 +13,15 @@ class FullKV(Policy):
     """Never evicts; `budget` is None at every step."""
 
     name = "full"
+    takes_budget = False
     evict_slack: int = 0
 
     def validate(self) -> None:
         """`protect_recent` and `evict_slack` mean nothing when nothing is evicted: both stay 0."""
         if self.protect_recent or self.evict_slack:
             raise ConfigError(
-                "policy 'full' keeps every token; protect_recent and evict_slack do not apply"
+                f"policy {self.name!r} keeps every token; protect_recent and evict_slack do "
+                "not apply"
             )
 
     def budget(self, confidence: float | None) -> None:

@@ -1,0 +1,257 @@
+"""ARKV: an adaptive tri-state KV cache under a memory budget (methods.md, ARKV).
+
+Every live token is Original (the model's dtype), Quantized (FP8 `float8_e4m3fn` or INT8,
+per-channel scales over groups of tokens, `kernels.formats`) or Evicted. Each step, per layer:
+the protected window of the newest `W` (`protect_recent`) tokens and the pinned tokens stay
+Original; the other tokens are ranked by the heavy-hitter score
+
+    S_k = mu_k + gamma * sigma_k^2
+
+(mean plus `gamma` times variance of the relative attention token k received per step,
+Welford-style per KV head, kept by the store: `KVStore.record_attention`; averaged over the
+layer's KV heads); the top ones fill the layer's Original slots, the next its Quantized slots,
+the rest are evicted. A Quantized token is never promoted back (its precision is gone); it can
+still be evicted. Tokens are quantized in whole groups, so up to `group - 1` tokens due for
+the Quantized tier may wait in FP for a step.
+
+**Per-layer plan.** The paper derives each layer's Original:Quantized ratio and its share of
+the memory budget from the layer's prefill attention statistics (entropy, variance, kurtosis),
+without giving the formula. This project's mapping (`layer_plan`):
+1. Per layer, the mean over prefill calls, scored queries and heads of the normalised entropy
+   `h`, the log concentration `v = log(1 + n^2 Var(p))` and the log kurtosis `k` of the
+   attention weights (`kernels.reference.attention_profile`).
+2. Flatness `f = (z(h) - z(v) - z(k)) / 3`, each statistic standardised across layers
+   (`z(x) = (x - mean) / std`). Flat attention spreads over many tokens: eviction and
+   quantization both cost such a layer more, so flatness stands for sensitivity.
+3. `u = tanh(f)` in (-1, 1); the layer's Original fraction `r = clip(oq_ratio + oq_spread * u,
+   0, 1)` and its budget share `s = 1 + share_spread * u`, rescaled to mean 1. Before any
+   prefill statistics `u = 0`: every layer gets `oq_ratio` and an equal share.
+
+**Budget.** `--budget N` is bytes, counted in full-precision tokens: every layer may hold on
+average as many bytes as `N` Original tokens (the bytes of `window N`). A layer with share `s`
+and ratio `r` holds `T = floor(N s / (r + rho (1 - r)))` tokens, `O = max(round(r T), W + sinks)`
+of them Original and `T - O` Quantized, where `rho` is the bytes of a quantized token (a byte
+per value plus its share of the scales) over those of an Original one. Pinned tokens are held
+besides the budget, as in every policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.policies.base import FixedBudgetPolicy, Policy, check_quantized, row_confidences
+from agent_kv.store import KVStore
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's tri-state budget for a step, in unpinned tokens.
+
+    Attributes:
+        original: tokens kept in the model's dtype (the protected window included).
+        quantized: tokens kept quantized.
+    """
+
+    original: int
+    quantized: int
+
+
+def layer_sensitivity(profile: torch.Tensor | None, num_layers: int) -> torch.Tensor:
+    """`u` per layer in (-1, 1): how flat (so how sensitive to compression) each layer's
+    prefill attention is relative to the other layers (module docstring, step 2-3).
+
+    Args:
+        profile: `[num_layers, 3]` mean normalised entropy, log concentration, log kurtosis
+            (`KVStore.profile_means`), or None (no statistics yet: all zeros).
+        num_layers: layers of the model.
+
+    Returns:
+        `[num_layers]` float32.
+    """
+    if profile is None or num_layers < 2:
+        return torch.zeros(num_layers)
+    z = (profile - profile.mean(dim=0)) / profile.std(dim=0).clamp_min(1e-6)
+    flatness = (z[:, 0] - z[:, 1] - z[:, 2]) / 3.0
+    return torch.tanh(flatness)
+
+
+@dataclass
+class TriState(Policy):
+    """ARKV's tri-state step inside a budget chosen by a subclass (`layer_budgets`).
+
+    Parameters:
+        protect_recent (int, default 64): `W`, the newest unpinned tokens, always Original.
+        gamma (float, default 0.1): weight of the variance in the heavy-hitter score.
+        oq_ratio (float, default 0.85): mean share of a layer's kept tokens held Original.
+        oq_spread (float, default 0.1): how far the Original share moves with sensitivity.
+        share_spread (float, default 0.3): how far a layer's budget share moves with it, in
+            [0, 1).
+        quantized (str, default "fp8"): the Quantized tier's format, "fp8" or "int8".
+        group (int, default 32): tokens quantized together (one scale per KV head and
+            channel).
+    """
+
+    manages_precision: ClassVar[bool] = True
+    protect_recent: int = 64
+    gamma: float = 0.1
+    oq_ratio: float = 0.85
+    oq_spread: float = 0.1
+    share_spread: float = 0.3
+    quantized: str = "fp8"
+    group: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        if self.gamma < 0:
+            raise ConfigError(f"{self.name}: gamma must be >= 0, got {self.gamma}")
+        if not 0.0 < self.oq_ratio <= 1.0:
+            raise ConfigError(f"{self.name}: oq_ratio must lie in (0, 1], got {self.oq_ratio}")
+        if not 0.0 <= self.oq_spread <= 1.0:
+            raise ConfigError(f"{self.name}: oq_spread must lie in [0, 1], got {self.oq_spread}")
+        if not 0.0 <= self.share_spread < 1.0:
+            raise ConfigError(
+                f"{self.name}: share_spread must lie in [0, 1), got {self.share_spread}"
+            )
+        check_quantized(self.name, self.quantized, self.group)
+
+    def prepare(self, store: KVStore) -> None:
+        """Turn on the store's prefill attention statistics (the per-layer plan's input)."""
+        store.profile_prefill = True
+
+    def layer_plan(self, store: KVStore, budgets: list[int]) -> list[LayerPlan]:
+        """Each layer's Original and Quantized token counts for this step (module docstring,
+        "Budget"), from the step's mean budgets `budgets` (FP tokens per layer)."""
+        num_layers = len(store.layers)
+        u = layer_sensitivity(store.profile_means(), num_layers)
+        shares = 1.0 + self.share_spread * u
+        shares = shares / shares.mean()
+        ratios = (self.oq_ratio + self.oq_spread * u).clamp(0.0, 1.0)
+        rho = self._quantized_cost(store)
+        floor = self.protect_recent + self.sinks
+        plans = []
+        for budget, share, ratio in zip(budgets, shares.tolist(), ratios.tolist(), strict=True):
+            layer_bytes = budget * share  # in FP tokens
+            tokens = math.floor(layer_bytes / (ratio + rho * (1.0 - ratio)))
+            original = max(round(ratio * tokens), floor)
+            quantized = max(tokens - original, 0) // self.group * self.group
+            # what whole groups cannot use goes to the Original tier
+            original = max(math.floor(layer_bytes - rho * quantized), floor)
+            plans.append(LayerPlan(original, quantized))
+        return plans
+
+    def _quantized_cost(self, store: KVStore) -> float:
+        """Bytes of a quantized token (codes and its share of the scales) over those of an
+        Original one."""
+        return store.int8_bytes_per_token(self.group) / store.bytes_per_token()
+
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """Heavy-hitter score `S = mean + gamma * variance` of the relative attention each
+        token received, averaged over KV heads; `[length]`."""
+        layer = store.layers[layer_idx]
+        n = layer.length(row)
+        hits = layer.hits[row, :n].clamp_min(1.0)
+        variance = layer.hit_m2[row, :, :n] / hits
+        return (layer.hit_mean[row, :, :n] + self.gamma * variance).mean(dim=0)
+
+    def step(
+        self,
+        store: KVStore,
+        confidence: float | None | list[float | None],
+        rows: range | None = None,
+    ) -> int:
+        """The tri-state assignment in every layer of `rows`; returns the tokens evicted."""
+        rho = self._quantized_cost(store)
+        evicted = 0
+        for row, row_confidence in row_confidences(store, confidence, rows):
+            budgets = self.layer_budgets(row_confidence, len(store.layers))
+            for idx, plan in enumerate(self.layer_plan(store, budgets)):
+                evicted += self._assign(store, idx, row, plan, rho)
+        return evicted
+
+    def _assign(self, store: KVStore, idx: int, row: int, plan: LayerPlan, rho: float) -> int:
+        """Original / Quantized / Evicted for one layer of one row; returns tokens evicted.
+
+        Runs when the layer holds more unpinned tokens than the plan, or a whole group more
+        FP tokens than its Original slots. Over the plan, the Original tier is cut
+        `evict_slack` below its size (fewer compactions, as in `Policy.step`). Tokens due for
+        the Quantized tier go in whole groups, the lowest-scored first; the others wait in FP
+        while the layer's bytes allow (`original + rho * quantized` FP tokens), and the
+        lowest-scored of them are evicted when they do not.
+        """
+        layer = store.layers[idx]
+        pinned = store.pinned_mask(idx, row)  # [n], logical order
+        n, q_len = pinned.numel(), layer.q_len[row]
+        unpinned = n - int(pinned.sum())
+        fp_unpinned = unpinned - int((~pinned[:q_len]).sum())
+        over = unpinned > plan.original + plan.quantized
+        due = plan.quantized > 0 and fp_unpinned >= plan.original + self.group
+        if not (over or due):
+            return 0
+        protected = self.protected(store, idx, row, pinned)
+        score = self.rank(store, idx, row, ~protected)
+        is_fp = torch.arange(n, device=pinned.device) >= q_len
+        # Original: the protected tokens, then the best FP candidates
+        slack = min(self.evict_slack, plan.original // 2) if over else 0
+        protected_unpinned = int((protected & ~pinned).sum())
+        free = max(plan.original - slack - protected_unpinned, 0)
+        fp_candidates = (~protected & is_fp).nonzero().squeeze(1)
+        free = min(free, fp_candidates.numel())
+        original = protected.clone()
+        original[fp_candidates[torch.topk(score[fp_candidates], free).indices]] = True
+        # Quantized: the best of the rest (FP candidates left over and quantized tokens)
+        rest = (~original).nonzero().squeeze(1)
+        chosen = rest[torch.topk(score[rest], min(plan.quantized, rest.numel())).indices]
+        keep = original.clone()
+        keep[chosen] = True
+        due_fp = chosen[is_fp[chosen]]
+        due_fp = due_fp[torch.argsort(score[due_fp])]  # lowest-scored first
+        whole = due_fp.numel() // self.group * self.group
+        going, waiting = due_fp[:whole], due_fp[whole:]
+        used = protected_unpinned + free + rho * (chosen.numel() - waiting.numel())
+        excess = math.ceil(used + waiting.numel() - (plan.original + rho * plan.quantized))
+        keep[waiting[: max(excess, 0)]] = False
+        kept = keep.nonzero().squeeze(1)
+        if kept.numel() < n:
+            store.compact(idx, kept, row)
+        to_quantize = torch.zeros_like(keep)
+        to_quantize[going] = True
+        # logical slots move down by the evicted ones before them
+        slots = (torch.cumsum(keep.long(), 0) - 1)[to_quantize]
+        store.quantize_slots(idx, row, slots, self.group, self.quantized)
+        return n - kept.numel()
+
+
+@dataclass
+class Arkv(TriState, FixedBudgetPolicy):
+    """ARKV at a fixed byte budget (module docstring).
+
+    Parameters: `budget_tokens` (int, default 512, `--budget`): the mean bytes each layer may
+    hold, in FP tokens; the rest as `TriState`.
+    """
+
+    name = "arkv"
+
+
+@dataclass
+class BaseOrigin(Arkv):
+    """ARKV's "Base Origin" baseline: Original tokens only, at ARKV's byte budget, ranked and
+    shared across layers as ARKV does; nothing is quantized (`oq_ratio` is 1).
+
+    Parameters: as `Arkv`; `oq_ratio` and `oq_spread` are fixed at 1 and 0.
+    """
+
+    name = "base-origin"
+    oq_ratio: float = 1.0
+    oq_spread: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.oq_ratio != 1.0 or self.oq_spread != 0.0:
+            raise ConfigError("base-origin keeps every token Original: oq_ratio is 1, oq_spread 0")
