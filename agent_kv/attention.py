@@ -3,9 +3,11 @@
 `register_attention()` registers, under the name `"agent_kv"`:
 - an attention function (transformers `AttentionInterface`) that reads the layer's segments
   from the store given as the `kv_store` keyword of the model call (quantized segment, then
-  FP segment ending with the new tokens) through `kernels.reference.segmented_attention`, and
-  hands the attention mass back to the store (and in prefill calls, when the store asks, the
-  shape of the attention: `kernels.reference.attention_profile`);
+  FP segment ending with the new tokens) — decode steps and chunks of up to
+  `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
+  CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks as
+  `SCORED_QUERIES` says — and hands the attention mass back to the store (and in prefill
+  calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -18,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kernels.dispatch import decode_attention
 from kernels.reference import attention_profile, fused_attention, segmented_attention
 
 NAME = "agent_kv"
@@ -78,7 +81,7 @@ def store_attention(
         out = fused_attention(query, segments, scale)
         _, masses = segmented_attention(query[:, :, -SCORED_QUERIES:], segments, scale)
     else:
-        out, masses = segmented_attention(query, segments, scale)
+        out, masses = decode_attention(query, segments, scale)
     group = query.shape[1] // key.shape[1]
     scored = min(query_len, SCORED_QUERIES)
     kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)

@@ -33,6 +33,7 @@ import torch
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.rope import Rotary
+from kernels import dispatch
 from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
 from kernels.int8 import SCALE_DTYPE
 from kernels.reference import Segment
@@ -217,12 +218,12 @@ class LayerStore:
         kept_q, kept_fp = keep[keep < q_len], keep[keep >= q_len] - q_len
         self._reorder_meta(row, keep)
         nf = kept_fp.numel()
-        self.keys[row, :, :nf] = self.keys[row, :, kept_fp]
-        self.values[row, :, :nf] = self.values[row, :, kept_fp]
+        for buffer in (self.keys, self.values):
+            dispatch.compact(buffer, row, kept_fp)
         self.fp_len[row] = nf
         nq = kept_q.numel()
-        self.q_keys[row, :, :nq] = self.q_keys[row, :, kept_q]
-        self.q_values[row, :, :nq] = self.q_values[row, :, kept_q]
+        for buffer in (self.q_keys, self.q_values):
+            dispatch.compact(buffer, row, kept_q)
         groups = self.q_group[row, kept_q]
         used = torch.unique(groups)  # sorted
         self.q_group[row, :nq] = torch.searchsorted(used, groups)
@@ -274,8 +275,8 @@ class LayerStore:
         staying = torch.ones(fp_len, dtype=torch.bool, device=self.device)
         staying[moving] = False
         staying = staying.nonzero().squeeze(1)
-        q_keys, k_scales = fmt.quantize(self.keys[row, :, moving], group)
-        q_values, v_scales = fmt.quantize(self.values[row, :, moving], group)
+        q_keys, k_scales = dispatch.quantize_groups(self.keys[row, :, moving], group, fmt)
+        q_values, v_scales = dispatch.quantize_groups(self.values[row, :, moving], group, fmt)
         groups, new_groups = self.n_groups[row], m // group
         others = [r for r in range(self.batch) if r != row]
         self._fit_quantized(
@@ -294,8 +295,8 @@ class LayerStore:
             row,
             torch.cat([torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]),
         )
-        self.keys[row, :, : staying.numel()] = self.keys[row, :, staying]
-        self.values[row, :, : staying.numel()] = self.values[row, :, staying]
+        for buffer in (self.keys, self.values):
+            dispatch.compact(buffer, row, staying)
         self.q_len[row] = q_len + m
         self.fp_len[row] = fp_len - m
 

@@ -1,5 +1,7 @@
-"""Attention kernels over the KV store.
+"""Attention and storage kernels over the KV store.
 
-`kernels.reference` is the PyTorch path: the CPU implementation and the test oracle for the
-Triton kernels that later run the same contract on GPUs.
+`kernels.reference` is the PyTorch path: the CPU implementation and the test oracle.
+`kernels.triton_attention` (decode attention with the attention mass) and
+`kernels.triton_store_ops` (quantize-on-append, compaction) run the same contracts on GPUs;
+`kernels.dispatch` picks one per call (`AGENT_KV_KERNELS=auto|triton|torch`).
 """

@@ -1,15 +1,25 @@
 """Shared fixtures: the default model is loaded once per test session; a live server on it
-serves each module that asks."""
+serves each module that asks.
+
+`TRITON_INTERPRET=1` is set here, before anything imports `triton.language` (transformers'
+modeling code does): Triton reads it when a `@triton.jit` function is defined, and the kernel
+tests (`test_triton_kernels.py`) run the kernels in Triton's interpreter on CPU tensors.
+Everything else is unaffected: on CPU tensors the dispatcher's default picks PyTorch.
+"""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+import os
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from agent_kv.model_loading import LoadedModel, load_model
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from agent_kv.model_loading import LoadedModel, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
