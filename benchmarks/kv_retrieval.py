@@ -3,14 +3,17 @@
 A context of `--context` tokens of the Debian licence texts (`agent_kv.texts`) carries
 `--facts` sentences "The code of the <colour> <thing> is <4 digits>." at evenly spread
 depths. After the whole context, the questions are asked one after another in the same
-session, as an agent asks about what it saw turns ago: "Question: What is the code of the
-<colour> <thing>? Answer: The code of the <colour> <thing> is", greedy, `--answer-tokens`
-tokens; an answer is right when its first four digits are the code. Each of `--contexts`
+session, as an agent asks about what it saw turns ago, as a cloze "The code of the <colour>
+<thing> is" (SmolLM2-135M answers that form with full KV; a "Question: ... Answer:" form
+confuses it even then), greedy, `--answer-tokens` tokens; an answer is right when its first
+four digits are the code. Each of `--contexts`
 contexts uses its own slice of text, facts and codes (seeded), the same for every policy.
 
-Per policy: accuracy (and retained vs `full`), peak KV bytes (and reduction vs `full`'s
-peak), the share of live tokens held quantized (mean over the moments right after each
-answer, all layers), decode tokens/s (and ratio vs `full`) and prefill tokens/s. Policies run
+Per policy: accuracy (and retained vs `full`); the KV bytes held (mean over the moments right
+after each answer) and the peak, each with its reduction vs `full`; the share of live tokens
+held quantized (same moments, all layers); decode tokens/s (and ratio vs `full`) and prefill
+tokens/s. The context is prefilled in chunks of `--prefill-chunk` tokens; a policy evicts
+after each chunk, so its peak is about its budget plus one chunk. Policies run
 in turn on each context, so machine noise falls on all of them alike.
 
 Default: ARKV and its baselines at a quarter of the context's bytes (`--budget` FP tokens per
@@ -75,10 +78,10 @@ def run_policy(engine: Engine, context: list[int], facts, answer_tokens: int) ->
     start = time.perf_counter()
     engine.feed(session, context)
     prefill_s = time.perf_counter() - start
-    right, decoded, decode_s, shares = 0, 0, 0.0, []
+    right, decoded, decode_s, shares, held = 0, 0, 0.0, [], []
     params = SamplingParams(max_new_tokens=answer_tokens)
     for name, code in facts:
-        question = f"\nQuestion: What is the code of the {name}? Answer: The code of the {name} is"
+        question = f"\nThe code of the {name} is"
         ids = tokenizer(question, add_special_tokens=False)["input_ids"]
         reply = engine.generate(session, ids, params)
         digits = re.sub(r"\D", "", reply.text)[:4]
@@ -87,10 +90,12 @@ def run_policy(engine: Engine, context: list[int], facts, answer_tokens: int) ->
         decode_s += reply.decode_s
         store = session.store
         shares.append(sum(store.quantized_lengths()) / max(sum(store.lengths()), 1))
+        held.append(store.nbytes())
     return {
         "right": right,
         "asked": len(facts),
         "peak": session.store.peak_bytes,
+        "held": sum(held) / len(held),
         "share": sum(shares) / len(shares),
         "decoded": decoded,
         "decode_s": decode_s,
@@ -109,6 +114,7 @@ def main() -> None:
         "--budget", type=int, default=None, help="FP tokens per layer (default: context / 4)"
     )
     parser.add_argument("--policies", default=DEFAULT_POLICIES)
+    parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     budget = args.budget or args.context // 4
@@ -121,6 +127,7 @@ def main() -> None:
             loaded.model,
             tokenizer,
             make_policy(name, budget=budget if POLICIES[name].takes_budget else None),
+            prefill_chunk=args.prefill_chunk,
         )
         for name in names
     }
@@ -132,7 +139,8 @@ def main() -> None:
             totals[name].append(result)
             print(
                 f"context {c + 1}/{args.contexts} {name:>13}: {result['right']}/{result['asked']}"
-                f" right, peak {result['peak'] / 1e6:.1f} MB, quantized {result['share']:.1%}",
+                f" right, held {result['held'] / 1e6:.1f} MB, peak {result['peak'] / 1e6:.1f} MB,"
+                f" quantized {result['share']:.1%}",
                 flush=True,
             )
     print_table(totals, names, budget, args)
@@ -150,28 +158,33 @@ def print_table(totals: dict, names: list[str], budget: int, args) -> None:
     def peak(name):
         return max(r["peak"] for r in totals[name])
 
+    def held(name):
+        return sum(r["held"] for r in totals[name]) / len(totals[name])
+
     def decode_rate(name):
         return summed(name, "decoded") / summed(name, "decode_s")
 
     base = "full" if "full" in totals else None
     print(
         f"\n{args.contexts} contexts x {args.facts} facts, {args.context} tokens each; "
-        f"budget {budget} FP tokens per layer\n"
+        f"budget {budget} FP tokens per layer, prefill chunks of {args.prefill_chunk}\n"
     )
     print(
-        "| policy | accuracy | retained vs full | peak KV MB | reduction vs full | "
+        "| policy | accuracy | retained vs full | KV held MB | vs full | peak KV MB | vs full | "
         "quantized share | decode tok/s | vs full | prefill tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         retained = f"{accuracy(name) / accuracy(base):.1%}" if base and accuracy(base) else "-"
         reduction = f"{peak(base) / peak(name):.2f}x" if base else "-"
+        held_reduction = f"{held(base) / held(name):.2f}x" if base else "-"
         speed = f"{decode_rate(name) / decode_rate(base):.2f}x" if base else "-"
         share = sum(r["share"] for r in totals[name]) / len(totals[name])
         prefill = summed(name, "prefilled") / summed(name, "prefill_s")
         print(
-            f"| {name} | {accuracy(name):.1%} | {retained} | {peak(name) / 1e6:.1f} | "
-            f"{reduction} | {share:.1%} | {decode_rate(name):.1f} | {speed} | {prefill:.0f} |"
+            f"| {name} | {accuracy(name):.1%} | {retained} | {held(name) / 1e6:.1f} | "
+            f"{held_reduction} | {peak(name) / 1e6:.1f} | {reduction} | {share:.1%} | "
+            f"{decode_rate(name):.1f} | {speed} | {prefill:.0f} |"
         )
 
 
