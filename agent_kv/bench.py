@@ -510,8 +510,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_success_vs_memory(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write a PNG: success rate against mean peak KV memory (MB), one labelled point per
-    row (rows without a peak are left out)."""
+    """Write a PNG: success rate against mean peak KV memory (MB), one point per row, named
+    in the legend (points often coincide: equal budgets, or no success anywhere); rows
+    without a peak are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -524,10 +525,9 @@ def plot_success_vs_memory(rows: list[dict[str, Any]], path: Path) -> None:
                 continue
             x, y = row["peak_kv_mb"], row["success_rate"] * 100
             marker = "s" if row["policy"] == "full" else "o"
-            ax.scatter([x], [y], marker=marker, s=40)
-            ax.annotate(
-                row_label(row), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8
-            )
+            label = f"{row_label(row)}: {x:.1f} MB, {y:.0f}%"
+            ax.scatter([x], [y], marker=marker, s=40, alpha=0.8, label=label)
+        ax.legend(fontsize=8, loc="best")
         ax.set_xlabel("mean peak KV memory (MB)")
         ax.set_ylabel("success rate (%)")
         ax.set_ylim(-5, 105)
