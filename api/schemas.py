@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -96,6 +104,9 @@ class PinRulesBody(BaseModel):
     patterns: list[str] = []
 
 
+PolicyText = Annotated[str, StringConstraints(strict=True, max_length=64)]
+
+
 class PolicyOverride(BaseModel):
     """`policy` of a `/chat` request: a policy for this turn only (`make_policy`)."""
 
@@ -103,7 +114,9 @@ class PolicyOverride(BaseModel):
 
     name: str
     budget: StrictInt | None = Field(default=None, ge=1)
-    params: dict[str, StrictInt | float] = {}
+    params: dict[str, StrictInt | float | PolicyText] = {}
+    """Numbers, or short names such as ARKV's `quantized: "int8"`; `make_policy` checks each
+    against its field (a 422 names the parameter)."""
 
 
 class NativeChatRequest(SamplingFields):
