@@ -21,7 +21,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kernels.dispatch import decode_attention
-from kernels.reference import attention_profile, fused_attention, segmented_attention
+from kernels.reference import (
+    attention_profile,
+    fused_attention,
+    read_whole,
+    segmented_attention,
+)
 
 NAME = "agent_kv"
 SCORED_QUERIES = 64
@@ -77,8 +82,10 @@ def store_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     segments = kv_store.segments(module.layer_idx)
     query_len = query.shape[2]
+    whole = None  # the segments read whole, shared by the fused read and the profile
     if query_len > SCORED_QUERIES:
-        out = fused_attention(query, segments, scale)
+        whole = read_whole(segments, query_len, query.device)
+        out = fused_attention(query, segments, scale, whole)
         _, masses = segmented_attention(query[:, :, -SCORED_QUERIES:], segments, scale)
     else:
         out, masses = decode_attention(query, segments, scale)
@@ -87,7 +94,8 @@ def store_attention(
     kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)
     if query_len > 1 and kv_store.profile_prefill:
         window = query[:, :, -SCORED_QUERIES:]
-        kv_store.record_profile(module.layer_idx, attention_profile(window, segments, scale))
+        stats = attention_profile(window, segments, scale, whole)
+        kv_store.record_profile(module.layer_idx, stats)
     return out, None
 
 

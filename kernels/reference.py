@@ -246,11 +246,13 @@ def segmented_attention(
     return out, masses
 
 
-def _read_whole(
+def read_whole(
     segments: list[Segment], q_len: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every segment read whole (dequantized, rotated) and joined: float32 keys and values
-    `[B, Hkv, L, D]` and visibility `[B, 1, q_len, L]` bool."""
+    """Every segment read whole (dequantized, rotated) and joined, for a call with `q_len` new
+    tokens: float32 keys and values `[B, Hkv, L, D]` (a transient copy of the live cache of
+    one layer) and visibility `[B, 1, q_len, L]` bool (causality and row lengths as in
+    `segmented_attention`)."""
     keys, values, masks = [], [], []
     for segment in segments:
         live = max(segment.lengths, default=0)
@@ -267,7 +269,12 @@ def _read_whole(
     return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=-1)
 
 
-def fused_attention(query: torch.Tensor, segments: list[Segment], scaling: float) -> torch.Tensor:
+def fused_attention(
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Softmax attention over the segments through torch's fused `scaled_dot_product_attention`,
     without the attention mass: for prefill chunks, where the block loop's explicit softmax
     costs ~4x more on CPU (the mass then comes from a window of queries, see
@@ -279,18 +286,24 @@ def fused_attention(query: torch.Tensor, segments: list[Segment], scaling: float
         query: `[B, Hq, q, D]`.
         segments: as for `segmented_attention`.
         scaling: softmax scale.
+        whole: `read_whole(segments, q, ...)` when the caller has it already.
 
     Returns:
         `out [B, q, Hq, D]` in the query's dtype.
     """
-    keys, values, visible = _read_whole(segments, query.shape[2], query.device)
+    keys, values, visible = whole or read_whole(segments, query.shape[2], query.device)
     out = F.scaled_dot_product_attention(
         query.float(), keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
     )
     return out.to(query.dtype).transpose(1, 2)
 
 
-def attention_profile(query: torch.Tensor, segments: list[Segment], scaling: float) -> torch.Tensor:
+def attention_profile(
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The shape of each query's attention distribution, the inputs of ARKV's per-layer
     Original:Quantized ratio (methods.md, ARKV, "Per-layer OQ ratio").
 
@@ -308,13 +321,16 @@ def attention_profile(query: torch.Tensor, segments: list[Segment], scaling: flo
         query: `[B, Hq, q, D]`, the last `q` new tokens of the call.
         segments: as for `segmented_attention`.
         scaling: softmax scale.
+        whole: `read_whole(segments, n, ...)` for the call's `n >= q` new tokens, when the
+            caller has it already (the rows of the last `q` are used).
 
     Returns:
         `[B, Hkv, 3]` float32: the three statistics, each a mean over the `q` queries and the
         query heads of each KV head.
     """
     batch, q_heads, q_len, head_dim = query.shape
-    keys, _, visible = _read_whole(segments, q_len, query.device)
+    keys, _, visible = whole or read_whole(segments, q_len, query.device)
+    visible = visible[..., -q_len:, :]
     kv_heads = keys.shape[1]
     group = q_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float() * scaling

@@ -13,7 +13,13 @@ from agent_kv.policies import make_policy
 from agent_kv.policies.arkv import layer_sensitivity
 from agent_kv.store import Int8Config, KVStore
 from kernels import fp8, int8
-from kernels.reference import Segment, attention_profile, attention_with_mass, segmented_attention
+from kernels.reference import (
+    Segment,
+    attention_profile,
+    attention_with_mass,
+    read_whole,
+    segmented_attention,
+)
 
 
 def test_fp8_round_trip_keeps_three_mantissa_bits():
@@ -132,6 +138,17 @@ def test_attention_profile_tells_flat_from_peaked():
     assert flat[0] > 0.99 and peaked[0] < 0.5  # normalised entropy
     assert flat[1] < 0.01 < 1.0 < peaked[1]  # log concentration
     assert flat[2] < peaked[2]  # log kurtosis
+
+
+def test_attention_profile_reuses_a_whole_read_of_the_call():
+    torch.manual_seed(5)
+    keys = torch.randn(2, 2, 40, 16)
+    segments = [Segment(keys, -keys, [40, 31], causal=True)]
+    query = torch.randn(2, 4, 12, 16)  # 12 new tokens; the profile reads the last 5
+    whole = read_whole(segments, 12, query.device)
+    shared = attention_profile(query[:, :, -5:], segments, 0.25, whole)
+    alone = attention_profile(query[:, :, -5:], segments, 0.25)
+    assert torch.allclose(shared, alone)
 
 
 def test_a_flatter_layer_keeps_more_original_tokens_and_a_larger_share():

@@ -59,6 +59,8 @@ def test_invoke_reports_usage_and_kv(reference, service):
     assert usage["total_tokens"] == prompt_tokens + usage["output_tokens"]
     metadata = reference.response_metadata
     assert metadata["finish_reason"] in ("stop", "length")
+    # cut at MAX_TOKENS exactly when the reply ran out of tokens
+    assert (metadata["finish_reason"] == "length") == (usage["output_tokens"] == MAX_TOKENS)
     assert metadata["model_name"] == "smollm2-135m"
     assert metadata["kv"]["session_id"] == "reference"
     assert metadata["kv"]["policy"] == "conf-kv" and metadata["kv"]["kv_bytes"] > 0
