@@ -158,6 +158,24 @@ def _per_slot(scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table[rows, :, index].permute(0, 2, 1, 3)
 
 
+def check_segments(query: torch.Tensor, segments: list[Segment]) -> int:
+    """Check the segment contract of `segmented_attention` for `query` `[B, Hq, q, D]`;
+    return the query heads per KV head.
+
+    Raises:
+        ValueError: head counts that do not divide, or a last segment that is not causal or
+            holds fewer live tokens than there are queries in some row.
+    """
+    q_heads, q_len = query.shape[1], query.shape[2]
+    kv_heads = segments[0].keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads cannot share {kv_heads} KV heads")
+    last = segments[-1]
+    if not last.causal or min(last.lengths) < q_len:
+        raise ValueError("the last segment must be causal and hold every row's new tokens")
+    return q_heads // kv_heads
+
+
 def segmented_attention(
     query: torch.Tensor, segments: list[Segment], scaling: float, block: int = READ_BLOCK
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -188,12 +206,7 @@ def segmented_attention(
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads cannot share {kv_heads} KV heads")
-    last = segments[-1]
-    if not last.causal or min(last.lengths) < q_len:
-        raise ValueError("the last segment must be causal and hold every row's new tokens")
-    group = q_heads // kv_heads
+    group = check_segments(query, segments)
     device = query.device
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
     grouped = grouped * scaling

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.reference import Segment
+from kernels.reference import Segment, check_segments
 from kernels.triton_device import require_launchable
 
 BLOCK_N = 64
@@ -108,11 +108,7 @@ def segmented_attention(
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads cannot share {kv_heads} KV heads")
-    last = segments[-1]
-    if not last.causal or min(last.lengths) < q_len:
-        raise ValueError("the last segment must be causal and hold every row's new tokens")
+    check_segments(query, segments)
     reason = unsupported(query, segments)
     if reason is not None:
         raise ValueError(f"the Triton decode kernel does not take {reason}")
