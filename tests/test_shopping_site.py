@@ -146,6 +146,9 @@ def test_account_pages_redirect_to_login(client, path):
     assert response.headers["location"] == "/login?next=" + urllib.parse.quote(path)
     added = client.post("/cart/add", data={"product_id": 14}, follow_redirects=False)
     assert added.headers["location"] == "/login?next=/product/14"
+    for form in ("/cart/update", "/cart/remove", "/checkout"):  # a form leads back to the cart
+        posted = client.post(form, data={"product_id": 14}, follow_redirects=False)
+        assert posted.status_code == 303 and posted.headers["location"] == "/login?next=/cart"
 
 
 def test_login_rejects_a_wrong_password_and_logout_signs_out(client):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import FastAPI, Form, Request
+from fastapi import Depends, FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from envs.sites.common.accounts import SessionCookie, login_redirect, safe_next
@@ -115,6 +115,15 @@ def _remove_from_cart(db: sqlite3.Connection, user_id: int, product_id: int) -> 
     db.execute("DELETE FROM cart_items WHERE user_id = ? AND product_id = ?", [user_id, product_id])
 
 
+class SignInNeeded(Exception):
+    """Raised by a route's user dependency when nobody is signed in; answered with a 303 to the
+    login page that leads back to `target`."""
+
+    def __init__(self, target: str):
+        super().__init__(target)
+        self.target = target
+
+
 def create_app(db_path: str | Path) -> FastAPI:
     """The shopping FastAPI app reading and writing the SQLite file at `db_path`.
 
@@ -127,9 +136,20 @@ def create_app(db_path: str | Path) -> FastAPI:
     render, not_found = pages.render, pages.not_found
     current_user = _SESSION.current_user
 
-    def to_login(request: Request) -> RedirectResponse:
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return login_redirect(target if request.method == "GET" else "/cart")
+    @app.exception_handler(SignInNeeded)
+    def sign_in_first(request: Request, exc: SignInNeeded) -> RedirectResponse:
+        return login_redirect(exc.target)
+
+    def signed_in_user(request: Request, db: Db) -> sqlite3.Row:
+        """The signed-in user; without one the route answers with a 303 to the login page,
+        which leads back to the page asked for (after a form: to the cart)."""
+        user = current_user(request, db)
+        if user is None:
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            raise SignInNeeded(target if request.method == "GET" else "/cart")
+        return user
+
+    User = Annotated[sqlite3.Row, Depends(signed_in_user)]
 
     @app.get("/", response_class=HTMLResponse)
     def home(request: Request, db: Db):
@@ -211,10 +231,9 @@ def create_app(db_path: str | Path) -> FastAPI:
         return RedirectResponse(f"/cart?added={product_id}", status_code=303)
 
     @app.get("/cart", response_class=HTMLResponse)
-    def cart(request: Request, db: Db, added: int = 0, updated: int = 0, empty: int = 0):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
+    def cart(
+        request: Request, db: Db, user: User, added: int = 0, updated: int = 0, empty: int = 0
+    ):
         lines, total = _cart(db, user["id"])
         message = ""
         if added:
@@ -236,14 +255,11 @@ def create_app(db_path: str | Path) -> FastAPI:
 
     @app.post("/cart/update")
     def cart_update(
-        request: Request,
         db: Db,
+        user: User,
         product_id: Annotated[int, Form()],
         quantity: Annotated[int, Form()] = 1,
     ):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
         with db:
             if quantity <= 0:
                 _remove_from_cart(db, user["id"], product_id)
@@ -255,19 +271,13 @@ def create_app(db_path: str | Path) -> FastAPI:
         return RedirectResponse("/cart?updated=1", status_code=303)
 
     @app.post("/cart/remove")
-    def cart_remove(request: Request, db: Db, product_id: Annotated[int, Form()]):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
+    def cart_remove(db: Db, user: User, product_id: Annotated[int, Form()]):
         with db:
             _remove_from_cart(db, user["id"], product_id)
         return RedirectResponse("/cart?updated=1", status_code=303)
 
     @app.get("/checkout", response_class=HTMLResponse)
-    def checkout_form(request: Request, db: Db, error: int = 0):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
+    def checkout_form(request: Request, db: Db, user: User, error: int = 0):
         lines, total = _cart(db, user["id"])
         if not lines:
             return RedirectResponse("/cart?empty=1", status_code=303)
@@ -286,14 +296,12 @@ def create_app(db_path: str | Path) -> FastAPI:
     def checkout(
         request: Request,
         db: Db,
+        user: User,
         name: Annotated[str, Form()] = "",
         address: Annotated[str, Form()] = "",
         city: Annotated[str, Form()] = "",
         zip: Annotated[str, Form()] = "",
     ):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
         lines, total = _cart(db, user["id"])
         if not lines:
             return RedirectResponse("/cart?empty=1", status_code=303)
@@ -316,10 +324,7 @@ def create_app(db_path: str | Path) -> FastAPI:
         return RedirectResponse(f"/orders/{order_id}?placed=1", status_code=303)
 
     @app.get("/orders", response_class=HTMLResponse)
-    def orders(request: Request, db: Db):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
+    def orders(request: Request, db: Db, user: User):
         rows = db.execute(
             "SELECT id, placed, status, total FROM orders WHERE user_id = ?"
             " ORDER BY placed DESC, id DESC",
@@ -328,10 +333,7 @@ def create_app(db_path: str | Path) -> FastAPI:
         return render(request, db, "orders.html", title="My orders", user=user, orders=rows)
 
     @app.get("/orders/{order_id}", response_class=HTMLResponse)
-    def order(request: Request, db: Db, order_id: int, placed: int = 0):
-        user = current_user(request, db)
-        if user is None:
-            return to_login(request)
+    def order(request: Request, db: Db, user: User, order_id: int, placed: int = 0):
         row = db.execute(
             "SELECT * FROM orders WHERE id = ? AND user_id = ?", [order_id, user["id"]]
         ).fetchone()
