@@ -118,10 +118,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     budget = args.budget or args.context // 4
+    names = args.policies.split(",")
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policy {unknown[0]!r}: choose from {', '.join(POLICIES)}")
     loaded = load_model()
     tokenizer = loaded.tokenizer
     text_ids = tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
-    names = args.policies.split(",")
     engines = {
         name: Engine(
             loaded.model,
