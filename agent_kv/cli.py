@@ -417,6 +417,50 @@ def trace_command(
     typer.echo(str(path))
 
 
+@app.command("eval")
+def eval_command(
+    experiment: Annotated[
+        str,
+        typer.Argument(help="perplexity, ablations, needle, mechanistic, latency, arkv, or all."),
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Results directory; each experiment writes OUT/NAME.")
+    ] = Path("runs/eval"),
+    quick: Annotated[
+        bool, typer.Option(help="The small size: minutes on two CPU cores (what CI runs).")
+    ] = False,
+    text: Annotated[
+        Path | None,
+        typer.Option(help="A long text file instead of the Debian licence texts."),
+    ] = None,
+    model: ModelOption = None,
+) -> None:
+    """Rerun the papers' experiments (methods.md): print each table and write summary.md,
+    results.json and plots under --out."""
+    from agent_kv.evals import experiment_names, run_experiments
+    from agent_kv.model_loading import load_model
+    from agent_kv.texts import licence_text
+
+    try:
+        names = experiment_names(experiment)
+        body = licence_text(text)
+        _writable_dir(out)
+    except (ValueError, AgentKVError) as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot read the text {err.filename}: {err.strerror}")
+    try:
+        loaded = load_model(model)
+        text_ids = loaded.tokenizer(body, add_special_tokens=False)["input_ids"]
+        reports = run_experiments(names, loaded, text_ids, out, quick)
+    except AgentKVError as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot write under {out}: {err.strerror or err}")
+    for report in reports:
+        typer.echo(report.markdown())
+
+
 @app.command("serve")
 def serve_command(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",

@@ -3,12 +3,15 @@
 Part 1, per context length: the same random prompt is prefilled under `full`, the policy
 with every token in the model's dtype, and the policy with INT8 mixed precision; then all
 three decode the same number of tokens, one step each in turn, so machine noise hits them
-alike. Printed: the median decode step of each, the speed-up over full, the policy's own
-share of its step (scoring + eviction + compaction + quantization: the time spent in
-`record_attention` and `Policy.step`), and the KV bytes each holds.
+alike (the timing helpers are `agent_kv.evals.latency`'s; `agent-kv eval latency` measures
+full vs conf-kv on real text, batch 1 and 8, inside the evaluation suite). Printed: the
+median decode step of each, the speed-up over full, the policy's own share of its step
+(scoring + eviction + compaction + quantization: the time spent in `record_attention` and
+`Policy.step`), and the KV bytes each holds.
 
 Part 2, KV bytes held by every policy at the same token budget after the same prompt and
-decode steps, FP and INT8.
+decode steps, FP and INT8 (the policies that do not choose
+their quantized tokens themselves).
 
     .venv/bin/python benchmarks/decode_latency.py --lengths 2048 4096 8000 --budget 1024
 """
@@ -17,39 +20,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from agent_kv.engine import Engine
+from agent_kv.evals.latency import Timed, decode_step, interleaved_decode
 from agent_kv.model_loading import load_model
 from agent_kv.policies import POLICIES, make_policy
-from agent_kv.session import Session
 from agent_kv.store import Int8Config
-
-
-class Timed:
-    """Accumulates wall time spent in wrapped callables."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return timed
-
-
-def decode_step(engine: Engine, session: Session) -> float:
-    """Seconds for one greedy decode step (sample + forward + policy)."""
-    start = time.perf_counter()
-    engine.feed(session, [int(session.last_logits.argmax())])
-    return time.perf_counter() - start
 
 
 def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
@@ -77,12 +55,10 @@ def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
             store.record_attention = timers[label].wrap(store.record_attention)
         for label, engine in engines.items():
             engine.feed(sessions[label], prompt)
-        times = {label: [] for label in engines}
         for timer in timers.values():
             timer.seconds = 0.0
-        for _ in range(args.steps):
-            for label, engine in engines.items():
-                times[label].append(decode_step(engine, sessions[label]))
+        runs = {label: (engine, sessions[label]) for label, engine in engines.items()}
+        times = interleaved_decode(runs, args.steps)
         ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
         share = {label: timers[label].seconds / sum(times[label]) for label in timers}
         mb = {label: s.store.nbytes() / 1e6 for label, s in sessions.items()}
@@ -102,10 +78,12 @@ def bytes_table(loaded, args, prompt: list[int]) -> None:
     print(
         f"{'policy':>10} {'FP MB':>7} {'FP peak':>8} {'INT8 MB':>8} {'INT8 peak':>10} {'ratio':>6}"
     )
-    for name in POLICIES:
+    for name, cls in POLICIES.items():
+        if cls.manages_precision:  # ARKV's tiers are its own; they refuse INT8 mixed precision
+            continue
         held = []
         for precision in (None, Int8Config(fp_window=args.fp_window)):
-            budget = {} if name == "full" else {"budget": args.budget}
+            budget = {"budget": args.budget} if cls.takes_budget else {}
             engine = Engine(
                 loaded.model, loaded.tokenizer, make_policy(name, **budget), int8=precision
             )

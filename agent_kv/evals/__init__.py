@@ -1,0 +1,83 @@
+"""The evaluation suite: each experiment of methods.md rerun on the loaded model.
+
+`agent-kv eval NAME [--out DIR] [--quick]` runs one experiment (or `all`, in this order),
+prints its tables and writes `summary.md`, `results.json` and its plots under `DIR/NAME`.
+Each experiment is a module with `run(ctx: EvalContext) -> Report`:
+
+- `perplexity`: perplexity at equal KV memory, full vs window vs conf-kv+INT8 vs conf-kv-l.
+- `ablations`: random eviction at conf-kv's ratio, the confidence gate off, INT8 off.
+- `needle`: needle-in-a-haystack accuracy per policy over context lengths and depths.
+- `mechanistic`: confidence against the KL shift that evicting context causes.
+- `latency`: decode step time and throughput against context length and batch size.
+- `arkv`: ARKV and its baselines on long-context key-value retrieval.
+
+`--quick` sizes run in minutes on two CPU cores; the tests run them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from agent_kv.evals.report import SUMMARY, EvalContext, Report
+from agent_kv.model_loading import LoadedModel
+
+EXPERIMENTS = ["perplexity", "ablations", "needle", "mechanistic", "latency", "arkv"]
+
+
+def experiment_names(name: str) -> list[str]:
+    """`[name]`, or every experiment for `all`.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "all":
+        return list(EXPERIMENTS)
+    if name not in EXPERIMENTS:
+        raise ValueError(
+            f"unknown experiment {name!r}: choose all or one of {', '.join(EXPERIMENTS)}"
+        )
+    return [name]
+
+
+def run_experiments(
+    names: list[str],
+    loaded: LoadedModel,
+    text_ids: list[int],
+    out: Path,
+    quick: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> list[Report]:
+    """Run `names` in turn, writing each under `out/NAME`; with more than one, also write
+    `out/summary.md` gathering them (rewritten after each, so finished ones stay written).
+
+    Raises:
+        OSError: `out` cannot be written.
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    reports = []
+    for name in names:
+        directory = out / name
+        directory.mkdir(parents=True, exist_ok=True)
+        module = importlib.import_module(f"agent_kv.evals.{name}")
+        log(f"eval {name}{' (quick)' if quick else ''}: writing under {directory}")
+        report = module.run(EvalContext(loaded, text_ids, quick, directory, log))
+        report.write(directory)
+        reports.append(report)
+        if len(names) > 1:
+            gathered = "\n".join(_relinked(r) for r in reports)
+            (out / SUMMARY).write_text(f"# Evaluation results ({loaded.name})\n\n{gathered}")
+    return reports
+
+
+def _relinked(report: Report) -> str:
+    """The report's markdown with figure links relative to the parent directory."""
+    text = report.markdown()
+    for name in report.figures:
+        text = text.replace(f"]({name})", f"]({report.experiment}/{name})")
+    return text
+
+
+__all__ = ["EXPERIMENTS", "EvalContext", "Report", "experiment_names", "run_experiments"]

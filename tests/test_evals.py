@@ -1,0 +1,152 @@
+"""The evaluation suite's pipeline at its quick sizes: perplexity, ablations and ARKV retrieval
+on the real model, the `all` runner's gathered summary, and the command's errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from agent_kv.evals import experiment_names, run_experiments
+from agent_kv.evals.arkv import build_context, is_right
+from agent_kv.evals.perplexity import QUICK, int8_budget, segments
+from agent_kv.evals.report import Report, Table
+from agent_kv.texts import licence_text
+from tests.test_cli import run_cli
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm) -> list[int]:
+    return smollm.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
+
+
+def _results(directory: Path) -> dict:
+    assert (directory / "summary.md").read_text().startswith("## ")
+    return json.loads((directory / "results.json").read_text())
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_segments_spread_over_the_text():
+    ids = list(range(100))
+    assert segments(ids, 40, 3) == [ids[0:40], ids[30:70], ids[60:100]]
+    assert segments(ids, 40, 1) == [ids[0:40]]
+    with pytest.raises(ValueError, match="fewer than 200"):
+        segments(ids, 200, 1)
+
+
+def test_table_refuses_a_row_of_the_wrong_width_and_json_has_no_nan(tmp_path):
+    table = Table("t", ["a", "b"])
+    with pytest.raises(ValueError, match="1 cells for 2 columns"):
+        table.add(1)
+    Report("x", "X", "setup", [table], data={"r": float("nan"), "s": [1.5, float("inf")]}).write(
+        tmp_path
+    )
+    assert json.loads((tmp_path / "results.json").read_text())["s"] == [1.5, None]
+
+
+def test_unknown_experiment_is_named():
+    assert experiment_names("all")[0] == "perplexity"
+    with pytest.raises(ValueError, match="unknown experiment 'bogus'"):
+        experiment_names("bogus")
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    proc = run_cli("eval", "bogus", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown experiment 'bogus': choose all or one of perplexity, ablations, "
+        "needle, mechanistic, latency, arkv"
+    ]
+    proc = run_cli("eval", "arkv", "--text", str(tmp_path / "missing.txt"))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: cannot read the text") and "missing.txt" in proc.stderr
+
+
+@pytest.mark.model
+def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
+    reports = run_experiments(["perplexity", "ablations"], smollm, text_ids, tmp_path, quick=True)
+    assert [r.experiment for r in reports] == ["perplexity", "ablations"]
+    gathered = (tmp_path / "summary.md").read_text()
+    assert "](perplexity/perplexity_vs_memory.png)" in gathered
+    assert "](ablations/ablations.png)" in gathered
+
+    result = _results(tmp_path / "perplexity")
+    _png(tmp_path / "perplexity" / "perplexity_vs_memory.png")
+    rows = result["lengths"][str(QUICK.lengths[0])]
+    window = f"window {QUICK.window}"
+    assert list(rows) == ["full", window, "conf-kv+int8", "conf-kv-l+int8"]
+    for row in rows.values():
+        assert row["tokens"] == QUICK.lengths[0] - 1
+        assert math.isclose(row["perplexity"], math.exp(row["nll"] / row["tokens"]))
+    # a 192-token window loses what full KV sees on licence text
+    assert rows["full"]["perplexity"] < rows[window]["perplexity"]
+    n_low = int8_budget(smollm.model, QUICK.window, QUICK.int8)
+    assert result["sizes"]["n_low"] == n_low > QUICK.window  # INT8 buys tokens at equal bytes
+    for label in ("conf-kv+int8", "conf-kv-l+int8"):
+        assert rows[label]["mean_bytes"] <= rows[window]["mean_bytes"]
+        assert n_low // 2 <= rows[label]["mean_budget"] <= n_low
+    assert rows["full"]["mean_budget"] is None
+    assert rows[window]["mean_budget"] == QUICK.window
+
+    ablation = _results(tmp_path / "ablations")
+    _png(tmp_path / "ablations" / "ablations.png")
+    variants = ablation["variants"]
+    reference = variants["conf-kv+int8 (reference)"]
+    assert ablation["random_budget"] == round(reference["mean_budget"])
+    assert variants["random+int8, same ratio"]["mean_budget"] == ablation["random_budget"]
+    assert variants["gate off: always N_high"]["mean_budget"] == n_low // 2
+    assert variants["gate off: always N_low"]["mean_budget"] == n_low
+    assert (
+        variants["gate off: always N_high"]["mean_bytes"]
+        <= reference["mean_bytes"]
+        <= variants["gate off: always N_low"]["mean_bytes"]
+    )
+    # the same tokens in the model's dtype cost more bytes than with INT8
+    assert variants["int8 off, same tokens"]["mean_bytes"] > reference["mean_bytes"]
+    assert variants["int8 off, same bytes"]["mean_budget"] <= QUICK.window
+
+
+def test_retrieval_context_places_every_fact(smollm, text_ids):
+    context, facts = build_context(text_ids, smollm.tokenizer, 600, 3, seed=1)
+    assert abs(len(context) - 600) <= 3  # sentence boundaries may merge a token or two
+    text = smollm.tokenizer.decode(context)
+    places = [text.index(f"The code of the {name} is {code}.") for name, code in facts]
+    assert places == sorted(places)
+    assert is_right(" 4821, and", "4821") and not is_right(" 482", "4821")
+    with pytest.raises(ValueError, match="too short"):
+        build_context(text_ids[:100], smollm.tokenizer, 600, 3, seed=1)
+
+
+@pytest.mark.model
+def test_arkv_quick(smollm, text_ids, tmp_path):
+    (report,) = run_experiments(["arkv"], smollm, text_ids, tmp_path, quick=True)
+    result = _results(tmp_path / "arkv")
+    _png(tmp_path / "arkv" / "accuracy_vs_memory.png")
+    policies = result["policies"]
+    assert list(policies) == [
+        "full",
+        "base-quant",
+        "window 256",
+        "arkv 256",
+        "base-origin 256",
+        "conf-kv+arkv 256",
+    ]
+    for row in policies.values():
+        assert row["asked"] == 2 == len(row["answers"])
+        assert row["accuracy"] == sum(a["right"] for a in row["answers"]) / 2
+    assert policies["full"]["right"] >= 1  # a 512-token context is within reach of full KV
+    assert policies["full"]["quantized_share"] == 0
+    assert policies["base-quant"]["quantized_share"] > 0.9
+    assert 0 < policies["arkv 256"]["quantized_share"] < 0.5
+    assert policies["base-origin 256"]["quantized_share"] == 0
+    full_held = policies["full"]["mean_held_bytes"]
+    for label in ("window 256", "arkv 256", "base-origin 256"):
+        assert policies[label]["mean_held_bytes"] < full_held
+    # ARKV holds at most the bytes of its budget in FP tokens (46,080 bytes each, all layers)
+    assert policies["arkv 256"]["mean_held_bytes"] <= 256 * 46_080
+    assert len(report.tables) == 1 and len(report.tables[0].rows) == 6
