@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent_kv.evals import experiment_names, run_experiments
-from agent_kv.evals.arkv import build_context, is_right
+from agent_kv.evals.answers import is_right
+from agent_kv.evals.arkv import build_context
 from agent_kv.evals.perplexity import QUICK, int8_budget, segments
 from agent_kv.evals.report import Report, Table
 from agent_kv.texts import licence_text
@@ -109,6 +110,8 @@ def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
     # the same tokens in the model's dtype cost more bytes than with INT8
     assert variants["int8 off, same tokens"]["mean_bytes"] > reference["mean_bytes"]
     assert variants["int8 off, same bytes"]["mean_budget"] <= QUICK.window
+    sinks = variants[f"window {QUICK.window} + 4 sinks"]
+    assert sinks["mean_budget"] == QUICK.window and sinks["tokens"] == rows["full"]["tokens"]
 
 
 def test_retrieval_context_places_every_fact(smollm, text_ids):
@@ -118,6 +121,7 @@ def test_retrieval_context_places_every_fact(smollm, text_ids):
     places = [text.index(f"The code of the {name} is {code}.") for name, code in facts]
     assert places == sorted(places)
     assert is_right(" 4821, and", "4821") and not is_right(" 482", "4821")
+    assert not is_right("1. 2345", "1234") and not is_right(" 48215", "4821")
     with pytest.raises(ValueError, match="too short"):
         build_context(text_ids[:100], smollm.tokenizer, 600, 3, seed=1)
 

@@ -9,6 +9,9 @@ the bytes of `window W`, `N_high = N_low / 2`, `tau` 0.6. Each ablation changes 
   only difference is which older tokens stay;
 - *gate off*: a fixed budget, `tau = 0` (every step confident: always `N_high`) and `tau = 1`
   (never confident: always `N_low`);
+- *window with attention sinks*: the reference memory's window keeping its first 4 tokens
+  (StreamingLLM), so the perplexity gap is also measured against a window that does not lose
+  the sinks;
 - *mixed precision off*: every token in the model's dtype, at the same token budgets (more
   bytes) and at the bytes of the window (budget `W`).
 """
@@ -27,6 +30,8 @@ from agent_kv.evals.perplexity import (
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.policies import make_policy
 
+SINKS = 4
+"""Attention sinks (StreamingLLM §3.1) of the window row that keeps them."""
 PAPER = {"conf-kv+int8 (reference)": "30.92 PPL", "random+int8, same ratio": "36.54 PPL"}
 
 
@@ -43,6 +48,10 @@ def run(ctx: EvalContext) -> Report:
     mean_budget = round(first[reference.label].mean_budget)
     protect = reference.policy.protect_recent
     rows = [
+        Variant(
+            f"window {sizes.window} + {SINKS} sinks",
+            make_policy("window", budget=sizes.window, sinks=SINKS),
+        ),
         Variant(
             "random+int8, same ratio",
             make_policy("random", budget=mean_budget, protect_recent=protect),

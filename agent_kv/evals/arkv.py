@@ -7,7 +7,7 @@ depths ((i + 0.5) / facts). After the whole context the questions are asked one 
 in the same session, as an agent asks about what it saw turns ago, as the cloze
 "\\nThe code of the <colour> <thing> is" (SmolLM2-135M answers that form with full KV; a
 "Question: ... Answer:" form confuses it even then), greedy, 6 tokens; an answer is right when
-its first four digits are the code. Every context has its own slice of text, facts and codes
+its first run of digits is the code. Every context has its own slice of text, facts and codes
 (seeded), the same for every policy, and the policies take turns on each context.
 
 Per policy and budget: accuracy and the share of full KV's kept; the KV bytes held (mean over
@@ -21,10 +21,10 @@ confident; `full` and `base-quant` (every token FP8) take none.
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 
 from agent_kv.engine import Engine
+from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.policies import POLICIES, make_policy
 from agent_kv.sampling import SamplingParams
@@ -85,11 +85,6 @@ def build_context(
         ids += piece[cut:nxt] + sentence
         cut = nxt
     return ids + piece[cut:], list(zip(names, codes, strict=True))
-
-
-def is_right(reply: str, code: str) -> bool:
-    """The reply's first four digits are the code."""
-    return re.sub(r"\D", "", reply)[:4] == code
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""The needle-in-a-haystack evaluation: its pure helpers, and one quick run on the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent_kv.evals import needle
+from agent_kv.evals.answers import is_right
+from agent_kv.evals.report import EvalContext
+from agent_kv.texts import licence_text
+
+
+def test_insert_needle_puts_it_at_the_nearest_line_start():
+    haystack = list(range(100, 200))
+    breaks = [0, 10, 40, 55, 100]
+    for depth, expected in [(0.0, 0), (0.3, 40), (0.5, 55), (0.8, 100), (1.0, 100)]:
+        context, at = needle.insert_needle(haystack, [1, 2, 3], depth, breaks)
+        assert at == expected
+        assert context[at : at + 3] == [1, 2, 3]
+        assert context[:at] + context[at + 3 :] == haystack
+
+
+def test_line_breaks_follow_newline_tokens(smollm):
+    ids = smollm.tokenizer("one two\nthree four\nfive", add_special_tokens=False)["input_ids"]
+    breaks = needle.line_breaks(ids, smollm.tokenizer)
+    assert breaks[0] == 0 and breaks[-1] == len(ids)
+    starts = [smollm.tokenizer.decode(ids[b:]) for b in breaks[1:-1]]
+    assert starts == ["three four\nfive", "five"]
+
+
+@pytest.mark.parametrize(
+    ("answer", "right"),
+    [
+        (" 58213. Remember", True),
+        (" 58213", True),
+        ("58213.\n", True),
+        (" 582130", False),
+        (" 5821", False),
+        (" 1. 58213", False),
+        (" not in the text", False),
+    ],
+)
+def test_is_right_takes_the_first_run_of_digits(answer, right):
+    assert is_right(answer, "58213") is right
+
+
+@pytest.mark.model
+def test_quick_run(smollm, tmp_path):
+    text_ids = smollm.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
+    lines = []
+    ctx = EvalContext(smollm, text_ids, True, tmp_path, lines.append)
+    report = needle.run(ctx)
+    size = needle.QUICK
+    labels = report.data["lengths"]
+    assert len(labels) == len(size.lengths) + len(size.rerotate_lengths)
+    trials, cells = report.data["trials"], report.data["cells"]
+
+    # every policy x length x depth cell, its accuracy what its trials say
+    keys = {(c["policy"], c["length"], c["depth"]) for c in cells}
+    assert keys == {(p, n, d) for p in needle.POLICIES for n in labels for d in size.depths}
+    for cell in cells:
+        hits = [
+            t
+            for t in trials
+            if (t["policy"], t["length"], t["depth"])
+            == (cell["policy"], cell["length"], cell["depth"])
+        ]
+        assert cell["trials"] == len(hits)
+        if cell["policy"] == "full" and "rerotate" in cell["length"]:
+            assert hits == [] and cell["accuracy"] is None
+            continue
+        assert len(hits) == size.seeds
+        assert cell["accuracy"] == sum(t["right"] for t in hits) / len(hits)
+        assert 0.0 <= cell["accuracy"] <= 1.0
+    for trial in trials:
+        assert trial["right"] == is_right(trial["answer"], trial["key"])
+        assert trial["peak_kv_bytes"] > 0
+    assert len(lines) == len(trials)
+
+    # full KV finds the key in short contexts; the budgeted policies hold less at the longest
+    full = [t for t in trials if t["policy"] == "full"]
+    assert sum(t["right"] for t in full) >= len(full) // 2
+    longest = labels[len(size.lengths) - 1]
+    peak = {
+        t["policy"]: t["peak_kv_bytes"]
+        for t in trials
+        if t["length"] == longest and t["depth"] == 0
+    }
+    assert all(peak[p] < peak["full"] for p in needle.POLICIES if p != "full")
+
+    (figure,) = report.figures
+    assert (tmp_path / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.write(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "91.4%" in summary and "n/a" in summary
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["experiment"] == "needle" and len(saved["trials"]) == len(trials)
