@@ -16,7 +16,8 @@ uncertain budget and quantizes), and every decode step is the model call on one 
 per row followed by the policy step with the step's confidence (`Engine.generate_batch`'s
 loop without sampling or a tokenizer).
 
-Printed, one markdown table: median decode step (model call + policy) and tokens/s with the
+Printed, one markdown table: median decode step (model call + policy, and each alone, the
+device synchronised between them) and tokens/s with the
 speed-up over `full`; the attention read of one layer timed alone (CUDA events) through the
 Triton kernel and through the PyTorch path, their ratio and the largest output difference;
 the Triton read's achieved bandwidth (bytes of live keys, values, scales and scale indices
@@ -26,6 +27,10 @@ and the peak of `torch.cuda.max_memory_allocated` over the decode steps and the 
 
     .venv/bin/python benchmarks/gpu_decode.py            # CUDA; a few minutes on one GPU
     .venv/bin/python benchmarks/gpu_decode.py --smoke    # tiny shapes, CPU, Triton interpreter
+
+`--profile` then profiles 3 decode steps of each variant at the largest context and batch
+(`torch.profiler`) and prints the operators with the most self time on the host and on the
+device, and the device kernels launched per step.
 """
 
 from __future__ import annotations
@@ -164,9 +169,13 @@ def filled_store(model, shape: Shape, variant: str, context: int, batch: int):
     return store, policy
 
 
-def decode_step(model, store, policy, cache) -> None:
-    """One decode step of every row: the model call on a random token, then the policy."""
+def decode_step(model, store, policy, cache) -> tuple[float, float]:
+    """One decode step of every row: the model call on a random token, then the policy.
+    Returns the seconds of each, the device synchronised around them."""
+    device = store.layers[0].device
     rows = range(store.batch)
+    sync(device)
+    start = time.perf_counter()
     policy.prepare(store)
     position_ids = store.begin_forward(rows, 1)
     tokens = torch.randint(0, model.config.vocab_size, (store.batch, 1), device=position_ids.device)
@@ -178,7 +187,11 @@ def decode_step(model, store, policy, cache) -> None:
         logits_to_keep=1,
         kv_store=store,
     )
+    sync(device)
+    called = time.perf_counter()
     policy.step(store, [float(c) for c in confidence(out.logits[:, -1].float())])
+    sync(device)
+    return called - start, time.perf_counter() - called
 
 
 def read_bytes(store, layer_idx: int) -> int:
@@ -229,17 +242,12 @@ def measure(model, shape: Shape, variant: str, context: int, batch: int) -> dict
         torch.cuda.reset_peak_memory_stats(device)  # the decode's peak, not the fill's
     cache = StoreCache(store)
     decode_step(model, store, policy, cache)  # warm-up: kernel compilation
-    times = []
-    for _ in range(shape.steps):
-        sync(device)
-        start = time.perf_counter()
-        decode_step(model, store, policy, cache)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    step = statistics.median(times)
+    times = [decode_step(model, store, policy, cache) for _ in range(shape.steps)]
     layer = store.layers[0]
     result = {
-        "step": step,
+        "step": statistics.median(model_s + policy_s for model_s, policy_s in times),
+        "model": statistics.median(model_s for model_s, _ in times),
+        "policy": statistics.median(policy_s for _, policy_s in times),
         "tokens": layer.length(0),
         "int8": layer.q_len[0],
         "kv_gib": store.nbytes() / 2**30,
@@ -251,13 +259,40 @@ def measure(model, shape: Shape, variant: str, context: int, batch: int) -> dict
     return result
 
 
+def profile(model, shape: Shape, variant: str, context: int, batch: int) -> None:
+    """Print where 3 decode steps of `variant` spend their time: the 12 operators with the
+    most self host (CPU) time, the 12 with the most self device time, and kernels per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = next(model.parameters()).device
+    store, policy = filled_store(model, shape, variant, context, batch)
+    cache = StoreCache(store)
+    decode_step(model, store, policy, cache)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    steps = 3
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            decode_step(model, store, policy, cache)
+    events = prof.key_averages()
+    print(f"\n### {variant}, context {context}, batch {batch}: {steps} decode steps profiled\n")
+    for key in ("self_cpu_time_total", "self_device_time_total")[: len(activities)]:
+        print(events.table(sort_by=key, row_limit=12, max_name_column_width=48))
+    if device.type == "cuda":
+        kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+        print(f"device kernels per step: {kernels / steps:.0f}")
+
+
 def table(rows: list[tuple[int, int, str, dict]], copy_bw: float) -> None:
     print(
-        "| context | batch | variant | live tokens/row (INT8) | KV GiB | step ms | tok/s "
+        "| context | batch | variant | live tokens/row (INT8) | KV GiB | step ms | model ms "
+        "| policy ms | tok/s "
         "| vs full | attn ms Triton | attn ms torch | torch/Triton | max abs diff "
         "| attn GB/s | of copy BW | peak GiB |"
     )
-    print("|" + "---:|" * 2 + "---|" + "---:|" * 12)
+    print("|" + "---:|" * 2 + "---|" + "---:|" * 14)
     full_step = {}
     for context, batch, variant, r in rows:
         if variant == "full":
@@ -266,7 +301,8 @@ def table(rows: list[tuple[int, int, str, dict]], copy_bw: float) -> None:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(
             f"| {context} | {batch} | {variant} | {r['tokens']} ({r['int8']}) "
-            f"| {r['kv_gib']:.3g} | {r['step'] * 1e3:.1f} | {batch / r['step']:.1f} "
+            f"| {r['kv_gib']:.3g} | {r['step'] * 1e3:.1f} | {r['model'] * 1e3:.1f} "
+            f"| {r['policy'] * 1e3:.1f} | {batch / r['step']:.1f} "
             f"| {full_step[context, batch] / r['step']:.2f}x "
             f"| {r['triton'] * 1e3:.3g} | {r['torch'] * 1e3:.3g} "
             f"| {r['torch'] / r['triton']:.3g}x | {r['diff']:.1e} "
@@ -278,6 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU under Triton's interpreter"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="then profile each variant's decode steps"
     )
     args = parser.parse_args()
     if args.smoke:
@@ -309,6 +348,10 @@ def main() -> None:
                         (context, batch, variant, measure(model, shape, variant, context, batch))
                     )
     table(rows, copy_bw)
+    if args.profile:
+        with torch.no_grad():
+            for variant in VARIANTS:
+                profile(model, shape, variant, shape.contexts[-1], shape.batches[-1])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 from agent_kv.evals import experiment_names, run_experiments
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.arkv import build_context
-from agent_kv.evals.perplexity import QUICK, int8_budget, segments
+from agent_kv.evals.perplexity import QUICK, Totals, gap_closed, int8_budget, segments
 from agent_kv.evals.report import Report, Table
 from agent_kv.texts import licence_text
 from tests.test_cli import run_cli
@@ -80,7 +80,7 @@ def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
     _png(tmp_path / "perplexity" / "perplexity_vs_memory.png")
     rows = result["lengths"][str(QUICK.lengths[0])]
     window = f"window {QUICK.window}"
-    assert list(rows) == ["full", window, "conf-kv+int8", "conf-kv-l+int8"]
+    assert list(rows) == ["full", window, f"{window} + 4 sinks", "conf-kv+int8", "conf-kv-l+int8"]
     for row in rows.values():
         assert row["tokens"] == QUICK.lengths[0] - 1
         assert math.isclose(row["perplexity"], math.exp(row["nll"] / row["tokens"]))
@@ -93,6 +93,15 @@ def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
         assert n_low // 2 <= rows[label]["mean_budget"] <= n_low
     assert rows["full"]["mean_budget"] is None
     assert rows[window]["mean_budget"] == QUICK.window
+    table = reports[0].tables[0]
+    closed = {row[1]: row[5:7] for row in table.rows}
+    assert closed["full"] == ["-", "-"] and closed[window][0] == "-"
+    expected = gap_closed(
+        Totals(**{k: rows["conf-kv+int8"][k] for k in ("nll", "tokens")}),
+        Totals(**{k: rows[window][k] for k in ("nll", "tokens")}),
+        Totals(**{k: rows["full"][k] for k in ("nll", "tokens")}),
+    )
+    assert closed["conf-kv+int8"][0] == f"{expected:.0%}"
 
     ablation = _results(tmp_path / "ablations")
     _png(tmp_path / "ablations" / "ablations.png")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from agent_kv.evals.perplexity import (
     FULL,
     QUICK,
+    SINKS,
     Variant,
     budget_cell,
     int8_budget,
@@ -30,8 +31,6 @@ from agent_kv.evals.perplexity import (
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.policies import make_policy
 
-SINKS = 4
-"""Attention sinks (StreamingLLM §3.1) of the window row that keeps them."""
 PAPER = {"conf-kv+int8 (reference)": "30.92 PPL", "random+int8, same ratio": "36.54 PPL"}
 
 

@@ -44,13 +44,6 @@ with `c <= SATURATED` (0.95), since near-certain steps barely move under any evi
 carry a rank correlation on their own. scipy is not a dependency: `pearson` and `spearman` are
 implemented here in torch float64.
 
-Measured (full size, SmolLM2-135M-Instruct Q4_1, 384 samples, ~5 min on 2 busy CPU cores):
-Pearson r = -0.03 (a) and +0.06 (b), 95% intervals spanning 0; Spearman rho = -0.33 (a) and
--0.33 (b), -0.23 and -0.11 without the 48 samples of c > 0.95; r against log KL = -0.39 (a) and
--0.37 (b); mean KL in the lowest-c vs highest-c quartile 0.39 vs 0.34 nats (a) and 0.07 vs 0.12
-(b). The paper's r = -0.77 does not reproduce on the raw scale; the direction it states shows
-only as a weak rank correlation, much of it from near-certain steps that no eviction moves.
-
 Departures from the paper: SmolLM2-135M (30 layers, GQA) instead of GPT-2; teacher-forced
 Debian licence texts instead of generated tokens (so `c` is the model's confidence on real
 text, and the slices contain near-duplicate passages the model can copy from); the eviction
