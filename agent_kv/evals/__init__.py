@@ -4,7 +4,8 @@
 prints its tables and writes `summary.md`, `results.json` and its plots under `DIR/NAME`.
 Each experiment is a module with `run(ctx: EvalContext) -> Report`:
 
-- `perplexity`: perplexity at equal KV memory, full vs window vs conf-kv+INT8 vs conf-kv-l.
+- `perplexity`: perplexity at equal KV memory, full vs window (with and without attention
+  sinks) vs conf-kv+INT8 vs conf-kv-l+INT8.
 - `ablations`: random eviction at conf-kv's ratio, the confidence gate off, INT8 off.
 - `needle`: needle-in-a-haystack accuracy per policy over context lengths and depths.
 - `mechanistic`: confidence against the KL shift that evicting context causes.

@@ -32,7 +32,8 @@ Eviction variants (both reported):
   context", a fixed number of tokens at every `t`.
 - `b` "window": the first `SINKS` = 4 tokens (attention sinks, StreamingLLM: Xiao et al.
   2023, arXiv:2309.17453) and the newest `WINDOW` = 256 stay, everything between goes: what a
-  tight budget does. The tokens evicted grow with `t` (252 at t = 512, 1788 at t = 2048).
+  tight budget does. The tokens evicted grow with `t` (252 at t = 512, 1772 at t = 2032, the
+  last sample).
 
 Statistics per variant: Pearson r between `c` and `KL` (the paper's statistic) with a 95%
 interval from Fisher's z transform (Fisher 1915: `tanh(atanh(r) +- 1.96 / sqrt(n - 3))`, which

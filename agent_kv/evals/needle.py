@@ -58,7 +58,8 @@ class Size:
             context minus `RESERVE`).
         rerotate_lengths: context lengths in tokens run with rerotate positions.
         depths: needle depths, fractions of the context.
-        seeds: trials per (policy, length, depth) cell, each its own haystack and key.
+        seeds: trials per (policy, length, depth) cell; each seed draws one haystack slice
+            and key per length, shared by every depth and policy.
         budget: unpinned tokens per layer for every policy but `full`.
         prefill_chunk: tokens per prefill forward call (a policy evicts after each).
     """
@@ -228,7 +229,8 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         f"at the model's window less {RESERVE} tokens for question and answer); "
         f'"rerotate" rows use StreamingLLM positions and run without full KV (n/a), which '
         "cannot pass the model's window. "
-        f"{per_cell} per policy x length x depth cell, each its own haystack slice and key, "
+        f"{per_cell} per policy x length x depth cell; one haystack slice and key per length "
+        "and seed, shared by every depth, "
         f"the same for every policy; window, h2o and conf-kv at `--budget {size.budget}` "
         f"(unpinned tokens per layer), prefill in chunks of {size.prefill_chunk} tokens."
     )
