@@ -229,7 +229,7 @@ class PolicySpec:
 
         budget = self.budget
         if self.budget_bytes is not None:
-            fp_tokens = 0 if self.int8 is None else self.int8.fp_window + self.int8.group - 1
+            fp_tokens = 0 if self.int8 is None else self.int8.max_fp_tokens
             budget = tokens_for_bytes(
                 self.budget_bytes, bytes_per_token, int8_bytes_per_token, fp_tokens
             )

@@ -81,6 +81,12 @@ class Int8Config:
     fp_window: int = 128
     group: int = 32
 
+    @property
+    def max_fp_tokens(self) -> int:
+        """The most unpinned tokens a layer holds at full precision: the FP window plus up to
+        `group - 1` waiting for a whole group."""
+        return self.fp_window + self.group - 1
+
     def validate(self) -> None:
         """Raises `ConfigError` for a window that is not a whole number >= 0 or a group that
         is not a whole number >= 1."""

@@ -32,6 +32,7 @@ from agent_kv.engine import Engine
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.model_loading import LoadedModel
 from agent_kv.policies import Policy, make_policy
+from agent_kv.policies.conf_kv import ConfidenceGate
 from agent_kv.store import Int8Config, KVStore
 
 SCORE_CHUNK = 16
@@ -164,7 +165,7 @@ def int8_budget(model, window: int, int8: Int8Config) -> int:
         window * shape.bytes_per_token(),
         shape.bytes_per_token(),
         shape.int8_bytes_per_token(int8.group),
-        fp_tokens=int8.fp_window + int8.group - 1,
+        fp_tokens=int8.max_fp_tokens,
     )
 
 
@@ -314,6 +315,6 @@ def gap_closed(scored: Totals, window: Totals, full: Totals) -> float:
 
 def budget_cell(policy: Policy) -> str:
     """`N_high/N_low` for the confidence-gated policies, the single budget otherwise."""
-    if hasattr(policy, "n_high"):
+    if isinstance(policy, ConfidenceGate):
         return f"{policy.n_high}/{policy.n_low}"
     return str(policy.budget(None))
