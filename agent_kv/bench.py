@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.errors import ConfigError
+from agent_kv.policy_names import check_policy_name
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
-"""Policies a sweep may name."""
 RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 PLOT = "success_vs_memory.png"
@@ -184,14 +184,13 @@ def make_jobs(
     Raises:
         ValueError: an unknown policy, or a budget below 1.
     """
-    from agent_kv.policies import POLICIES
-
     for policy in policies:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
+        check_policy_name(policy)
     for budget in budgets:
         if budget < 1:
             raise ValueError(f"budgets must be >= 1, got {budget}")
+    from agent_kv.policies import POLICIES  # torch: after the cheap checks
+
     jobs = []
     for task in tasks:
         for policy in dict.fromkeys(policies):

@@ -3,23 +3,30 @@
     agent-kv run-episode --task 1 --policy conf-kv --budget 1024 --out runs/
 
 Every user error (unknown task, malformed task file, bad policy settings, missing Chromium or
-model) is one line on stderr and exit status 2, never a traceback.
+model) is one line on stderr and exit status 2, never a traceback. Importing this module does
+not import torch, and the commands check their options before they do, so help and usage
+errors come at once.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from agent_kv import threads as thread_setting
 from agent_kv.errors import AgentKVError, ConfigError
-from agent_kv.store import Int8Config
+from agent_kv.policy_names import check_policy_name
+
+if TYPE_CHECKING:
+    from agent_kv.store import Int8Config
 
 app = typer.Typer(
     add_completion=False,
@@ -45,9 +52,10 @@ PolicyOption = Annotated[
 BudgetOption = Annotated[
     int | None,
     typer.Option(
+        min=1,
         help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
         "budget N_high is half), the window, the h2o/random budget, or ARKV's bytes per "
-        "layer counted in full-precision tokens. Default: the policy's own."
+        "layer counted in full-precision tokens. Default: the policy's own.",
     ),
 ]
 ParamOption = Annotated[
@@ -92,6 +100,14 @@ ModelOption = Annotated[
 MaxStepsOption = Annotated[int, typer.Option(min=1, help="Actions before an episode is cut off.")]
 MaxObsTokensOption = Annotated[int, typer.Option(min=64, help="Observation length cap in tokens.")]
 PrefillChunkOption = Annotated[int, typer.Option(min=1, help="Tokens per prefill forward call.")]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help=f"Torch CPU threads for the model (default ${thread_setting.ENV}, else "
+        f"{thread_setting.DEFAULT}: more threads stall when other processes share the cores).",
+    ),
+]
 ObservationOption = Annotated[
     str,
     typer.Option(
@@ -125,6 +141,7 @@ def run_episode_command(
     positions: PositionsOption = "original",
     observation: ObservationOption = "accessibility_tree",
     model: ModelOption = None,
+    threads: ThreadsOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
@@ -132,6 +149,7 @@ def run_episode_command(
     from envs.tasks import TaskError, load_task
 
     try:
+        thread_setting.choose(threads)
         task_obj = load_task(task)
         check_observation_mode(observation)
         find_chromium()
@@ -150,6 +168,8 @@ def run_episode_command(
     typer.echo(json.dumps(summary, indent=2))
 
 
+API_KEY_ENV = "AGENT_KV_API_KEY"
+"""Read for `serve --api-key` when the option is not given."""
 UNCHECKED_BUDGET = 2**40
 """Stands in for a byte budget not yet converted to tokens when settings are checked early."""
 
@@ -184,12 +204,11 @@ class PolicySpec:
 
         Raises:
             ConfigError: both budgets given, an unreadable size, unknown positions mode,
-                `fp_window` without `int8`, a malformed `--param`, invalid policy or INT8
-                settings, or `int8` with a policy that quantizes by its own rule.
+                `fp_window` without `int8`, a malformed `--param`, an unknown policy (these
+                before torch is imported), invalid policy or INT8 settings, or `int8` with a
+                policy that quantizes by its own rule.
         """
         from agent_kv.budgets import parse_bytes
-        from agent_kv.engine import check_policy_precision
-        from agent_kv.policies import make_policy
 
         params = {**parse_params(extra or []), "tau": tau, "protect_recent": protect_recent}
         params = {key: value for key, value in params.items() if value is not None}
@@ -199,18 +218,18 @@ class PolicySpec:
             raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
         if fp_window is not None and not int8:
             raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
+        check_policy_name(name)
+        size = None if budget_bytes is None else parse_bytes(budget_bytes)
+
+        from agent_kv.engine import check_policy_precision
+        from agent_kv.policies import make_policy
+        from agent_kv.store import Int8Config
+
         int8_config = None
         if int8:
             int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
             int8_config.validate()
-        spec = cls(
-            name,
-            budget,
-            None if budget_bytes is None else parse_bytes(budget_bytes),
-            params,
-            int8_config,
-            positions == "rerotate",
-        )
+        spec = cls(name, budget, size, params, int8_config, positions == "rerotate")
         # a byte budget becomes tokens only once the model is known: check the rest now with
         # a budget no conversion can exceed, the real one again in `build`
         placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
@@ -359,6 +378,7 @@ def bench_command(
         bool, typer.Option(help="Rerun episodes recorded with end_reason error.")
     ] = False,
     model: ModelOption = None,
+    threads: ThreadsOption = None,
 ) -> None:
     """Sweep tasks x policies x budgets; write results.jsonl, summary.md and
     success_vs_memory.png under --out and print the summary table."""
@@ -367,6 +387,7 @@ def bench_command(
     from envs.tasks import TaskError
 
     try:
+        thread_setting.choose(threads)  # workers inherit it through the environment
         task_list = bench.select_tasks(tasks)
         check_observation_mode(observation)
         names = bench.parse_list(policies, "--policies")
@@ -434,14 +455,16 @@ def eval_command(
         typer.Option(help="A long text file instead of the Debian licence texts."),
     ] = None,
     model: ModelOption = None,
+    threads: ThreadsOption = None,
 ) -> None:
-    """Rerun the papers' experiments (methods.md): print each table and write summary.md,
+    """Rerun the papers' experiments (docs/methods.md): print each table and write summary.md,
     results.json and plots under --out."""
     from agent_kv.evals import experiment_names, run_experiments
     from agent_kv.model_loading import load_model
     from agent_kv.texts import licence_text
 
     try:
+        thread_setting.choose(threads)
         names = experiment_names(experiment)
         body = licence_text(text)
         _writable_dir(out)
@@ -493,18 +516,38 @@ def serve_command(
     queue_timeout: Annotated[
         float, typer.Option(min=1.0, help="Seconds a request may wait for the model (then 503).")
     ] = 600.0,
+    threads: ThreadsOption = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV,
+            show_envvar=True,
+            help="Require `Authorization: Bearer KEY` on every route but /health (401 without).",
+        ),
+    ] = None,
+    allowed_hosts: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated Host names the server answers (400 for others; * for any). "
+            "Default: the names of --host (127.0.0.1, localhost and ::1 for a loopback "
+            "address; any for 0.0.0.0)."
+        ),
+    ] = None,
 ) -> None:
     """Serve the API: `/v1/chat/completions` (OpenAI-compatible), `/chat` (native),
-    `/v1/models`, `/health`, `/metrics` and `DELETE /sessions/{id}`."""
-    import uvicorn
-
+    `/tokenize`, `/v1/models`, `/health`, `/metrics`, `GET /sessions` and
+    `DELETE /sessions/{id}`. Says on stderr when the model starts loading and when the server
+    is ready."""
     from agent_kv.budgets import parse_bytes
-    from agent_kv.model_loading import load_model
-    from agent_kv.service import ChatService
-    from agent_kv.sessions import SessionStore
-    from api.app import create_app
+    from api.access import loopback_hosts
 
+    hosts = loopback_hosts(host)
+    if allowed_hosts is not None:
+        hosts = [name.strip() for name in allowed_hosts.split(",") if name.strip()]
+    if api_key is not None and not api_key.strip():
+        fail(f"--api-key (or {API_KEY_ENV}) is empty")
     try:
+        thread_setting.choose(threads)
         spec = PolicySpec.parse(
             policy,
             budget,
@@ -518,13 +561,67 @@ def serve_command(
         if spill_dir is not None:
             _writable_dir(spill_dir)
         _free_port(host, port)
+    except AgentKVError as err:
+        fail(str(err))
+    from agent_kv.model_loading import DEFAULT_GGUF_NAME, load_model
+    from agent_kv.service import ChatService
+    from agent_kv.sessions import SessionStore
+    from api.app import create_app
+
+    typer.echo(f"loading model {model or Path(DEFAULT_GGUF_NAME).stem}...", err=True)
+    try:
         loaded = load_model(model)
         engine = spec.engine(loaded)
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)
     service = ChatService(engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout)
-    uvicorn.run(create_app(service, loaded.name), host=host, port=port)
+    _serve(create_app(service, loaded.name, api_key=api_key, allowed_hosts=hosts), host, port)
+
+
+def _serve(app, host: str, port: int) -> None:
+    """Run uvicorn on `host:port` until it is stopped (Ctrl-C, SIGTERM); print `ready on
+    http://HOST:PORT` on stderr once it listens."""
+    import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                typer.echo(f"ready on http://{host}:{port}", err=True)
+
+    AnnouncingServer(uvicorn.Config(app, host=host, port=port)).run()
+
+
+@app.command("sites")
+def sites_command(
+    sites: Annotated[
+        str, typer.Option(help="Comma-separated sites (classifieds, shopping, forum), or all.")
+    ] = "all",
+) -> None:
+    """Serve the bundled sites on 127.0.0.1, each on a free port, and print one line per site
+    (name, URL, and the test account's login where the site has accounts); Ctrl-C stops them."""
+    from envs.server import SITES, TEST_ACCOUNT, SiteServers
+
+    names = list(SITES) if sites == "all" else [n.strip() for n in sites.split(",") if n.strip()]
+    for name in names or [sites]:
+        if name not in SITES:
+            fail(f"unknown site {name!r}: choose all or from {', '.join(SITES)}")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
+    try:
+        with SiteServers(names) as servers:
+            for name, url in servers.urls.items():
+                line = f"{name}  {url}"
+                if SITES[name].login_path is not None:
+                    line += (
+                        f"  (log in at {url}{SITES[name].login_path} as "
+                        f"{TEST_ACCOUNT['username']} / {TEST_ACCOUNT['password']})"
+                    )
+                typer.echo(line)
+            typer.echo("serving until Ctrl-C", err=True)
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
 
 
 def _free_port(host: str, port: int) -> None:

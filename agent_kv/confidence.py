@@ -1,4 +1,4 @@
-"""CONF-KV's confidence score (methods.md, CONF-KV §1).
+"""CONF-KV's confidence score (docs/methods.md, CONF-KV §1).
 
     c = w_H * (1 - H_norm) + w_m * sigmoid(m) + w_p * p_top1
 

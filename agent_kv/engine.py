@@ -1,6 +1,6 @@
 """The inference engine: chunked prefill and decode over a policy-managed KV store.
 
-One decode step, top to bottom (architecture.md, "Data flow of one decode step"):
+One decode step, top to bottom (docs/architecture.md, "Data flow of one forward call"):
 model forward on the new token(s) -> the store appends their keys/values and the attention
 function folds the attention mass into the scores -> the last logits give the confidence `c`
 -> the policy evicts down to this step's budget -> the next token is sampled from the logits.
@@ -11,6 +11,7 @@ prompt gates the budget with its confidence; earlier chunks get the policy's no-
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 
 from agent_kv.cache import StoreCache
 from agent_kv.confidence import confidence
-from agent_kv.errors import ConfigError
+from agent_kv.errors import ConfigError, TurnCancelled
 from agent_kv.policies import Policy
 from agent_kv.rope import Rotary
 from agent_kv.sampling import SamplingParams, sample_next
@@ -106,7 +107,9 @@ class Engine:
         return Session.for_model(self.model, **self.store_options)
 
     @torch.no_grad()
-    def feed(self, session: Session, token_ids: list[int]) -> torch.Tensor:
+    def feed(
+        self, session: Session, token_ids: list[int], cancel: threading.Event | None = None
+    ) -> torch.Tensor:
         """Run `token_ids` through the model in chunks, applying the policy after each chunk.
 
         Returns:
@@ -117,6 +120,8 @@ class Engine:
             ContextOverflowError: the tokens would pass the model's trained context (checked
                 before any compute with original positions; with rerotate, when the policy
                 keeps too much, after the chunks that fitted were fed).
+            TurnCancelled: `cancel` was set before a chunk; the session holds the chunks fed
+                before it.
         """
         if not token_ids:
             raise ValueError("feed needs at least one token")
@@ -130,7 +135,7 @@ class Engine:
             session.token_ids.extend(chunk)
             session.last_logits = logits
 
-        self._prefill_row(session.cache, 0, token_ids, session.steps, fed)
+        self._prefill_row(session.cache, 0, token_ids, session.steps, fed, cancel)
         return session.last_logits
 
     def _prefill_row(
@@ -140,10 +145,13 @@ class Engine:
         token_ids: list[int],
         records: list[StepRecord],
         fed: Callable[[list[int], torch.Tensor], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> torch.Tensor:
         """Feed one row's tokens chunk by chunk, calling `fed(chunk, [vocab] logits)` after
-        each; returns `[vocab]` logits after the last."""
+        each; returns `[vocab]` logits after the last. Raises `TurnCancelled` when `cancel`
+        is set before a chunk."""
         for start in range(0, len(token_ids), self.prefill_chunk):
+            _check_cancel(cancel)
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
             logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
@@ -305,6 +313,7 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Generation:
         """Prefill `prompt_ids`, then decode a reply.
 
@@ -316,11 +325,13 @@ class Engine:
         Raises:
             ConfigError: invalid sampling parameters.
             ValueError: empty prompt on an empty session.
+            TurnCancelled: `cancel` was set before a prefill chunk or a decode step; the
+                session keeps every token fed before it.
         """
         params.validate()
         start = time.perf_counter()
         if prompt_ids:
-            self.feed(session, prompt_ids)
+            self.feed(session, prompt_ids, cancel)
         elif session.last_logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
         generator = None
@@ -332,6 +343,7 @@ class Engine:
         sent = 0  # characters of the reply handed to on_text
         hold = max((len(s) for s in params.stop), default=1) - 1
         for _ in range(params.max_new_tokens):
+            _check_cancel(cancel)
             token = sample_next(session.last_logits, params, generator)
             if first_token_at is None:
                 first_token_at = time.perf_counter()
@@ -384,6 +396,11 @@ class BatchGeneration:
 def _cut_at_stop(text: str, stop: list[str]) -> str:
     """`text` up to the first occurrence of any stop string."""
     return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise TurnCancelled("the turn was cancelled: its caller went away")
 
 
 def _as_list(value) -> list:

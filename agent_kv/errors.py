@@ -15,3 +15,13 @@ class ConfigError(AgentKVError, ValueError):
 
 class ContextOverflowError(AgentKVError):
     """A forward call would place a token past the model's trained context."""
+
+
+class TurnCancelled(AgentKVError):
+    """A turn was stopped before it finished because its caller went away (a client
+    disconnected); the session keeps every token fed so far."""
+
+
+class KVCapacityError(AgentKVError):
+    """A turn could hold more KV bytes than the session store's cap allows, even with every
+    idle session out of memory."""

@@ -40,7 +40,8 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, model_validator
+from langchain_core.utils import secret_from_env
+from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from agent_kv.errors import AgentKVError
 from agent_kv.sampling import SamplingParams
@@ -48,6 +49,8 @@ from agent_kv.service import ChatService, ChatTurn
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
 """Read for `base_url` when neither `service` nor `base_url` is given."""
+API_KEY_ENV = "AGENT_KV_API_KEY"
+"""Read for `api_key` when it is not given (the same variable `agent-kv serve` reads)."""
 COMPLETIONS = "/v1/chat/completions"
 ROLES = (
     (SystemMessage, "system"),
@@ -99,6 +102,8 @@ class ChatAgentKV(BaseChatModel):
         model_name: (alias `model`) the model's name in traces and in `response_metadata`
             (a server reports its own there).
         max_tokens, temperature, top_p, seed, stop: sampling (`SamplingParams`).
+        api_key: the server's API key (`agent-kv serve --api-key`), sent as
+            `Authorization: Bearer`; `$AGENT_KV_API_KEY` when not given (server mode).
         timeout: seconds an HTTP request may take (server mode).
         max_retries: retries of a failed connection (server mode).
         streaming: whether `invoke` streams, so token callbacks fire.
@@ -119,6 +124,9 @@ class ChatAgentKV(BaseChatModel):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    api_key: SecretStr | None = Field(
+        default_factory=secret_from_env(API_KEY_ENV, default=None), exclude=True
+    )
     timeout: float | None = 600.0
     max_retries: int = 2
     streaming: bool = False
@@ -143,7 +151,8 @@ class ChatAgentKV(BaseChatModel):
         budget: int | None = None,
         **fields: Any,
     ) -> ChatAgentKV:
-        """An in-process model over a freshly loaded model.
+        """An in-process model over a freshly loaded model (torch's CPU threads set as
+        `load_model` sets them: `$AGENT_KV_THREADS`, default 1).
 
         Args:
             model_path: a Hugging Face model directory or a `.gguf` file; None for the
@@ -153,7 +162,8 @@ class ChatAgentKV(BaseChatModel):
             **fields: further fields (`session_id`, `max_tokens`, ...).
 
         Raises:
-            ConfigError: an unknown policy or an invalid budget (before the model loads).
+            ConfigError: an unknown policy, an invalid budget or `$AGENT_KV_THREADS` (before
+                the model loads).
             ModelNotFoundError: the model cannot be loaded.
         """
         from agent_kv.engine import Engine
@@ -338,13 +348,28 @@ class ChatAgentKV(BaseChatModel):
         session_id = kwargs.get("session_id", self.session_id)
         return {"json": body, "headers": {} if session_id is None else {"X-Session-Id": session_id}}
 
+    def _auth_headers(self) -> dict[str, str]:
+        if self.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
+
     def _client(self) -> httpx.Client:
         transport = httpx.HTTPTransport(retries=self.max_retries)
-        return httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=transport)
+        return httpx.Client(
+            base_url=self.base_url,
+            timeout=self.timeout,
+            transport=transport,
+            headers=self._auth_headers(),
+        )
 
     def _async_client(self) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(retries=self.max_retries)
-        return httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport)
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=self.timeout,
+            transport=transport,
+            headers=self._auth_headers(),
+        )
 
     def _server_stream(self, messages, params, kwargs) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, params, kwargs, stream=True)

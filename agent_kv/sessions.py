@@ -1,18 +1,29 @@
 """Sessions by id, with an idle TTL and an LRU under a global KV byte cap.
 
 Each agent episode (a session id) keeps one managed KV cache across its requests. The
-store bounds the memory of all of them together:
+store bounds the memory of all of them together, counted as allocated KV bytes (the key,
+value and scale buffers with their spare capacity, `KVStore.allocated_nbytes`; live bytes are
+never more):
 - a session idle for longer than `idle_ttl_s` is dropped (from memory and disk);
-- while the sessions in memory hold more than `max_kv_bytes` of KV, the least recently used
-  idle one leaves memory: saved to `spill_dir` when one is given (and restored on its next
-  request with identical next-token logits), dropped otherwise.
-A session with a request in flight is never dropped or saved. Requests to one session are
-serialised by its lock; different sessions never share a cache.
+- before a request runs, room is made for the most its session can hold during the request
+  (the caller's bound, see `use`): the least recently used idle sessions leave memory until
+  the sessions in memory plus that bound fit `max_kv_bytes`, so the cap holds while the
+  request runs, not only after it; a request that cannot fit even alone is refused
+  (`KVCapacityError`);
+- after each request, while the sessions in memory hold more than the cap, the least
+  recently used idle one leaves memory.
+A session leaving memory is saved to `spill_dir` when one is given (and restored on its next
+request with identical next-token logits), dropped otherwise. Saved sessions found in
+`spill_dir` at start (a restart) are known again: counted, listed, expired by the TTL from
+the time they were saved, and restored on request. A session with a request in flight is
+never dropped or saved. Requests to one session are serialised by its lock; different
+sessions never share a cache.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent_kv.engine import Engine
-from agent_kv.errors import AgentKVError
+from agent_kv.errors import AgentKVError, KVCapacityError
 from agent_kv.protection import apply_pins
-from agent_kv.session import Session
+from agent_kv.session import Session, SessionOutline
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +62,7 @@ def sync_history(
     session: Session,
     token_ids: list[int],
     pins: list[tuple[int, int]] | None = None,
+    cancel: threading.Event | None = None,
 ) -> HistorySync:
     """Bring `session` to exactly `token_ids` (a request's whole conversation, tokenized),
     prefilling only what the cache does not hold; `session.last_logits` then predicts the
@@ -61,6 +75,7 @@ def sync_history(
 
     Raises:
         ValueError: `token_ids` is empty.
+        TurnCancelled: `cancel` was set before a prefill chunk (`Engine.feed`).
     """
     if not token_ids:
         raise ValueError("a request needs at least one token")
@@ -82,7 +97,7 @@ def sync_history(
     if pins is not None:
         apply_pins(session.store, pins)
     if sync.prefilled_tokens:
-        engine.feed(session, token_ids[sync.reused_tokens :])
+        engine.feed(session, token_ids[sync.reused_tokens :], cancel)
     return sync
 
 
@@ -101,9 +116,39 @@ class SessionBusyError(AgentKVError):
 
 
 @dataclass
+class SessionSummary:
+    """One session as `SessionStore.describe` lists it.
+
+    Attributes:
+        id: the session id.
+        tokens: tokens the session has fed to the model (its history).
+        kv_bytes: live KV bytes.
+        kv_allocated_bytes: allocated KV bytes (buffers with spare capacity).
+        pinned_tokens: positions pinned.
+        policy: the policy of the session's last request (None before its first).
+        last_used: when it was last used, Unix seconds.
+        where: "memory" or "disk".
+        busy: whether a request is in flight.
+    """
+
+    id: str
+    tokens: int
+    kv_bytes: int
+    kv_allocated_bytes: int
+    pinned_tokens: int
+    policy: str | None
+    last_used: float
+    where: str
+    busy: bool
+
+
+@dataclass
 class _Entry:
     session: Session | None  # None while saved to disk
-    last_used: float
+    last_used: float  # the store's clock
+    last_used_wall: float  # Unix seconds
+    saved: SessionOutline | None = None  # what the file on disk holds, while there
+    policy: str | None = None
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -113,10 +158,11 @@ class SessionStore:
 
     Args:
         engine: makes new sessions (`Engine.new_session`) and owns the model they belong to.
-        max_kv_bytes: cap on the KV bytes of all sessions in memory (`KVStore.nbytes`), or
-            None for no cap. Sessions with a request in flight may hold it above the cap.
+        max_kv_bytes: cap on the allocated KV bytes of all sessions in memory
+            (`KVStore.allocated_nbytes`), or None for no cap.
         idle_ttl_s: seconds a session may stay unused before it is dropped, or None.
-        spill_dir: where sessions over the cap are saved; None drops them instead.
+        spill_dir: where sessions over the cap are saved; None drops them instead. Sessions
+            already saved there are known again.
         clock: monotonic seconds (tests pass a fake one).
 
     Raises:
@@ -139,34 +185,93 @@ class SessionStore:
         self.max_kv_bytes = max_kv_bytes
         self.idle_ttl_s = idle_ttl_s
         self.spill_dir = None if spill_dir is None else Path(spill_dir)
-        if self.spill_dir is not None:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
         self.clock = clock
         self.dropped = 0
         self.spilled = 0
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
+        self._fresh = SessionOutline.describe(engine.new_session())
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._adopt_saved()
 
     @contextmanager
-    def use(self, session_id: str) -> Iterator[Session]:
+    def use(
+        self,
+        session_id: str,
+        need: Callable[[SessionOutline], int] | None = None,
+        policy: str | None = None,
+    ) -> Iterator[Session]:
         """Hold the session `session_id` for one request: created when new, restored when it
         was saved to disk. Other requests to it wait until this one ends; afterwards the TTL
-        and the byte cap are enforced."""
+        and the byte cap are enforced.
+
+        Args:
+            need: the most allocated KV bytes the session can hold during the request, given
+                its outline now (history and `StoreFootprint`; see
+                `ChatService.turn_kv_bound`); with a cap, idle sessions leave memory first
+                until it fits beside the others. None: its allocated bytes now.
+            policy: the name of the policy the request runs (listed by `describe`).
+
+        Raises:
+            KVCapacityError: with a cap, `need` does not fit even with every other session
+                out of memory (nothing is changed).
+        """
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is None:
-                entry = self._entries[session_id] = _Entry(None, self.clock())
+                entry = self._entries[session_id] = _Entry(None, self.clock(), time.time())
             entry.in_flight += 1
         try:
             with entry.lock:
+                if self.max_kv_bytes is not None:
+                    self._make_room(session_id, entry, need)
                 if entry.session is None:
                     entry.session = self._restore(session_id)
+                    entry.saved = None
+                if policy is not None:
+                    entry.policy = policy
                 yield entry.session
         finally:
             with self._lock:
                 entry.in_flight -= 1
-                entry.last_used = self.clock()
+                entry.last_used, entry.last_used_wall = self.clock(), time.time()
+                if entry.session is None and entry.saved is None and not entry.in_flight:
+                    del self._entries[session_id]  # refused before it ever held a cache
                 self._enforce()
+
+    def _make_room(
+        self, session_id: str, entry: _Entry, need: Callable[[SessionOutline], int] | None
+    ) -> None:
+        """Move idle sessions out of memory, least recently used first, until `entry` can
+        grow to `need(outline)` bytes under the cap; called holding the entry's lock."""
+        if entry.session is not None:
+            outline = SessionOutline.describe(entry.session)
+        else:
+            outline = entry.saved if entry.saved is not None else self._fresh
+        needed = outline.footprint.allocated_bytes if need is None else need(outline)
+        with self._lock:
+            held = self._allocated_bytes() - (
+                entry.session.store.allocated_nbytes() if entry.session is not None else 0
+            )
+            idle = self._idle_lru(exclude=session_id)
+            freed = 0
+            for _, sid in idle:
+                if held - freed + needed <= self.max_kv_bytes:
+                    break
+                freed += self._entries[sid].session.store.allocated_nbytes()
+            if held - freed + needed > self.max_kv_bytes:
+                busy = held - freed  # held by sessions with requests in flight
+                raise KVCapacityError(
+                    f"this request may hold up to {needed} bytes of KV cache; the cap on all "
+                    f"sessions is {self.max_kv_bytes} bytes"
+                    + (f", {busy} of them held by requests in flight" if busy else "")
+                    + ": send a shorter prompt or max_tokens, or use a budgeted policy"
+                )
+            while held + needed > self.max_kv_bytes:
+                _, sid = idle.pop(0)
+                held -= self._entries[sid].session.store.allocated_nbytes()
+                self._evict(sid)
 
     def longest_prefix(self, token_ids: list[int], required: dict[str, int]) -> str | None:
         """The session, among the idle ones in memory named in `required`, whose history
@@ -199,7 +304,8 @@ class SessionStore:
             return True
 
     def sweep(self) -> None:
-        """Enforce the TTL and the byte cap now (they are also enforced after each request)."""
+        """Enforce the TTL and the byte cap now (they are also enforced after each request;
+        the server calls this periodically, so idle sessions expire without traffic)."""
         with self._lock:
             self._enforce()
 
@@ -214,12 +320,56 @@ class SessionStore:
             return [sid for sid, e in self._entries.items() if e.session is not None]
 
     def kv_bytes(self) -> int:
-        """KV bytes of all sessions in memory."""
+        """Live KV bytes of all sessions in memory."""
         with self._lock:
-            return self._kv_bytes()
+            return sum(e.session.store.nbytes() for e in self._entries.values() if e.session)
 
-    def _kv_bytes(self) -> int:
-        return sum(e.session.store.nbytes() for e in self._entries.values() if e.session)
+    def allocated_bytes(self) -> int:
+        """Allocated KV bytes of all sessions in memory (what the cap counts)."""
+        with self._lock:
+            return self._allocated_bytes()
+
+    def describe(self) -> list[SessionSummary]:
+        """Every session known, least recently used first."""
+        with self._lock:
+            entries = sorted(self._entries.items(), key=lambda item: item[1].last_used)
+            return [self._summary(sid, entry) for sid, entry in entries]
+
+    def _summary(self, session_id: str, entry: _Entry) -> SessionSummary:
+        if entry.session is not None:
+            store = entry.session.store
+            tokens, pinned = len(entry.session.token_ids), store.pinned_tokens()
+            live, allocated, where = store.nbytes(), store.allocated_nbytes(), "memory"
+        elif entry.saved is not None:
+            saved = entry.saved
+            tokens, pinned = len(saved.token_ids), saved.pinned_tokens
+            live, allocated = saved.footprint.live_bytes, saved.footprint.allocated_bytes
+            where = "disk"
+        else:  # its first request is setting it up
+            tokens = pinned = live = allocated = 0
+            where = "memory"
+        return SessionSummary(
+            id=session_id,
+            tokens=tokens,
+            kv_bytes=live,
+            kv_allocated_bytes=allocated,
+            pinned_tokens=pinned,
+            policy=entry.policy,
+            last_used=entry.last_used_wall,
+            where=where,
+            busy=entry.in_flight > 0,
+        )
+
+    def _allocated_bytes(self) -> int:
+        return sum(e.session.store.allocated_nbytes() for e in self._entries.values() if e.session)
+
+    def _idle_lru(self, exclude: str | None = None) -> list[tuple[float, str]]:
+        """Idle sessions in memory, least recently used first."""
+        return sorted(
+            (entry.last_used, sid)
+            for sid, entry in self._entries.items()
+            if entry.session is not None and not entry.in_flight and sid != exclude
+        )
 
     def _enforce(self) -> None:
         now = self.clock()
@@ -230,22 +380,24 @@ class SessionStore:
                     self.dropped += 1
         if self.max_kv_bytes is None:
             return
-        while self._kv_bytes() > self.max_kv_bytes:
-            idle = [
-                (entry.last_used, sid)
-                for sid, entry in self._entries.items()
-                if entry.session is not None and not entry.in_flight
-            ]
-            if not idle:
-                return  # only sessions in flight are left: they may exceed the cap
-            _, sid = min(idle)
-            if self.spill_dir is None:
-                self._remove(sid)
-                self.dropped += 1
-            else:
-                self._entries[sid].session.save(self._path(sid))
-                self._entries[sid].session = None
-                self.spilled += 1
+        idle = self._idle_lru()
+        while idle and self._allocated_bytes() > self.max_kv_bytes:
+            _, sid = idle.pop(0)
+            self._evict(sid)
+
+    def _evict(self, session_id: str) -> None:
+        """Take an idle session out of memory: saved to disk when there is a spill dir,
+        dropped otherwise."""
+        entry = self._entries[session_id]
+        if self.spill_dir is None:
+            self._remove(session_id)
+            self.dropped += 1
+            return
+        meta = {"session_id": session_id, "policy": entry.policy}
+        entry.session.save(self._path(session_id), meta)
+        entry.saved = SessionOutline.describe(entry.session, meta)
+        entry.session = None
+        self.spilled += 1
 
     def _remove(self, session_id: str) -> None:
         del self._entries[session_id]
@@ -260,6 +412,27 @@ class SessionStore:
             return session
         return self.engine.new_session()
 
+    def _adopt_saved(self) -> None:
+        """Know again the sessions saved in `spill_dir` (by an earlier run): each keeps its
+        id and policy from its file and its last use from the file's time. A file whose id
+        cannot be read is removed (it could never be asked for)."""
+        now_wall, now = time.time(), self.clock()
+        for path in sorted(self.spill_dir.glob("*.pt")):
+            try:
+                saved = SessionOutline.read(path)
+                session_id = saved.meta["session_id"]
+                if self._path(session_id) != path:
+                    raise AgentKVError(f"{path} holds session {session_id!r} under another name")
+            except (AgentKVError, KeyError, TypeError) as err:
+                log.warning("removing unusable spill file %s: %s", path, err)
+                path.unlink(missing_ok=True)
+                continue
+            saved_at = path.stat().st_mtime
+            entry = _Entry(None, now - max(now_wall - saved_at, 0.0), saved_at, saved)
+            entry.policy = saved.meta.get("policy")
+            self._entries[session_id] = entry
+        self._enforce()
+
     def _path(self, session_id: str) -> Path:
-        digest = hashlib.sha256(session_id.encode()).hexdigest()[:32]
+        digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return self.spill_dir / f"{digest}.pt"

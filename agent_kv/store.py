@@ -1,6 +1,6 @@
 """The KV store: dense per-layer buffers in two precisions, scores, pins, exact accounting.
 
-Layout (architecture.md, "Layout"): each layer holds, for a batch of `B` rows,
+Layout (docs/architecture.md, Decisions, "Layout"): each layer holds, for a batch of `B` rows,
 - an FP segment `[B, kv_heads, capacity, head_dim]` in the model's dtype: pinned tokens, the
   newest tokens, and (without INT8) everything;
 - a quantized segment of the same shape, in int8 or float8_e4m3fn (`kernels.formats`), with
@@ -39,6 +39,10 @@ from kernels.int8 import SCALE_DTYPE
 from kernels.reference import Segment
 
 CAPACITY_STEP = 256  # tokens; capacities are multiples of this, grown by doubling
+SCALE_CAPACITY_STEP = 16  # scale groups; the quantized segment's scales grow in these
+ALLOCATED_BUFFERS = ("keys", "values", "q_keys", "q_values", "key_scales", "value_scales")
+"""The buffers of `LayerStore` that hold keys, values and scales (what `allocated_nbytes`
+counts)."""
 META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2")
 """Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
 
@@ -65,6 +69,112 @@ def _new_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int |
     if current > step and needed < current // 4:
         return _round_up(2 * needed, step)
     return None
+
+
+def _live_bytes(
+    channels: int, fp_elem: int, scale_elem: int, fp_tokens: int, q_tokens: int, groups: int
+) -> int:
+    """Bytes of live keys, values and scales: `channels` is `2 * kv_heads * head_dim` (keys
+    and values), quantized tokens take one byte per channel."""
+    return channels * (fp_tokens * fp_elem + q_tokens + groups * scale_elem)
+
+
+def _capacity_bound(current: int, most: int, step: int) -> int:
+    """The largest capacity `_new_capacity` can reach from `current` while never more than
+    `most` slots are needed. A growth from a capacity `c < n <= most` goes to
+    `max(round_up(n), 2c)`; `c` is a multiple of `step` below `most`, so at most
+    `round_up(most) - step`; a shrink only lowers the capacity (and a later growth starts
+    from lower)."""
+    top = _round_up(most, step)
+    return max(current, top, 2 * (top - step))
+
+
+@dataclass(frozen=True)
+class StoreFootprint:
+    """How much a store holds and has allocated, per layer: enough to bound what it can grow
+    to without the store itself (a session saved to disk is described by one).
+
+    Attributes:
+        lengths: live tokens per layer (the longest row).
+        fp_capacity, q_capacity, scale_capacity: FP slots, quantized slots and scale groups
+            allocated per layer and row.
+        batch: rows.
+        fp_token_bytes: key + value bytes of one FP token in one layer.
+        q_token_bytes: key + value bytes of one quantized token in one layer.
+        scale_group_bytes: key + value scale bytes of one quantized group in one layer.
+        live_bytes: bytes of live tokens (`KVStore.nbytes`).
+        allocated_bytes: bytes of the buffers (`KVStore.allocated_nbytes`).
+    """
+
+    lengths: tuple[int, ...]
+    fp_capacity: tuple[int, ...]
+    q_capacity: tuple[int, ...]
+    scale_capacity: tuple[int, ...]
+    batch: int
+    fp_token_bytes: int
+    q_token_bytes: int
+    scale_group_bytes: int
+    live_bytes: int
+    allocated_bytes: int
+
+    @classmethod
+    def of_state(cls, state: dict) -> StoreFootprint:
+        """The footprint of a `KVStore.state()` (reads only tensor shapes, so a state loaded
+        with `torch.load(mmap=True)` is not read into memory)."""
+        layers = state["layers"]
+        first = layers[0]
+        batch, heads, _, dim = first["keys"].shape
+        channels = 2 * heads * dim
+        fp_elem = first["keys"].element_size()
+        scale_elem = first["key_scales"].element_size()
+        live = sum(
+            _live_bytes(
+                channels, fp_elem, scale_elem, sum(lay["fp_len"]), sum(lay["q_len"]),
+                sum(lay["n_groups"]),
+            )
+            for lay in layers
+        )  # fmt: skip
+        allocated = sum(lay[name].nbytes for lay in layers for name in ALLOCATED_BUFFERS)
+        return cls(
+            lengths=tuple(
+                max(q + f for q, f in zip(lay["q_len"], lay["fp_len"], strict=True))
+                for lay in layers
+            ),
+            fp_capacity=tuple(lay["keys"].shape[2] for lay in layers),
+            q_capacity=tuple(lay["q_keys"].shape[2] for lay in layers),
+            scale_capacity=tuple(lay["key_scales"].shape[2] for lay in layers),
+            batch=batch,
+            fp_token_bytes=channels * fp_elem,
+            q_token_bytes=channels * first["q_keys"].element_size(),
+            scale_group_bytes=channels * scale_elem,
+            live_bytes=live,
+            allocated_bytes=allocated,
+        )
+
+    def allocation_bound(self, max_tokens: list[int], quantizes: bool) -> int:
+        """The most bytes the store's buffers can be allocated while no layer `i` holds more
+        than `max_tokens[i]` tokens in a row (FP and quantized together), whatever is appended,
+        evicted or quantized in between. `quantizes`: whether tokens may move to the quantized
+        segment (mixed precision or a policy's quantized tier); its buffers stay as they are
+        otherwise.
+
+        Raises:
+            ValueError: `max_tokens` does not have one entry per layer.
+        """
+        if len(max_tokens) != len(self.lengths):
+            raise ValueError(
+                f"need {len(self.lengths)} per-layer token bounds, got {len(max_tokens)}"
+            )
+        total = 0
+        for i, most in enumerate(max_tokens):
+            fp = _capacity_bound(self.fp_capacity[i], most, CAPACITY_STEP)
+            q, groups = self.q_capacity[i], self.scale_capacity[i]
+            if quantizes:
+                q = _capacity_bound(q, most, CAPACITY_STEP)
+                groups = _capacity_bound(groups, most, SCALE_CAPACITY_STEP)
+            per_row = fp * self.fp_token_bytes + q * self.q_token_bytes
+            total += self.batch * (per_row + groups * self.scale_group_bytes)
+        return total
 
 
 @dataclass(frozen=True)
@@ -184,7 +294,7 @@ class LayerStore:
                 _resized(t, 2, size) for t in (self.q_keys, self.q_values)
             )
             self.q_group = _resized(self.q_group, 1, size)
-        size = _new_capacity(self.key_scales.shape[2], groups, step=16)
+        size = _new_capacity(self.key_scales.shape[2], groups, step=SCALE_CAPACITY_STEP)
         if size is not None:
             self.key_scales, self.value_scales = (
                 _resized(t, 2, size) for t in (self.key_scales, self.value_scales)
@@ -310,16 +420,18 @@ class LayerStore:
         """Bytes of live tokens: FP keys and values, INT8 keys and values, and the scales
         in use, for one row or (None) all rows."""
         rows = range(self.batch) if row is None else [row]
-        fp = sum(self.fp_len[r] for r in rows) * self.keys.element_size()
-        q = sum(self.q_len[r] for r in rows)
-        scales = sum(self.n_groups[r] for r in rows) * self.key_scales.element_size()
-        return 2 * self.kv_heads * self.head_dim * (fp + q + scales)
+        return _live_bytes(
+            2 * self.kv_heads * self.head_dim,
+            self.keys.element_size(),
+            self.key_scales.element_size(),
+            sum(self.fp_len[r] for r in rows),
+            sum(self.q_len[r] for r in rows),
+            sum(self.n_groups[r] for r in rows),
+        )
 
     def allocated_nbytes(self) -> int:
         """Bytes of the key, value and scale buffers including unused capacity."""
-        buffers = (self.keys, self.values, self.q_keys, self.q_values)
-        buffers += (self.key_scales, self.value_scales)
-        return sum(t.nbytes for t in buffers)
+        return sum(getattr(self, name).nbytes for name in ALLOCATED_BUFFERS)
 
 
 class KVStore:
@@ -575,9 +687,9 @@ class KVStore:
 
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
         the scored queries that could see token j under the causal mask, removes the bias
-        toward old tokens (architecture.md, "Score bias"). Tokens already scored update as
-        `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The raw mass is also
-        added to `accumulated` (H2O's score).
+        toward old tokens (docs/methods.md, "Attention-mass statistics"). Tokens already
+        scored update as `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The
+        raw mass is also added to `accumulated` (H2O's score).
 
         ARKV's heavy-hitter statistics (`hits`, `hit_mean`, `hit_m2`) take one observation per
         call, the relative attention `x_j = a_j * L` (L the row's live tokens: 1.0 is a uniform
@@ -797,6 +909,10 @@ class KVStore:
     def allocated_nbytes(self) -> int:
         """Bytes of all key/value/scale buffers including spare capacity."""
         return sum(layer.allocated_nbytes() for layer in self.layers)
+
+    def footprint(self) -> StoreFootprint:
+        """What the store holds and has allocated (`StoreFootprint`)."""
+        return StoreFootprint.of_state(self.state())
 
     def full_kv_nbytes(self, row: int = 0) -> int:
         """Bytes a full KV cache would hold for a row's tokens seen so far, at the FP dtype."""

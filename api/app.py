@@ -1,23 +1,31 @@
 """FastAPI application: `POST /v1/chat/completions` (OpenAI-compatible, plain or streamed as
-server-sent events), `POST /chat` (native), `GET /v1/models`, `GET /health`, `GET /metrics`
-(Prometheus) and `DELETE /sessions/{id}`.
+server-sent events), `POST /chat` (native), `POST /tokenize`, `GET /v1/models`,
+`GET /health`, `GET /metrics` (Prometheus), `GET /sessions` and `DELETE /sessions/{id}`.
 
 Every turn runs through `agent_kv.service.ChatService`: in a session named by the request
 (`X-Session-Id` header or the body's `user`; `session_id` for `/chat`) or, without one, in
 the anonymous session the conversation continues (prefix match). Only the tokens the
 session's cache lacks are prefilled. Replies carry the cache's figures under `kv`.
 
+A chat request is admitted first (a 429 at once when `max_waiting` wait already); its
+templating, tokenizing and length check run in a worker thread, never on the event loop,
+so no body stalls other requests. A client that disconnects stops its turn, streamed or not,
+whether it is waiting for the model, prefilling or decoding.
+
 Client errors are 4xx with an OpenAI-shaped body `{"error": {"message", "type", "param",
-"code"}}`, never a 500: 400 for malformed or unsupported input and prompts over the context,
-404 for unknown routes and sessions, 409 for deleting a session in use, 413 for a body over
-`max_body_bytes`, 422 for well-formed `/chat` pin rules or policy overrides that cannot be
-applied, 429 when too many requests wait for the model, 503 when one waited too long. A
-server-side failure is a 500 with the same shape.
+"code"}}`, never a 500: 400 for malformed or unsupported input, a Host not allowed and
+prompts over the context or the KV cap, 401 without the API key (when one is set), 404 for
+unknown routes and sessions, 405 (with `Allow`) for a wrong method, 409 for deleting a
+session in use, 413 for a body over `max_body_bytes`, 422 for well-formed `/chat` pin rules or
+policy overrides that cannot be applied, 429 when too many requests wait for the model, 503
+when one waited too long. A server-side failure is a 500 with the same shape. The OpenAPI
+document (`/openapi.json`) lists these per route (`api.openapi_doc`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -28,31 +36,54 @@ from typing import Annotated
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_kv.engine import check_policy_precision
-from agent_kv.errors import ConfigError, ContextOverflowError
+from agent_kv.errors import (
+    ConfigError,
+    ContextOverflowError,
+    KVCapacityError,
+    TurnCancelled,
+)
 from agent_kv.policies import Policy, make_policy
 from agent_kv.protection import PinRules
 from agent_kv.sampling import SamplingParams
-from agent_kv.service import ChatService, ChatTurn, QueueFullError, QueueTimeoutError
+from agent_kv.service import (
+    Admission,
+    ChatService,
+    ChatTurn,
+    QueueFullError,
+    QueueTimeoutError,
+)
 from agent_kv.sessions import SessionBusyError
+from api.access import AccessControl
 from api.body_limit import BodyLimit
 from api.metrics import ServerMetrics
+from api.openapi_doc import error_responses, openapi_without_validation_422
 from api.schemas import (
+    SESSION_ID_CHARS,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    DeletedSession,
     ErrorDetail,
     ErrorResponse,
+    Health,
     KVStats,
+    ModelCard,
+    ModelList,
     NativeChatRequest,
     NativeChatResponse,
     PromptTokensDetails,
     SamplingFields,
+    SessionInfo,
+    SessionList,
     Timing,
+    TokenizeChat,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 
@@ -61,6 +92,20 @@ MAX_BODY_BYTES = 8 * 2**20
 """Request bodies above this many bytes are refused with a 413."""
 RETRY_AFTER_S = 5
 """The `Retry-After` a 429 or 503 suggests, in seconds."""
+SessionHeader = Annotated[
+    str | None, Header(min_length=1, max_length=SESSION_ID_CHARS, description="Session id")
+]
+SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: `data` is a `chat.completion.chunk` as JSON, an "
+    "`error` object as JSON, or `[DONE]`.",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+"""The OpenAPI schema of one event of a streamed reply."""
+CLIENT_CLOSED = 499
+"""The status recorded (in `/metrics`) for a request whose client went away; nobody reads
+the response."""
 
 
 class APIError(Exception):
@@ -73,22 +118,69 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None):
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+):
     """A JSONResponse with an OpenAI-shaped error body (and `Retry-After` on 429 and 503)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-    return JSONResponse(status_code=status, content=body.model_dump(), headers=headers)
+    headers = dict(headers or {})
+    if status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(status_code=status, content=body.model_dump(), headers=headers or None)
 
 
 def create_app(
-    service: ChatService, model_name: str, max_body_bytes: int = MAX_BODY_BYTES
+    service: ChatService,
+    model_name: str,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    sweep_interval_s: float | None = None,
 ) -> FastAPI:
-    """The API serving `service`'s engine under the model id `model_name`."""
-    app = FastAPI(title="agent_kv", version="0.1.0")
+    """The API serving `service`'s engine under the model id `model_name`.
+
+    Args:
+        service: runs the chat turns.
+        model_name: the id `/v1/models` and replies give.
+        max_body_bytes: larger request bodies are a 413.
+        api_key: every route but `/health` needs `Authorization: Bearer <api_key>`; None for
+            no key.
+        allowed_hosts: `Host` names served (`api.access`); None serves any.
+        sweep_interval_s: how often, in seconds, idle sessions are expired while the server
+            runs (`SessionStore.sweep`); default a quarter of the session TTL, at most 60 s;
+            no sweeping without a TTL.
+    """
+    ttl = service.sessions.idle_ttl_s
+    if sweep_interval_s is None and ttl is not None:
+        sweep_interval_s = min(max(ttl / 4, 0.05), 60.0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        sweeper = None
+        if sweep_interval_s is not None:
+            sweeper = asyncio.create_task(_sweep(service, sweep_interval_s))
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+
+    app = FastAPI(title="agent_kv", version="0.1.0", lifespan=lifespan)
+    app.openapi = openapi_without_validation_422(app)
     engine = service.engine
     metrics = ServerMetrics(service.sessions)
-    routes = {"/v1/chat/completions", "/chat", "/v1/models", "/health", "/metrics"}
+    routes = {
+        "/v1/chat/completions", "/chat", "/tokenize", "/v1/models", "/health", "/metrics",
+        "/sessions",
+    }  # fmt: skip
+    key_error = (401,) if api_key is not None else ()
+    post_errors = (400, *key_error, 413)
+    chat_errors = (*post_errors, 429, 503)
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
@@ -101,6 +193,9 @@ def create_app(
         return response
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, reject=error_response)
+    app.add_middleware(
+        AccessControl, reject=error_response, api_key=api_key, allowed_hosts=allowed_hosts
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
@@ -108,77 +203,113 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, err: RequestValidationError):
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
+        errors = err.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        # the deepest location is the most specific: of a union's branches, the one that
+        # got furthest (a list of text parts rather than "not a string")
+        first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_name(first["loc"])
         return error_response(400, f"{param or 'body'}: {first['msg']}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), None, None)
+        return error_response(err.status_code, str(err.detail), None, None, err.headers)
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, err: Exception):
         return error_response(500, f"internal error: {type(err).__name__}: {err}", None, None)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name, "policy": engine.policy.name}
+    @app.get("/health", responses=error_responses(400))
+    async def health() -> Health:
+        """Liveness: the model id and the default policy (served without the API key)."""
+        return Health(status="ok", model=model_name, policy=engine.policy.name)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "agent_kv"}
-        return {"object": "list", "data": [entry]}
+    @app.get("/v1/models", responses=error_responses(400, *key_error))
+    async def models() -> ModelList:
+        """The one model served."""
+        return ModelList(data=[ModelCard(id=model_name, created=0, owned_by="agent_kv")])
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **error_responses(400, *key_error),
+        },
+    )
     async def prometheus() -> Response:
+        """Prometheus metrics in the text exposition format."""
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str) -> dict:
+    @app.get("/sessions", responses=error_responses(400, *key_error))
+    async def list_sessions() -> SessionList:
+        """Every session known, in memory or on disk, least recently used first."""
+        summaries = await run_in_threadpool(service.sessions.describe)
+        return SessionList(data=[SessionInfo.model_validate(asdict(s)) for s in summaries])
+
+    @app.delete("/sessions/{session_id}", responses=error_responses(400, *key_error, 404, 409))
+    async def delete_session(session_id: str) -> DeletedSession:
+        """Forget a session, in memory and on disk."""
         try:
-            deleted = service.sessions.drop(session_id)
+            deleted = await run_in_threadpool(service.sessions.drop, session_id)
         except SessionBusyError as err:
             raise APIError(409, str(err), "session_id", "session_busy") from None
         if not deleted:
             raise APIError(404, f"no session {session_id!r}", "session_id", "not_found")
-        return {"id": session_id, "deleted": True}
+        return DeletedSession(id=session_id, deleted=True)
 
-    async def run_turn(*args, **kwargs) -> ChatTurn:
-        turn = await run_in_threadpool(_run, service, *args, **kwargs)
-        metrics.observe(turn)
-        return turn
+    @app.post("/tokenize", responses=error_responses(*post_errors))
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of plain text, or of a conversation as a chat turn would prefill it."""
+        tokens = await run_in_threadpool(_tokenize, service, request)
+        limit = engine.model.config.max_position_embeddings
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=limit)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletion,
+        responses={
+            200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+            **error_responses(*chat_errors),
+        },
+    )
     async def chat_completions(
         request: ChatCompletionRequest,
+        raw: Request,
         response: Response,
-        x_session_id: Annotated[str | None, Header()] = None,
+        x_session_id: SessionHeader = None,
     ) -> ChatCompletion:
+        """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
         _refuse_unsupported(request)
         params = _sampling(request, request.max_completion_tokens)
         messages = [m.as_dict() for m in request.messages]
         session_id = x_session_id or request.user
-        _check_fits(service, messages, params)
+        admission = _admit(service)
         if request.stream:
-            if service.queue_full():
-                raise APIError(429, "too many requests are waiting for the model", None, "busy")
-            stream = _stream(service, metrics, session_id, messages, params, request, model_name)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        turn = await run_turn(messages, params, session_id)
-        if turn.kv.session_id.isascii() and turn.kv.session_id.isprintable():
-            response.headers["X-Session-Id"] = turn.kv.session_id  # also in the body's `kv`
+            return await _stream(
+                service, metrics, raw, admission, session_id, messages, params, request,
+                model_name,
+            )  # fmt: skip
+        turn = await _run_watched(raw, admission, metrics, service, messages, params, session_id)
+        _set_session_header(response.headers, turn.kv.session_id)
         return _completion(model_name, turn)
 
-    @app.post("/chat", response_model=NativeChatResponse)
-    async def chat(request: NativeChatRequest) -> NativeChatResponse:
+    @app.post(
+        "/chat",
+        response_model=NativeChatResponse,
+        responses=error_responses(*chat_errors, 422),
+    )
+    async def chat(request: NativeChatRequest, raw: Request) -> NativeChatResponse:
+        """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
         params = _sampling(request)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         policy = None if request.policy is None else _policy(request, service)
-        _check_fits(service, messages, params, policy)
-        turn = await run_turn(messages, params, request.session_id, rules, policy)
+        admission = _admit(service)
+        turn = await _run_watched(
+            raw, admission, metrics, service, messages, params, request.session_id, rules, policy
+        )
         return NativeChatResponse(
             session_id=turn.kv.session_id,
             message=AssistantMessage(content=turn.reply.text),
@@ -193,6 +324,60 @@ def create_app(
         )
 
     return app
+
+
+async def _sweep(service: ChatService, interval_s: float) -> None:
+    """Expire idle sessions every `interval_s` seconds, off the event loop."""
+    while True:
+        await asyncio.sleep(interval_s)
+        await run_in_threadpool(service.sessions.sweep)
+
+
+def _admit(service: ChatService) -> Admission:
+    """The request's place in the queue; a 429 when it is full."""
+    try:
+        return service.admit()
+    except QueueFullError as err:
+        raise APIError(429, str(err), None, "busy") from None
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set `cancel` when the client disconnects (the body has been read, so the next ASGI
+    message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+async def _run_watched(raw: Request, admission: Admission, metrics, service, *args) -> ChatTurn:
+    """Run a turn in a worker thread, cancelled if the client disconnects meanwhile."""
+    cancel = threading.Event()
+    watcher = asyncio.create_task(_watch_disconnect(raw, cancel))
+    try:
+        turn = await run_in_threadpool(_run, service, *args, cancel=cancel, admission=admission)
+    finally:
+        watcher.cancel()
+        admission.release()
+    metrics.observe(turn)
+    return turn
+
+
+def _set_session_header(headers, session_id: str) -> None:
+    """`X-Session-Id: session_id` (also in the body's `kv`), when a header can carry it."""
+    if session_id.isascii() and session_id.isprintable():
+        headers["X-Session-Id"] = session_id
+
+
+def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
+    if isinstance(request, TokenizeChat):
+        try:
+            return service.prompt_ids([m.as_dict() for m in request.messages])
+        except ConfigError as err:
+            raise APIError(400, str(err), "messages", "invalid_value") from None
+    tokenizer = service.engine.tokenizer
+    return tokenizer(request.content, add_special_tokens=request.add_special)["input_ids"]
 
 
 def _pin_rules(request: NativeChatRequest) -> PinRules:
@@ -229,20 +414,16 @@ def _run(service: ChatService, *args, **kwargs) -> ChatTurn:
         return service.run(*args, **kwargs)
     except ContextOverflowError as err:
         raise APIError(400, str(err), "messages", "context_length_exceeded") from None
+    except KVCapacityError as err:
+        raise APIError(400, str(err), "messages", "kv_capacity_exceeded") from None
     except ConfigError as err:  # e.g. a policy override the session's cache cannot take
         raise APIError(422, str(err), "policy", "unprocessable") from None
     except QueueFullError as err:
         raise APIError(429, str(err), None, "busy") from None
     except QueueTimeoutError as err:
         raise APIError(503, str(err), None, "timeout") from None
-
-
-def _check_fits(service, messages, params, policy=None) -> None:
-    """A 400 for a prompt that cannot fit the model's context, before any compute."""
-    try:
-        service.check_fits(len(service.prompt_ids(messages)), params.max_new_tokens, policy)
-    except ContextOverflowError as err:
-        raise APIError(400, str(err), "messages", "context_length_exceeded") from None
+    except TurnCancelled as err:
+        raise APIError(CLIENT_CLOSED, str(err), None, "client_closed") from None
 
 
 def _usage(turn: ChatTurn) -> Usage:
@@ -273,16 +454,65 @@ def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
     )
 
 
-async def _stream(service, metrics, session_id, messages, params, request, model_name):
-    """Server-sent events of one request: a role chunk, content chunks as the reply grows, a
-    final chunk with the finish reason and the cache's figures (`kv`, as in a plain reply), a
-    usage chunk when `stream_options.include_usage`, then `data: [DONE]`. The model runs in a
-    worker thread; its text reaches this generator through a queue. An error after the stream
-    began is sent as an `error` event with the status's type and code (`busy`, `timeout`,
-    `context_length_exceeded`)."""
-    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+async def _stream(
+    service, metrics, raw, admission, session_id, messages, params, request, model_name
+) -> StreamingResponse:
+    """Start a streamed turn and answer once it holds the model and its session, so errors
+    before that (bad text, context or KV cap, queue timeout) keep their HTTP status and the
+    response carries `X-Session-Id`.
+
+    The stream: a role chunk, content chunks as the reply grows, a final chunk with the
+    finish reason and the cache's figures (`kv`, as in a plain reply), a usage chunk when
+    `stream_options.include_usage`, then `data: [DONE]`. The model runs in a worker thread;
+    its text reaches the stream through a queue. An error after the stream began is sent as
+    an `error` event with the status's type and code. A client that leaves, before or during
+    the stream, cancels the turn at its next check; the session keeps every token decoded."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    started: asyncio.Future = loop.create_future()
+    cancel = threading.Event()
+
+    def put(kind: str, value) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+    def begin(sid: str) -> None:
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_result(sid))
+
+    def fail_start(err: Exception) -> None:
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_exception(err))
+
+    def work() -> None:
+        try:
+            turn = _run(
+                service, messages, params, session_id, on_text=lambda text: put("text", text),
+                cancel=cancel, admission=admission, on_start=begin,
+            )  # fmt: skip
+            put("done", turn)
+        except Exception as err:  # before the stream began: the response; after: an event
+            fail_start(err)
+            put("error", err)
+        finally:
+            admission.release()
+
+    watcher = asyncio.create_task(_watch_disconnect(raw, cancel))
+    worker = loop.run_in_executor(None, work)
+    try:
+        sid = await started
+    except BaseException:
+        cancel.set()
+        raise
+    finally:
+        watcher.cancel()
+    headers: dict[str, str] = {}
+    _set_session_header(headers, sid)
+    body = _events(queue, metrics, request, model_name, cancel, worker)
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, worker):
+    """The stream's events, from the worker's queue up to the finish (or error) event and
+    `data: [DONE]`; leaving early (the client went away) cancels the turn."""
+    chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def event(choices: list, **extra) -> str:
         body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created}
@@ -292,62 +522,34 @@ async def _stream(service, metrics, session_id, messages, params, request, model
     def delta(content: dict, finish: str | None = None) -> list:
         return [{"index": 0, "delta": content, "finish_reason": finish}]
 
-    abandoned = threading.Event()  # the client went away: stop decoding at the next piece
-
-    def on_text(text: str) -> None:
-        if abandoned.is_set():
-            raise StreamAbandoned
-        loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
-
-    def work():
-        try:
-            turn = _run(service, messages, params, session_id, on_text=on_text)
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", turn))
-        except StreamAbandoned:
-            return
-        except Exception as err:  # sent to the client as an error event
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
-
-    yield event(delta({"role": "assistant", "content": ""}))
-    task = loop.run_in_executor(None, work)
     try:
-        async for chunk in _events(queue, metrics, request, event, delta):
-            yield chunk
+        yield event(delta({"role": "assistant", "content": ""}))
+        while True:
+            kind, value = await queue.get()
+            if kind == "text":
+                yield event(delta({"content": value}))
+                continue
+            if kind == "error":
+                yield f"data: {json.dumps({'error': _error_detail(value).model_dump()})}\n\n"
+            else:
+                metrics.observe(value)
+                kv = KVStats.model_validate(asdict(value.kv)).model_dump()
+                yield event(delta({}, value.reply.finish_reason), kv=kv)
+                if request.stream_options and request.stream_options.include_usage:
+                    yield event([], usage=_usage(value).model_dump())
+            break
     finally:  # also when the client disconnects and this generator is closed
-        abandoned.set()
-    await task
+        cancel.set()
+    await worker
     yield "data: [DONE]\n\n"
 
 
-class StreamAbandoned(Exception):
-    """Raised inside a streamed turn's decode loop once its client has gone, to free the
-    model; the session keeps every token decoded so far."""
-
-
-async def _events(queue: asyncio.Queue, metrics, request, event, delta):
-    """The stream's events after the role chunk, from the worker's queue, up to the finish
-    (or error) event."""
-    while True:
-        kind, value = await queue.get()
-        if kind == "text":
-            yield event(delta({"content": value}))
-            continue
-        if kind == "error":
-            known = isinstance(value, APIError)
-            error = ErrorDetail(
-                message=value.message if known else str(value),
-                type="invalid_request_error" if known and value.status < 500 else "server_error",
-                param=value.param if known else None,
-                code=value.code if known else None,
-            )
-            yield f"data: {json.dumps({'error': error.model_dump()})}\n\n"
-        else:
-            metrics.observe(value)
-            kv = KVStats.model_validate(asdict(value.kv)).model_dump()
-            yield event(delta({}, value.reply.finish_reason), kv=kv)
-            if request.stream_options and request.stream_options.include_usage:
-                yield event([], usage=_usage(value).model_dump())
-        return
+def _error_detail(err: Exception) -> ErrorDetail:
+    """The error body of an exception raised after a stream began."""
+    if isinstance(err, APIError):
+        kind = "invalid_request_error" if err.status < 500 else "server_error"
+        return ErrorDetail(message=err.message, type=kind, param=err.param, code=err.code)
+    return ErrorDetail(message=str(err), type="server_error", param=None, code=None)
 
 
 UNSUPPORTED_FIELDS = (
@@ -372,11 +574,14 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _param_name(loc: tuple) -> str | None:
-    """`("body", "messages", 0, "role")` -> "messages.0.role"; union type tags are dropped."""
+    """`("body", "messages", 0, "role")` -> "messages.0.role"; union tags (type names such as
+    `str` or `list[TextPart]`, and model names such as `TokenizeText`) are dropped."""
     parts = [
         str(part)
         for part in loc[1:]
-        if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))
+        if not (
+            isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part[:1].isupper())
+        )
     ]
     return ".".join(parts) or None
 

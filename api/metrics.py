@@ -2,8 +2,9 @@
 
 Per turn: requests by endpoint and status, time to first token, decode seconds per token,
 prompt tokens reused from a session's cache vs prefilled, cache rebuilds, evictions and
-INT8 moves. Read at scrape time from the session store: KV bytes held, sessions in memory
-and on disk, sessions dropped and saved to disk.
+INT8 moves. Read at scrape time from the session store: KV bytes held (allocated, what the
+`--session-bytes` cap counts, and live), sessions in memory and on disk, sessions dropped
+and saved to disk.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class _SessionCollector(Collector):
         self.sessions = sessions
 
     def collect(self):
+        allocated = GaugeMetricFamily(
+            "agent_kv_kv_allocated_bytes",
+            "Allocated KV bytes (buffers with spare capacity) of all sessions in memory.",
+        )
+        allocated.add_metric([], self.sessions.allocated_bytes())
+        yield allocated
         kv = GaugeMetricFamily("agent_kv_kv_bytes", "Live KV bytes of all sessions in memory.")
         kv.add_metric([], self.sessions.kv_bytes())
         yield kv

@@ -1,27 +1,74 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic models)."""
+"""Request and response bodies of the API (pydantic models).
+
+Every string a client sends is checked to be valid Unicode (`Text`): JSON can carry a lone
+UTF-16 surrogate (`"\\ud800"`), which no tokenizer or regex engine takes, so it is refused
+as a 400 naming the field. Numbers are strict: `"0.5"` is not a temperature.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from annotated_types import Ge, Le
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
-    StrictInt,
     StringConstraints,
     field_validator,
 )
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+from agent_kv.policies import POLICIES
+
+SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
+"""Seeds a client may send: the integers every JSON parser reads exactly (I-JSON, RFC 7493
+§2.2), all within what `torch.Generator.manual_seed` takes."""
+SESSION_ID_CHARS = 256
+"""The longest session id (body field or `X-Session-Id` header), in characters."""
+
+
+def _valid_unicode(text: str) -> str:
+    """`text` unchanged, or a ValueError naming the first lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"not valid Unicode: a lone UTF-16 surrogate at character {err.start}"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+"""A client string: valid Unicode (no lone surrogates)."""
+Number = Annotated[float, Strict()]
+"""A JSON number (an integer or a float; never a string or a boolean)."""
+
+
+def _integral(value):
+    """`4.0` -> `4` (JSON Schema counts an integral number as an integer); others as given."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Count = Annotated[int, Strict(), BeforeValidator(_integral)]
+"""A JSON integer (`4` or `4.0`; never `"4"`, `4.5` or a boolean)."""
+PositiveCount = Annotated[int, Strict(), Ge(1), BeforeValidator(_integral)]
+NonNegativeCount = Annotated[int, Strict(), Ge(0), BeforeValidator(_integral)]
+Seed = Annotated[int, Strict(), Ge(SEED_RANGE[0]), Le(SEED_RANGE[1]), BeforeValidator(_integral)]
+SessionId = Annotated[Text, StringConstraints(min_length=1, max_length=SESSION_ID_CHARS)]
+PolicyName = Literal[tuple(POLICIES)]
+StopText = Annotated[Text, StringConstraints(min_length=1)]
+"""A stop string: non-empty."""
 
 
 class TextPart(BaseModel):
     """A text part of a message's content (OpenAI's `{"type": "text", "text": ...}`)."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -32,7 +79,7 @@ class ChatMessage(BaseModel):
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     pin: StrictBool = False
 
     def as_dict(self) -> dict:
@@ -62,19 +109,11 @@ class SamplingFields(BaseModel):
     """The conversation and sampling fields both chat endpoints take."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        values = [stop] if isinstance(stop, str) else stop or []
-        if any(not value for value in values):
-            raise ValueError("stop strings must be non-empty")
-        return stop
+    max_tokens: PositiveCount | None = None
+    temperature: Number = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
+    stop: StopText | list[StopText] | None = None
+    seed: Seed | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -82,12 +121,13 @@ class ChatCompletionRequest(SamplingFields):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    model: Text | None = None
+    max_completion_tokens: PositiveCount | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
-    user: str | None = Field(default=None, min_length=1, max_length=256)
+    n: Annotated[Count, Field(json_schema_extra={"enum": [1]})] = 1
+    """Only 1: other values are a 400 saying so."""
+    user: SessionId | None = None
 
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -99,12 +139,14 @@ class PinRulesBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     roles: list[Role] = ["system"]
-    latest_observations: StrictInt = Field(default=1, ge=0)
+    latest_observations: NonNegativeCount = 1
     observation_roles: list[Role] = ["tool"]
-    patterns: list[str] = []
+    patterns: list[Text] = []
+    """RE2 patterns; more than `protection.MAX_PATTERNS`, one over
+    `protection.MAX_PATTERN_CHARS` characters or one RE2 cannot compile is a 422."""
 
 
-PolicyText = Annotated[str, StringConstraints(strict=True, max_length=64)]
+PolicyText = Annotated[Text, StringConstraints(strict=True, max_length=64)]
 
 
 class PolicyOverride(BaseModel):
@@ -112,9 +154,9 @@ class PolicyOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    budget: StrictInt | None = Field(default=None, ge=1)
-    params: dict[str, StrictInt | float | PolicyText] = {}
+    name: PolicyName
+    budget: PositiveCount | None = None
+    params: dict[Text, Count | Number | PolicyText] = {}
     """Numbers, or short names such as ARKV's `quantized: "int8"`; `make_policy` checks each
     against its field (a 422 names the parameter)."""
 
@@ -124,7 +166,7 @@ class NativeChatRequest(SamplingFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_id: SessionId | None = None
     pin: PinRulesBody | None = None
     policy: PolicyOverride | None = None
 
@@ -228,3 +270,86 @@ class NativeChatResponse(BaseModel):
     usage: Usage
     kv: KVStats
     timing: Timing
+
+
+class TokenizeText(BaseModel):
+    """`POST /tokenize` of plain text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    content: Text
+    add_special: StrictBool = False
+    """Add the tokenizer's special tokens (BOS), as llama.cpp's `add_special`."""
+
+
+class TokenizeChat(BaseModel):
+    """`POST /tokenize` of a conversation, rendered with the chat template and the
+    generation prompt, as a chat turn would prefill it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+TokenizeRequest = TokenizeText | TokenizeChat
+"""`POST /tokenize` body: `content` or `messages`."""
+
+
+class TokenizeResponse(BaseModel):
+    """Token ids of a `POST /tokenize` request."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class SessionInfo(BaseModel):
+    """One session of `GET /sessions` (`SessionStore.describe`)."""
+
+    id: str
+    tokens: int
+    kv_bytes: int
+    kv_allocated_bytes: int
+    pinned_tokens: int
+    policy: str | None
+    last_used: float
+    where: Literal["memory", "disk"]
+    busy: bool
+
+
+class SessionList(BaseModel):
+    """`GET /sessions` response."""
+
+    object: Literal["list"] = "list"
+    data: list[SessionInfo]
+
+
+class DeletedSession(BaseModel):
+    """`DELETE /sessions/{id}` response."""
+
+    id: str
+    deleted: bool
+
+
+class Health(BaseModel):
+    """`GET /health` response."""
+
+    status: Literal["ok"]
+    model: str
+    policy: str
+
+
+class ModelCard(BaseModel):
+    """One model of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models` response."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -6,7 +6,7 @@ quantized together shares, per KV head and channel, one float16 scale
 as `x / scale` rounded to the nearest e4m3 number. E4m3 keeps 3 mantissa bits at every
 magnitude, so small values inside a run with one large outlier lose less than under INT8's
 uniform grid; dequantization is the same product, `code * scale` (`kernels.int8.dequantize`).
-ARKV (methods.md) keeps its quantized tier in FP8.
+ARKV keeps its quantized tier in FP8 (docs/methods.md, ARKV, "Tri-state cache").
 """
 
 from __future__ import annotations

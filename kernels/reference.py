@@ -318,7 +318,7 @@ def attention_profile(
     whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The shape of each query's attention distribution, the inputs of ARKV's per-layer
-    Original:Quantized ratio (methods.md, ARKV, "Per-layer OQ ratio").
+    Original:Quantized ratio (docs/methods.md, ARKV, "Per-layer OQ ratio").
 
     For query row i with `n_i` visible keys and weights `p` (a softmax over them):
     - normalised entropy `-sum p log p / log n_i`, in [0, 1] (1: uniform);

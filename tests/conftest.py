@@ -13,9 +13,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -28,29 +30,16 @@ def smollm() -> LoadedModel:
     return load_model()
 
 
-@pytest.fixture(scope="module")
-def live_service(smollm):
-    """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving the default model as
-    "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
-    modules are imported here, so that a broken API fails only the tests that use it."""
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its root
+    URL and stops it on exit."""
     import uvicorn
 
-    from agent_kv.engine import Engine
-    from agent_kv.policies import make_policy
-    from agent_kv.service import ChatService
-    from api.app import create_app
-
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    service = ChatService(engine)
-    config = uvicorn.Config(
-        create_app(service, "smollm2-135m"),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-    )
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -58,9 +47,27 @@ def live_service(smollm):
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}", service
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live_service(smollm):
+    """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving the default model as
+    "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
+    modules are imported here, so that a broken API fails only the tests that use it."""
+    from agent_kv.engine import Engine
+    from agent_kv.policies import make_policy
+    from agent_kv.service import ChatService
+    from api.app import create_app
+
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    service = ChatService(engine)
+    with serving(create_app(service, "smollm2-135m")) as url:
+        yield url, service
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ async def test_chat_completion_reports_usage_and_kv(client):
             },
             "tools",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop.0"),
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, "max_tokens"),

@@ -140,7 +140,7 @@ async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, ser
     [
         ({"pin": {"patterns": ["(unclosed"]}}, 422, "pin.patterns"),
         ({"policy": {"name": "conf-kv", "params": {"tau": 3.0}}}, 422, "policy"),
-        ({"policy": {"name": "lru"}}, 422, "policy"),
+        ({"policy": {"name": "lru"}}, 400, "policy.name"),
         ({"policy": {"name": "full", "budget": 64}}, 422, "policy"),
         ({"policy": {"name": "arkv", "params": {"quantized": "fp4"}}}, 422, "policy"),
         ({"policy": {"name": "window", "params": {"window": "big"}}}, 422, "policy"),

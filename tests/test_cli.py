@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import queue
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 CLI = [sys.executable, "-m", "agent_kv.cli"]
@@ -164,3 +169,104 @@ def test_usage_errors_are_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     assert_one_line_error(run_cli("run-episode", "--task", "1", "--out", str(afile)), "cannot use")
+
+
+TORCH_PROBE = (
+    "import sys; from agent_kv.cli import main; code = main(); "
+    "print('torch imported:', 'torch' in sys.modules, 'exit:', code)"
+)
+"""`python -c TORCH_PROBE ARGS...` runs the command line on ARGS in-process, then says
+whether torch was imported."""
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--help"], "run-episode"),
+        (["run-episode", "--help"], "--threads"),
+        (["serve", "--help"], "--threads"),
+        (["run-episode", "--task", "1", "--bogus"], "No such option"),
+        (["run-episode", "--task", "1", "--policy", "lru"], "unknown policy 'lru'"),
+        (["run-episode", "--task", "1", "--budget", "-3"], "--budget"),
+        (["run-episode", "--task", "1", "--threads", "0"], "--threads"),
+        (["bench", "--tasks", "1", "--out", "unused", "--policies", "lru"], "unknown policy"),
+        (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
+        (["sites", "--sites", "bank"], "unknown site 'bank'"),
+    ],
+)
+def test_help_and_usage_errors_do_not_import_torch(args, needle):
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, *args], capture_output=True, text=True, timeout=120
+    )
+    *_, last = proc.stdout.strip().splitlines()
+    assert last.startswith("torch imported: False exit: "), proc.stdout + proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert last.endswith("exit: 0" if "--help" in args else "exit: 2")
+
+
+def test_agent_kv_threads_is_checked_before_the_model():
+    proc = run_cli("run-episode", "--task", "1", env_extra={"AGENT_KV_THREADS": "lots"})
+    assert_one_line_error(proc, "AGENT_KV_THREADS must be a whole number")
+
+
+def read_lines_until(stream, done, timeout: float) -> list[str]:
+    """Lines of `stream` up to the first for which `done(line)` holds; AssertionError if the
+    stream ends first, queue.Empty after `timeout` seconds without it. A thread goes on
+    reading the stream, so the process never blocks on a full pipe."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen, deadline = [], time.monotonic() + timeout
+    while not seen or not done(seen[-1]):
+        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        if line is None:
+            raise AssertionError(f"the stream ended before the line wanted: {seen}")
+        seen.append(line)
+    return seen
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.model
+@pytest.mark.enable_socket
+def test_serve_says_when_it_loads_and_when_it_is_ready():
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        lines = read_lines_until(proc.stderr, lambda line: "ready on" in line, timeout=300)
+        assert lines[0].startswith("loading model SmolLM2-135M-Instruct")
+        assert lines[-1] == f"ready on http://127.0.0.1:{port}"
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.enable_socket
+def test_sites_serves_until_stopped():
+    proc = subprocess.Popen(
+        [*CLI, "sites", "--sites", "classifieds,forum"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        lines = read_lines_until(proc.stdout, lambda line: line.startswith("forum"), timeout=120)
+        assert [line.split()[0] for line in lines] == ["classifieds", "forum"]
+        classifieds, forum = (line.split()[1] for line in lines)
+        assert classifieds.startswith("http://127.0.0.1:") and "log in" not in lines[0]
+        assert f"{forum}/login as agent / agent-kv-test" in lines[1]
+        page = httpx.get(classifieds, timeout=30)
+        assert page.status_code == 200 and "<html" in page.text.lower()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0  # SIGTERM stops the servers as Ctrl-C does

@@ -152,3 +152,14 @@ def test_round_trips_through_load():
     loaded = load(serialised, valid_namespaces=["agent_kv"], allowed_objects=[ChatAgentKV])
     assert loaded.asdict() == model.asdict()
     assert (loaded.session_id, loaded.model_name, loaded.stop) == ("ep", "m", ["\n"])
+
+
+def test_the_api_key_is_sent_as_a_bearer_token(monkeypatch):
+    monkeypatch.delenv("AGENT_KV_API_KEY", raising=False)
+    assert "authorization" not in ChatAgentKV(base_url="http://x")._client().headers
+    given = ChatAgentKV(base_url="http://x", api_key="sk-given")
+    assert given._client().headers["authorization"] == "Bearer sk-given"
+    monkeypatch.setenv("AGENT_KV_API_KEY", "sk-env")
+    from_env = ChatAgentKV(base_url="http://x")
+    assert from_env._async_client().headers["authorization"] == "Bearer sk-env"
+    assert "sk-env" not in repr(from_env) and "api_key" not in from_env.to_json()["kwargs"]

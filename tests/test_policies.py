@@ -8,7 +8,8 @@ from helpers import kept_positions, random_tokens
 
 from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
-from agent_kv.policies import ConfKV, make_policy
+from agent_kv.policies import POLICIES, ConfKV, make_policy
+from agent_kv.policy_names import POLICY_NAMES
 from agent_kv.store import KVStore
 
 
@@ -233,3 +234,7 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
     policy.step(store, None)
     assert store.lengths() == [10, 10]
     assert kept_positions(store) == list(range(90, 100))
+
+
+def test_the_torch_free_name_list_is_the_registry():
+    assert tuple(POLICIES) == POLICY_NAMES

@@ -51,7 +51,7 @@ def test_roles_flags_latest_observation_and_patterns(smollm):
 
 
 def test_bad_rules_are_configuration_errors(smollm):
-    with pytest.raises(ConfigError, match="does not compile"):
+    with pytest.raises(ConfigError, match="not valid RE2 syntax"):
         protected_spans(smollm.tokenizer, MESSAGES, PinRules(patterns=("(unclosed",)))
     with pytest.raises(ConfigError, match="latest_observations"):
         PinRules(latest_observations=-1).validate()

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from agent_kv.engine import Engine
+from agent_kv.errors import KVCapacityError
 from agent_kv.policies import make_policy
 from agent_kv.sampling import SamplingParams
 from agent_kv.sessions import HistorySync, SessionBusyError, SessionStore, sync_history
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
+SLOTS = 256  # a store's first allocation: 256 token slots per layer
+SESSION_BYTES = SLOTS * BYTES_PER_TOKEN  # what a session of up to 256 tokens allocates
 
 
 class FakeClock:
@@ -36,12 +39,13 @@ def feed(store: SessionStore, sid: str, tokens: list[int]) -> torch.Tensor:
 
 def test_least_recently_used_idle_session_leaves_memory_first(engine):
     clock = FakeClock()
-    store = SessionStore(engine, max_kv_bytes=250 * BYTES_PER_TOKEN, clock=clock)
+    store = SessionStore(engine, max_kv_bytes=2 * SESSION_BYTES + 1, clock=clock)
     for t, sid in enumerate(["a", "b", "c"]):
         clock.now = float(t)
         feed(store, sid, list(range(10, 110)))  # 100 tokens each
     assert store.in_memory() == ["b", "c"] and store.dropped == 1
     assert store.kv_bytes() == 200 * BYTES_PER_TOKEN
+    assert store.allocated_bytes() == 2 * SESSION_BYTES
     clock.now = 3.0
     feed(store, "b", [5])  # b is now the most recent: c goes next
     clock.now = 4.0
@@ -51,9 +55,7 @@ def test_least_recently_used_idle_session_leaves_memory_first(engine):
 
 def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
     clock = FakeClock()
-    store = SessionStore(
-        engine, max_kv_bytes=150 * BYTES_PER_TOKEN, spill_dir=tmp_path, clock=clock
-    )
+    store = SessionStore(engine, max_kv_bytes=SESSION_BYTES, spill_dir=tmp_path, clock=clock)
     feed(store, "a", list(range(10, 110)))
     clock.now = 1.0
     feed(store, "b", list(range(20, 120)))  # over the cap: a is saved to disk
@@ -68,10 +70,11 @@ def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
 
 def test_idle_sessions_expire_and_in_flight_ones_never_leave(engine):
     clock = FakeClock()
-    store = SessionStore(engine, max_kv_bytes=50 * BYTES_PER_TOKEN, idle_ttl_s=10, clock=clock)
+    store = SessionStore(engine, max_kv_bytes=SESSION_BYTES, idle_ttl_s=10, clock=clock)
     with store.use("busy") as busy:
-        engine.feed(busy, list(range(10, 110)))  # alone above the cap, but in flight
-        feed(store, "other", list(range(10, 20)))
+        engine.feed(busy, list(range(10, 310)))  # outgrows the cap, but in flight
+        with pytest.raises(KVCapacityError, match="held by requests in flight"):
+            feed(store, "other", list(range(10, 20)))  # no room beside it: refused
         assert "busy" in store.in_memory() and "other" not in store.ids()
         with pytest.raises(SessionBusyError):
             store.drop("busy")

@@ -1,4 +1,5 @@
-"""The evaluation suite: each experiment of methods.md rerun on the loaded model.
+"""The evaluation suite: each claim of docs/methods.md ("CONF-KV claims and figures", "ARKV
+claims and figures") rerun on the loaded model.
 
 `agent-kv eval NAME [--out DIR] [--quick]` runs one experiment (or `all`, in this order),
 prints its tables and writes `summary.md`, `results.json` and its plots under `DIR/NAME`.

@@ -1,4 +1,5 @@
-"""Ablations of CONF-KV (methods.md, CONF-KV: random eviction 36.54 vs CONF-KV 30.92 PPL).
+"""Ablations of CONF-KV (docs/methods.md, "CONF-KV claims and figures": random eviction 36.54
+vs CONF-KV 30.92 PPL).
 
 Every row scores the same segments teacher-forced, as `agent_kv.evals.perplexity` does, and
 starts from the reference: CONF-KV with INT8 mixed precision, `N_low` the tokens that fit in

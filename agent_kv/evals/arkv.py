@@ -1,5 +1,6 @@
-"""ARKV on long-context key-value retrieval (methods.md, ARKV: 4x lower KV memory with 97.2%
-of the baseline's accuracy on LongBench; ~14.4% of tokens quantized; ~86% of its tokens/s).
+"""ARKV on long-context key-value retrieval (docs/methods.md, "ARKV claims and figures": 4x
+lower KV memory with 97.2% of the baseline's accuracy on LongBench; ~14.4% of tokens
+quantized; ~86% of its tokens/s).
 
 The QA set is built offline from the packaged text: a context of `context` tokens of the text
 carries `facts` sentences " The code of the <colour> <thing> is <4 digits>. " at evenly spread

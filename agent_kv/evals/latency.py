@@ -1,7 +1,8 @@
 """Decode latency and throughput, full KV against CONF-KV, over context length and batch size.
 
-methods.md (CONF-KV, claims): "Per-step latency 1.8x lower than full KV (GPT-2 and Qwen-32B);
-at batch size 8, 2.06x the full-KV throughput." Rerun here on the loaded model, on this CPU:
+The claims (docs/methods.md, "CONF-KV claims and figures"): a decode step 1.8x faster than
+with full KV (GPT-2, Qwen-32B), and at batch size 8 2.06x full KV's throughput. Rerun here on
+the loaded model, on this CPU:
 
 - **Batch 1.** For each context length the first `L` tokens of the long text are prefilled
   (chunks of 512) under `full` and under `conf-kv` at one budget (`n_low` = budget, `n_high` =
@@ -41,9 +42,11 @@ from agent_kv.sampling import SamplingParams
 from agent_kv.session import Session
 
 PAPER_SPEEDUP = 1.8
-"""CONF-KV's per-step latency reduction over full KV (methods.md), x."""
+"""CONF-KV's per-step latency reduction over full KV (docs/methods.md, "CONF-KV claims and
+figures"), x."""
 PAPER_BATCH_THROUGHPUT = 2.06
-"""CONF-KV's throughput over full KV at batch size 8 (methods.md), x."""
+"""CONF-KV's throughput over full KV at batch size 8 (docs/methods.md, "CONF-KV claims and
+figures"), x."""
 BATCH = 8
 """Rows of the batched measurement (the paper's batch size)."""
 POLICIES = ("full", "conf-kv")
@@ -257,7 +260,7 @@ def run(ctx: EvalContext) -> Report:
     fit = _fit(single)
     return Report(
         experiment="latency",
-        title="Latency and throughput: full KV vs CONF-KV (methods.md, CONF-KV systems claims)",
+        title="Latency and throughput: full KV vs CONF-KV (docs/methods.md, CONF-KV claims)",
         setup=_setup(ctx, size, contexts, threads),
         tables=[_latency_table(single, size), _memory_table(single), _batch_table(batched, size)],
         figures=[figure],

@@ -1,9 +1,9 @@
 """Mechanistic check: does CONF-KV's confidence predict how much evicting context hurts?
 
-The claim (methods.md, CONF-KV, "Claims and figures"): "the confidence score correlates with
-the KL shift caused by evicting recent context at Pearson r = -0.77 (low confidence = more
-context needed)". The paper (GPT-2) leaves the eviction, the text and the sampling open; this
-experiment decides them as follows.
+The claim (docs/methods.md, "CONF-KV claims and figures"): CONF-KV's confidence and the KL
+shift that evicting recent context causes correlate at Pearson r = -0.77 (the less confident
+the model, the more it needs the context). The paper (GPT-2) leaves the eviction, the text
+and the sampling open; this experiment decides them as follows.
 
 Setup. Text slices of `ctx.text_ids` (full size: 4 non-overlapping slices of 2048 tokens spread
 evenly over the text; quick: one slice of 768 tokens from its start) are teacher-forced through
@@ -69,7 +69,8 @@ from agent_kv.policies import make_policy
 from agent_kv.session import Session
 
 PAPER_R = -0.77
-"""Pearson r between confidence and the KL shift of evicting recent context (methods.md)."""
+"""Pearson r between confidence and the KL shift of evicting recent context (docs/methods.md,
+"CONF-KV claims and figures")."""
 
 RECENT_KEEP = 16  # variant a: newest tokens kept
 RECENT_SPAN = 256  # variant a: tokens evicted just before them

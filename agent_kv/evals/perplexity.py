@@ -1,4 +1,5 @@
-"""Perplexity at equal KV memory (methods.md, CONF-KV claims: GPT-2, 2,048 tokens).
+"""Perplexity at equal KV memory (docs/methods.md, "CONF-KV claims and figures": GPT-2, 2,048
+tokens).
 
 Each policy scores the same text teacher-forced (`Engine.score`, 16 tokens per forward call,
 the policy stepping after each call with the confidence of the call's last next-token

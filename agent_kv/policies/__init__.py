@@ -15,6 +15,7 @@ from agent_kv.policies.full import FullKV
 from agent_kv.policies.h2o import H2O
 from agent_kv.policies.random_eviction import RandomEviction
 from agent_kv.policies.window import SlidingWindow
+from agent_kv.policy_names import check_policy_name
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -42,8 +43,7 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     Raises:
         ConfigError: unknown name, unknown parameter, or invalid values.
     """
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
+    check_policy_name(name)
     cls = POLICIES[name]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - fields)

@@ -1,4 +1,4 @@
-"""ARKV: an adaptive tri-state KV cache under a memory budget (methods.md, ARKV).
+"""ARKV: an adaptive tri-state KV cache under a memory budget (docs/methods.md, ARKV).
 
 Every live token is Original (the model's dtype), Quantized (FP8 `float8_e4m3fn` or INT8,
 per-channel scales over groups of tokens, `kernels.formats`) or Evicted. Each step, per layer:

@@ -3,9 +3,10 @@
 A policy answers two questions each step (after every forward call, prefill chunk or decode
 token): how many tokens may each layer keep (`budget`, from the current confidence), and how
 much is each live token worth keeping (`rank`). The shared step here does the rest, the same
-for every policy (style.md, kvpress): protect the `protect_recent` newest tokens and the pinned
-ones, take the top-ranked others up to the budget (which counts unpinned tokens only), compact
-the store, and move what left the FP window into INT8 when the store keeps mixed precision.
+for every policy (docs/architecture.md, Decisions, "One policy interface"; docs/methods.md,
+"Shared eviction step"): protect the `protect_recent` newest tokens and the pinned ones, take
+the top-ranked others up to the budget (which counts unpinned tokens only), compact the store,
+and move what left the FP window into INT8 when the store keeps mixed precision.
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ class Policy(ABC):
         """Per-layer budgets for this step; default: `budget(confidence)` in every layer."""
         budget = self.budget(confidence)
         return None if budget is None else [budget] * num_layers
+
+    def max_kept_tokens(self, num_layers: int) -> list[int] | None:
+        """Per layer, the most unpinned tokens the layer can keep after any step, whatever the
+        confidence; None when the policy keeps everything or bounds bytes rather than tokens
+        (a quantized tier fits more tokens than FP ones in the same bytes). Default: the
+        no-signal budgets, the largest a confidence gate gives (`n_low >= n_high`)."""
+        if self.manages_precision:
+            return None
+        return self.layer_budgets(None, num_layers)
 
     def rank(
         self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor

@@ -1,4 +1,5 @@
-"""CONF-KV: confidence-gated budgets with attention-and-recency ranking (methods.md, CONF-KV).
+"""CONF-KV: confidence-gated budgets with attention-and-recency ranking (docs/methods.md,
+CONF-KV).
 
 Each step the confidence `c` of the last next-token distribution (`agent_kv.confidence`, §1)
 picks the budget (§2): `n_high` tokens when `c >= tau` (confident: tight budget), `n_low`

@@ -1,4 +1,4 @@
-"""CONF-KV-L: CONF-KV with pyramid per-layer budgets (methods.md, CONF-KV §4).
+"""CONF-KV-L: CONF-KV with pyramid per-layer budgets (docs/methods.md, CONF-KV-L).
 
 Deeper layers concentrate their attention on fewer tokens, so they get smaller budgets
 (PyramidKV, Cai et al. 2024). The schedule here is linear in depth: layer l of L gets

@@ -1,5 +1,6 @@
 """Random eviction: the ablation baseline that keeps as many tokens as the policy it is
-compared with, chosen uniformly at random (methods.md, CONF-KV ablation: 36.54 vs 30.92 PPL).
+compared with, chosen uniformly at random (docs/methods.md, "Random eviction"; CONF-KV's
+ablation: 36.54 vs 30.92 PPL).
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""Schemathesis over `/openapi.json` of a live server on the default model: every status,
+header, content type and body the server answers matches its OpenAPI document, schema-valid
+requests are accepted and invalid ones refused, and nothing is a 500. Its report is printed
+(`pytest -s` shows the counts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.service import ChatService
+from agent_kv.sessions import SessionStore
+from api.app import create_app
+from tests.conftest import serving
+
+pytestmark = pytest.mark.enable_socket
+
+HERE = Path(__file__).parent / "schemathesis"
+MAX_EXAMPLES = 25
+SEED = 15
+
+
+def test_schemathesis_finds_no_failure(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    sessions = SessionStore(engine, max_kv_bytes=200 * 2**20, idle_ttl_s=600)
+    app = create_app(ChatService(engine, sessions), "smollm2-135m", allowed_hosts=["127.0.0.1"])
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "hooks", "PYTHONPATH": str(HERE)}
+    with serving(app) as url:
+        result = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "st"),
+                "--config-file", str(HERE / "schemathesis.toml"),
+                "run", f"{url}/openapi.json",
+                "--max-examples", str(MAX_EXAMPLES),
+                "--seed", str(SEED),
+                "--request-timeout", "120",
+                "--no-color",
+            ],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200,
+        )  # fmt: skip
+    print(result.stdout[-4000:], result.stderr[-2000:])
+    assert result.returncode == 0, result.stdout[-8000:]
+    assert "No issues found" in result.stdout or "passed" in result.stdout

@@ -1,0 +1,181 @@
+"""The server's limits hold while it runs: the KV byte cap during turns (polled on
+`/metrics` under load), a turn's bound on what its session can allocate, work stopped when a
+client leaves, idle sessions expiring without traffic, saved sessions known after a
+restart (live uvicorn servers and the session store directly)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent_kv.engine import Engine
+from agent_kv.policies import make_policy
+from agent_kv.protection import PinRules, protected_spans
+from agent_kv.sampling import SamplingParams
+from agent_kv.service import ChatService
+from agent_kv.session import SessionOutline
+from agent_kv.sessions import SessionStore
+from agent_kv.store import Int8Config
+from api.app import create_app
+from tests.conftest import serving
+
+pytestmark = pytest.mark.enable_socket
+
+SESSION_BYTES = 256 * 46_080  # a fresh SmolLM2-135M session: 256 fp32 token slots
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def _story(i: int) -> list[dict]:
+    facts = " ".join(f"Shelf {i}-{j} holds item {i * 100 + j}." for j in range(25))
+    return [{"role": "system", "content": facts}, {"role": "user", "content": "Which shelf?"}]
+
+
+def test_the_kv_cap_holds_while_turns_run(smollm, tmp_path):
+    cap = 3 * SESSION_BYTES
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=128)
+    sessions = SessionStore(engine, max_kv_bytes=cap, spill_dir=tmp_path)
+    service = ChatService(engine, sessions)
+    with serving(create_app(service, "smollm2-135m")) as url:
+        peaks = {"agent_kv_kv_allocated_bytes": 0.0, "agent_kv_kv_bytes": 0.0}
+        done = threading.Event()
+
+        def poll():
+            while not done.is_set():
+                for name, value in _gauges(url).items():
+                    if name in peaks:
+                        peaks[name] = max(peaks[name], value)
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        statuses = []
+
+        def agent(i: int):
+            with httpx.Client(base_url=url, timeout=300) as http:
+                for _ in range(2):
+                    body = {"messages": _story(i), "max_tokens": 8, "session_id": f"a{i}"}
+                    statuses.append(http.post("/chat", json=body).status_code)
+
+        agents = [threading.Thread(target=agent, args=(i,)) for i in range(4)]
+        for thread in agents:
+            thread.start()
+        for thread in agents:
+            thread.join()
+        done.set()
+        poller.join()
+        listed = httpx.get(f"{url}/sessions").json()["data"]
+    assert statuses == [200] * 8
+    assert 0 < peaks["agent_kv_kv_bytes"] <= peaks["agent_kv_kv_allocated_bytes"] <= cap
+    assert sessions.spilled >= 2  # four sessions of ~320 tokens (512 slots each) did not all fit
+    assert {s["where"] for s in listed} == {"memory", "disk"}
+
+
+@pytest.mark.parametrize(
+    "policy,int8",
+    [
+        (make_policy("full"), None),
+        (make_policy("conf-kv", budget=160), None),
+        (make_policy("conf-kv-l", budget=160, protect_recent=16), Int8Config(fp_window=32)),
+        (make_policy("window", budget=64, sinks=4), None),
+        (make_policy("arkv", budget=96), None),
+    ],
+)
+def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8):
+    engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=64, int8=int8)
+    service = ChatService(engine)
+    rules = PinRules(roles=frozenset({"system"}))
+    history: list[dict] = []
+    for turn in range(3):
+        facts = _story(turn)[0]["content"]
+        history += [{"role": "system" if turn == 0 else "tool", "content": facts}]
+        with service.sessions.use("s") as session:
+            outline = SessionOutline.describe(session)
+            peak = [outline.footprint.allocated_bytes]
+            store, append = session.store, session.store.append
+
+            def measured(*args, store=store, append=append, peak=peak, **kwargs):
+                appended = append(*args, **kwargs)
+                peak[0] = max(peak[0], store.allocated_nbytes())
+                return appended
+
+            store.append = measured
+        prompt = service.prompt_ids(history)
+        spans = protected_spans(smollm.tokenizer, history, rules)
+        pinned = sum(end - start for start, end in spans)
+        bound = service.turn_kv_bound(policy, prompt, pinned, 12, outline)
+        reply = service.run(history, SamplingParams(max_new_tokens=12), "s", rules)
+        history.append({"role": "assistant", "content": reply.reply.text})
+        assert peak[0] <= bound, (turn, peak[0], bound)
+    assert outline.footprint.allocated_bytes > 0
+
+
+def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service):
+    url, service = live_service
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a red bicycle."}],
+        "max_tokens": 300,
+    }
+    with httpx.Client(base_url=url) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "left"},
+                      timeout=1.5)  # fmt: skip
+        quick = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        started = time.perf_counter()
+        assert http.post("/chat", json=quick, timeout=120).status_code == 200
+        waited = time.perf_counter() - started
+        metrics = http.get("/metrics").text
+    with service.sessions.use("left") as session:
+        generated = len(session.token_ids) - len(service.prompt_ids(body["messages"]))
+    assert generated < 150 and waited < 10  # stopped soon after the client left
+    closed = 'agent_kv_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0'
+    assert closed in metrics
+
+
+def test_idle_sessions_expire_without_traffic(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=64))
+    service = ChatService(engine, SessionStore(engine, idle_ttl_s=1.0))
+    app = create_app(service, "smollm2-135m", sweep_interval_s=0.2)
+    with serving(app) as url:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(f"{url}/chat", json={**body, "session_id": "idle"}).status_code == 200
+        assert service.sessions.ids() == ["idle"]
+        deadline = time.monotonic() + 10
+        while service.sessions.ids() and time.monotonic() < deadline:
+            time.sleep(0.1)  # no requests: only the server's sweeper can expire it
+    assert service.sessions.ids() == [] and service.sessions.dropped == 1
+
+
+def test_saved_sessions_are_known_after_a_restart(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    first = SessionStore(engine, max_kv_bytes=SESSION_BYTES, spill_dir=tmp_path)
+    for sid in ("old", "new"):
+        with first.use(sid, policy="full") as session:
+            engine.feed(session, list(range(10, 60)))
+    assert first.in_memory() == ["new"]  # "old" was saved to make room
+    expected = first.describe()[0]
+    old_file = next(tmp_path.glob("*.pt"))
+    (tmp_path / "0123456789abcdef0123456789abcdef.pt").write_bytes(b"not a session")
+    os.utime(old_file, (time.time() - 50, time.time() - 50))
+    restarted = SessionStore(engine, idle_ttl_s=100, spill_dir=tmp_path)
+    listed = restarted.describe()
+    assert [s.id for s in listed] == ["old"] and listed[0].where == "disk"
+    assert (listed[0].tokens, listed[0].kv_bytes) == (50, expected.kv_bytes) and listed[
+        0
+    ].policy == "full"
+    assert list(tmp_path.glob("*.pt")) == [old_file]  # the unreadable file is gone
+    later = SessionStore(engine, idle_ttl_s=30, spill_dir=tmp_path)  # saved 50 s ago
+    assert later.ids() == [] and not old_file.exists() and later.dropped == 1
