@@ -78,8 +78,8 @@ class Admission:
 
 @dataclass
 class ConfidenceSummary:
-    """CONF-KV's confidence `c` (docs/methods.md, CONF-KV §1) over the forward calls of one turn whose
-    logits chose the budget (the prompt's last chunk and every decode step).
+    """CONF-KV's confidence `c` (docs/methods.md, CONF-KV §1) over the forward calls of one
+    turn whose logits chose the budget (the prompt's last chunk and every decode step).
 
     Attributes:
         last: `c` of the last call.
