@@ -579,9 +579,7 @@ def _param_name(loc: tuple) -> str | None:
     parts = [
         str(part)
         for part in loc[1:]
-        if not (
-            isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part[:1].isupper())
-        )
+        if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS or part[:1].isupper()))
     ]
     return ".".join(parts) or None
 
