@@ -26,6 +26,7 @@ import re2
 
 from agent_kv.errors import ConfigError
 from agent_kv.store import KVStore
+from agent_kv.valid_text import check_unicode
 
 MAX_PATTERNS = 16
 """Pin patterns one set of rules may hold."""
@@ -76,13 +77,12 @@ def compile_pattern(pattern: str):
         raise ConfigError(
             f"pin pattern of {len(pattern)} characters: at most {MAX_PATTERN_CHARS} allowed"
         )
+    check_unicode(pattern, f"pin pattern {pattern!r}")
     options = re2.Options()
     options.log_errors = False
     options.max_mem = PATTERN_MEMORY_BYTES
     try:
         return re2.compile(pattern, options)
-    except UnicodeEncodeError as err:
-        raise ConfigError(f"pin pattern {pattern!r} is not valid Unicode: {err.reason}") from None
     except re2.error as err:
         reason = err.args[0].decode() if isinstance(err.args[0], bytes) else str(err)
         raise ConfigError(f"pin pattern {pattern!r} is not valid RE2 syntax: {reason}") from None

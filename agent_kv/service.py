@@ -39,7 +39,8 @@ from agent_kv.policies import Policy
 from agent_kv.protection import PinRules, protected_spans
 from agent_kv.sampling import SamplingParams
 from agent_kv.session import SessionOutline, StepRecord
-from agent_kv.sessions import HistorySync, SessionStore, common_prefix, sync_history
+from agent_kv.sessions import HistorySync, SessionStore, plan_history_sync, sync_history
+from agent_kv.valid_text import check_unicode
 
 ANONYMOUS_PREFIX = "auto-"
 WAIT_SLICE_S = 0.1
@@ -236,13 +237,7 @@ class ChatService:
             content = message.get("content")
             if not isinstance(content, str):
                 raise ConfigError(f"messages[{i}].content must be a string")
-            try:
-                content.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ConfigError(
-                    f"messages[{i}].content is not valid Unicode: a lone UTF-16 surrogate at "
-                    f"character {err.start}"
-                ) from None
+            check_unicode(content, f"messages[{i}].content")
         prompt = self.engine.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -389,15 +384,8 @@ class ChatService:
         appended before the next eviction; the store's growth rule then bounds its buffers
         (`StoreFootprint.allocation_bound`).
         """
-        history = outline.token_ids
-        common = common_prefix(history, prompt_ids)
-        if common == len(history):
-            appended = len(prompt_ids) - common
-        else:
-            cut = min(common, len(prompt_ids) - 1)
-            exact = 0 < cut and cut >= outline.changed_at
-            appended = len(prompt_ids) - (cut if exact else 0)
-        appended += max_new_tokens
+        sync = plan_history_sync(outline.token_ids, prompt_ids, outline.changed_at)
+        appended = sync.prefilled_tokens + max_new_tokens
         footprint = outline.footprint
         budgets = policy.max_kept_tokens(len(footprint.lengths))
         chunk = self.engine.prefill_chunk

@@ -77,28 +77,37 @@ def sync_history(
         ValueError: `token_ids` is empty.
         TurnCancelled: `cancel` was set before a prefill chunk (`Engine.feed`).
     """
-    if not token_ids:
-        raise ValueError("a request needs at least one token")
-    history = session.token_ids
-    common = common_prefix(history, token_ids)
-    if common == len(history):
-        sync = HistorySync(common, len(token_ids) - common, "none")
-    else:
-        # diverged, or the request is a strict prefix: keep at least one token to re-feed,
-        # whose logits the reply needs
-        cut = min(common, len(token_ids) - 1)
-        if cut > 0 and cut >= session.store.changed_at[0]:
-            session.store.truncate(cut)
-            del session.token_ids[cut:]
-            sync = HistorySync(cut, len(token_ids) - cut, "truncated")
-        else:
-            session.replace_with(engine.new_session())
-            sync = HistorySync(0, len(token_ids), "scratch")
+    sync = plan_history_sync(session.token_ids, token_ids, session.store.changed_at[0])
+    if sync.rebuild == "truncated":
+        session.store.truncate(sync.reused_tokens)
+        del session.token_ids[sync.reused_tokens :]
+    elif sync.rebuild == "scratch":
+        session.replace_with(engine.new_session())
     if pins is not None:
         apply_pins(session.store, pins)
     if sync.prefilled_tokens:
         engine.feed(session, token_ids[sync.reused_tokens :], cancel)
     return sync
+
+
+def plan_history_sync(history: list[int], token_ids: list[int], exact_from: int) -> HistorySync:
+    """How `sync_history` meets `token_ids` in a session whose history is `history` and
+    whose cache is exact back to `exact_from` tokens (`KVStore.changed_at`): extended, cut
+    back to where the two diverge (keeping at least one token to re-feed, whose logits the
+    reply needs), or rebuilt from scratch when the cut would pass `exact_from`.
+
+    Raises:
+        ValueError: `token_ids` is empty.
+    """
+    if not token_ids:
+        raise ValueError("a request needs at least one token")
+    common = common_prefix(history, token_ids)
+    if common == len(history):
+        return HistorySync(common, len(token_ids) - common, "none")
+    cut = min(common, len(token_ids) - 1)
+    if cut > 0 and cut >= exact_from:
+        return HistorySync(cut, len(token_ids) - cut, "truncated")
+    return HistorySync(0, len(token_ids), "scratch")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -255,13 +264,9 @@ class SessionStore:
                 entry.session.store.allocated_nbytes() if entry.session is not None else 0
             )
             idle = self._idle_lru(exclude=session_id)
-            freed = 0
-            for _, sid in idle:
-                if held - freed + needed <= self.max_kv_bytes:
-                    break
-                freed += self._entries[sid].session.store.allocated_nbytes()
-            if held - freed + needed > self.max_kv_bytes:
-                busy = held - freed  # held by sessions with requests in flight
+            idle_bytes = sum(self._entries[sid].session.store.allocated_nbytes() for _, sid in idle)
+            busy = held - idle_bytes  # held by sessions with requests in flight
+            if busy + needed > self.max_kv_bytes:
                 raise KVCapacityError(
                     f"this request may hold up to {needed} bytes of KV cache; the cap on all "
                     f"sessions is {self.max_kv_bytes} bytes"

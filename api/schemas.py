@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from agent_kv.policies import POLICIES
+from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
 """Seeds a client may send: the integers every JSON parser reads exactly (I-JSON, RFC 7493
@@ -32,13 +33,9 @@ SESSION_ID_CHARS = 256
 
 
 def _valid_unicode(text: str) -> str:
-    """`text` unchanged, or a ValueError naming the first lone surrogate."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(
-            f"not valid Unicode: a lone UTF-16 surrogate at character {err.start}"
-        ) from None
+    """`text` unchanged, or a `ConfigError` (a ValueError, so a validation error) naming the
+    first lone surrogate."""
+    check_unicode(text, "the text")
     return text
 
 
