@@ -78,6 +78,8 @@ def test_the_kv_cap_holds_while_turns_run(smollm, tmp_path):
         done.set()
         poller.join()
         listed = httpx.get(f"{url}/sessions").json()["data"]
+    print(f"cap {cap} B; peak allocated {peaks['agent_kv_kv_allocated_bytes']:.0f} B, live "
+          f"{peaks['agent_kv_kv_bytes']:.0f} B; {sessions.spilled} sessions spilled")  # fmt: skip
     assert statuses == [200] * 8
     assert 0 < peaks["agent_kv_kv_bytes"] <= peaks["agent_kv_kv_allocated_bytes"] <= cap
     assert sessions.spilled >= 2  # four sessions of ~320 tokens (512 slots each) did not all fit
@@ -140,6 +142,9 @@ def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service):
         metrics = http.get("/metrics").text
     with service.sessions.use("left") as session:
         generated = len(session.token_ids) - len(service.prompt_ids(body["messages"]))
+    print(
+        f"after the client left: {generated} tokens generated, next request waited {waited:.2f} s"
+    )
     assert generated < 150 and waited < 10  # stopped soon after the client left
     closed = 'agent_kv_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0'
     assert closed in metrics
