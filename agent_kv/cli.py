@@ -548,6 +548,7 @@ def serve_command(
         fail(f"--api-key (or {API_KEY_ENV}) is empty")
     try:
         thread_setting.choose(threads)
+        cap = None if session_bytes is None else parse_bytes(session_bytes)
         spec = PolicySpec.parse(
             policy,
             budget,
@@ -557,7 +558,6 @@ def serve_command(
             positions=positions,
             extra=param,
         )
-        cap = None if session_bytes is None else parse_bytes(session_bytes)
         if spill_dir is not None:
             _writable_dir(spill_dir)
         _free_port(host, port)

@@ -334,9 +334,9 @@ class ChatService:
             if on_start is not None:
                 on_start(session_id)
             evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
-            store_before, steps_before = session.store, len(session.steps)
+            steps_before = len(session.steps)
             sync = sync_history(self.engine, session, prompt_ids, pins, cancel)
-            if session.store is not store_before:  # rebuilt from scratch
+            if sync.rebuild == "scratch":
                 evicted, quantized, steps_before = 0, 0, 0
             prefilled = time.perf_counter()
             reply = self.engine.generate(session, [], params, on_text, cancel)
@@ -378,25 +378,32 @@ class ChatService:
         turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`.
 
         The turn appends what `sync_history` prefills (the prompt past the history it
-        shares, all of it when the cache must be rebuilt) and the reply. Under a policy that
-        bounds tokens (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens
-        never holds more than `max(L, pinned + B)` after a step, plus the one prefill chunk
-        appended before the next eviction; the store's growth rule then bounds its buffers
+        shares) and the reply, to layers cut back to the shared history when the client
+        changed it; a cache rebuilt from scratch starts as a new session's, after the old one
+        is let go (`Session.restart`). Under a policy that bounds tokens
+        (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
+        than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
+        next eviction; the store's growth rule then bounds its buffers
         (`StoreFootprint.allocation_bound`).
         """
         sync = plan_history_sync(outline.token_ids, prompt_ids, outline.changed_at)
         appended = sync.prefilled_tokens + max_new_tokens
         footprint = outline.footprint
+        if sync.rebuild == "scratch":
+            footprint = self.sessions.fresh.footprint
         budgets = policy.max_kept_tokens(len(footprint.lengths))
         chunk = self.engine.prefill_chunk
         most = []
         for layer, held in enumerate(footprint.lengths):
+            if sync.rebuild == "truncated":
+                held = min(held, sync.reused_tokens)
             grown = held + appended
             if budgets is not None:
                 grown = min(grown, max(held, pinned_tokens + budgets[layer]) + chunk)
             most.append(grown)
         quantizes = self.engine.store_options["int8"] is not None or policy.manages_precision
-        return footprint.allocation_bound(most, quantizes)
+        bound = footprint.allocation_bound(most, quantizes)
+        return max(bound, outline.footprint.allocated_bytes)
 
     @contextmanager
     def _model(self, policy: Policy | None, cancel: threading.Event | None, admitted: Admission):

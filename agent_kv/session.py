@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,9 +66,13 @@ class Session:
         store = KVStore.for_model(model, **store_kwargs)
         return cls(store=store, cache=StoreCache(store))
 
-    def replace_with(self, other: Session) -> None:
-        """Take over `other`'s state (a rebuilt cache) in place, so holders of this object
-        see the new one."""
+    def restart(self, fresh: Callable[[], Session]) -> None:
+        """Drop this session's cache and history, then take over `fresh()`'s in place (a
+        rebuilt cache), so holders of this object see the new one. The old cache is let go
+        before the new one is made, so the two are never held together."""
+        self.store = self.cache = None
+        self.token_ids, self.last_logits, self.steps = [], None, []
+        other = fresh()
         self.store, self.cache = other.store, other.cache
         self.token_ids, self.last_logits, self.steps = (
             other.token_ids,
@@ -81,7 +86,7 @@ class Session:
         `SessionOutline.read`; the file appears whole or not at all (written aside, then
         renamed)."""
         data = {
-            "store": self.store.state(),
+            "store": self.store.state(trim=True),
             "token_ids": self.token_ids,
             "last_logits": self.last_logits,
             "steps": [asdict(step) for step in self.steps],

@@ -82,7 +82,7 @@ def sync_history(
         session.store.truncate(sync.reused_tokens)
         del session.token_ids[sync.reused_tokens :]
     elif sync.rebuild == "scratch":
-        session.replace_with(engine.new_session())
+        session.restart(engine.new_session)
     if pins is not None:
         apply_pins(session.store, pins)
     if sync.prefilled_tokens:
@@ -199,7 +199,8 @@ class SessionStore:
         self.spilled = 0
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
-        self._fresh = SessionOutline.describe(engine.new_session())
+        self.fresh = SessionOutline.describe(engine.new_session())
+        """The outline of a new session of this engine (what one allocates at first)."""
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             self._adopt_saved()
@@ -257,7 +258,7 @@ class SessionStore:
         if entry.session is not None:
             outline = SessionOutline.describe(entry.session)
         else:
-            outline = entry.saved if entry.saved is not None else self._fresh
+            outline = entry.saved if entry.saved is not None else self.fresh
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
         with self._lock:
             held = self._allocated_bytes() - (
@@ -313,6 +314,17 @@ class SessionStore:
         the server calls this periodically, so idle sessions expire without traffic)."""
         with self._lock:
             self._enforce()
+
+    def save_all(self) -> int:
+        """Save every idle session in memory to `spill_dir` (a server shutting down, so a
+        restart finds them); returns how many were saved. Without a spill dir, nothing."""
+        if self.spill_dir is None:
+            return 0
+        with self._lock:
+            idle = self._idle_lru()
+            for _, sid in idle:
+                self._evict(sid)
+            return len(idle)
 
     def ids(self) -> list[str]:
         """Sessions known, in memory or on disk."""

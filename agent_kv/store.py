@@ -43,6 +43,12 @@ SCALE_CAPACITY_STEP = 16  # scale groups; the quantized segment's scales grow in
 ALLOCATED_BUFFERS = ("keys", "values", "q_keys", "q_values", "key_scales", "value_scales")
 """The buffers of `LayerStore` that hold keys, values and scales (what `allocated_nbytes`
 counts)."""
+SEGMENT_OF_BUFFER = {
+    "keys": ("fp", 2), "values": ("fp", 2), "q_keys": ("q", 2), "q_values": ("q", 2),
+    "q_group": ("q", 1), "key_scales": ("scales", 2), "value_scales": ("scales", 2),
+}  # fmt: skip
+"""Each buffer of `LayerStore` (besides the metadata): the segment whose slots it holds and
+the dimension of those slots."""
 META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2")
 """Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
 
@@ -134,18 +140,23 @@ class StoreFootprint:
             )
             for lay in layers
         )  # fmt: skip
-        allocated = sum(lay[name].nbytes for lay in layers for name in ALLOCATED_BUFFERS)
+        capacity = [_capacities(lay) for lay in layers]
+        q_bytes = channels * first["q_keys"].element_size()
+        allocated = batch * sum(
+            c["fp"] * channels * fp_elem + c["q"] * q_bytes + c["scales"] * channels * scale_elem
+            for c in capacity
+        )
         return cls(
             lengths=tuple(
                 max(q + f for q, f in zip(lay["q_len"], lay["fp_len"], strict=True))
                 for lay in layers
             ),
-            fp_capacity=tuple(lay["keys"].shape[2] for lay in layers),
-            q_capacity=tuple(lay["q_keys"].shape[2] for lay in layers),
-            scale_capacity=tuple(lay["key_scales"].shape[2] for lay in layers),
+            fp_capacity=tuple(c["fp"] for c in capacity),
+            q_capacity=tuple(c["q"] for c in capacity),
+            scale_capacity=tuple(c["scales"] for c in capacity),
             batch=batch,
             fp_token_bytes=channels * fp_elem,
-            q_token_bytes=channels * first["q_keys"].element_size(),
+            q_token_bytes=q_bytes,
             scale_group_bytes=channels * scale_elem,
             live_bytes=live,
             allocated_bytes=allocated,
@@ -842,14 +853,18 @@ class KVStore:
         self._grow_pins(end)
         self._pinned[row, end:] = False
 
-    def state(self) -> dict:
-        """Everything the store holds, as tensors and plain values (for `torch.save`)."""
-        fields = ("keys", "values", "q_keys", "q_values", "q_group", "key_scales")
-        fields += ("value_scales", *META_FIELDS)
+    def state(self, trim: bool = False) -> dict:
+        """Everything the store holds, as tensors and plain values (for `torch.save`). With
+        `trim`, each buffer is a copy of its live slots only (a saved file then holds live
+        bytes, not spare capacity), and each layer's `capacity` says what `from_state`
+        allocates again: each segment's live slots rounded up to whole capacity steps."""
         counts = ("fp_len", "q_len", "n_groups", "appended")
         return {
             "layers": [
-                {**{f: getattr(layer, f) for f in fields}, **{c: getattr(layer, c) for c in counts}}
+                {
+                    **(_trimmed_buffers(layer) if trim else _buffers(layer)),
+                    **{c: getattr(layer, c) for c in counts},
+                }
                 for layer in self.layers
             ],
             "shape": [len(self.layers), self.layers[0].kv_heads, self.layers[0].head_dim],
@@ -883,7 +898,13 @@ class KVStore:
         )  # fmt: skip
         for layer, saved in zip(store.layers, state["layers"], strict=True):
             for name, value in saved.items():
-                setattr(layer, name, list(value) if isinstance(value, list) else value)
+                if name != "capacity":
+                    setattr(layer, name, list(value) if isinstance(value, list) else value)
+            if "capacity" in saved:  # trimmed: allocate the segments' capacities again
+                for name in (*SEGMENT_OF_BUFFER, *META_FIELDS):
+                    segment, dim = SEGMENT_OF_BUFFER.get(name, ("meta", -1))
+                    tensor = getattr(layer, name)
+                    setattr(layer, name, _resized(tensor, dim, saved["capacity"][segment]))
             for name in META_FIELDS:  # states saved before a field existed
                 if name not in saved:
                     like = layer.positions if name == "hits" else layer.scores
@@ -942,6 +963,48 @@ class KVStore:
         for row in self._rows:
             self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+
+def _buffers(layer: LayerStore) -> dict:
+    """The layer's buffers and metadata as they are, spare capacity included."""
+    return {name: getattr(layer, name) for name in (*SEGMENT_OF_BUFFER, *META_FIELDS)}
+
+
+def _trimmed_buffers(layer: LayerStore) -> dict:
+    """Copies of the layer's live slots of each buffer and metadata field, with the
+    `capacity` per segment that `KVStore.from_state` restores (a segment never allocated
+    stays so)."""
+    live = {
+        "fp": max(layer.fp_len),
+        "q": max(layer.q_len),
+        "scales": max(layer.n_groups),
+        "meta": max(layer.length(r) for r in range(layer.batch)),
+    }
+    capacity = {
+        "fp": _round_up(live["fp"]),
+        "q": _round_up(live["q"]) if layer.q_keys.shape[2] else 0,
+        "scales": _round_up(live["scales"], SCALE_CAPACITY_STEP)
+        if layer.key_scales.shape[2]
+        else 0,
+        "meta": _round_up(live["meta"]),
+    }
+    buffers = {}
+    for name in (*SEGMENT_OF_BUFFER, *META_FIELDS):
+        segment, dim = SEGMENT_OF_BUFFER.get(name, ("meta", -1))
+        buffers[name] = getattr(layer, name).narrow(dim, 0, live[segment]).clone()
+    return {**buffers, "capacity": capacity}
+
+
+def _capacities(layer_state: dict) -> dict[str, int]:
+    """Slots per segment a layer of a `KVStore.state()` holds once loaded: its `capacity`
+    when trimmed, else its buffers' sizes."""
+    if "capacity" in layer_state:
+        return dict(layer_state["capacity"])
+    return {
+        "fp": layer_state["keys"].shape[2],
+        "q": layer_state["q_keys"].shape[2],
+        "scales": layer_state["key_scales"].shape[2],
+    }
 
 
 def _welford(layer: LayerStore, row: int, observed: torch.Tensor, first_new: int) -> None:

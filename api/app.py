@@ -95,6 +95,9 @@ RETRY_AFTER_S = 5
 SessionHeader = Annotated[
     str | None, Header(min_length=1, max_length=SESSION_ID_CHARS, description="Session id")
 ]
+HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+"""Error codes of the statuses the framework itself answers (a body it cannot parse, an
+unknown route, a wrong method)."""
 SSE_EVENT = {
     "type": "object",
     "description": "One server-sent event: `data` is a `chat.completion.chunk` as JSON, an "
@@ -169,6 +172,7 @@ def create_app(
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            await run_in_threadpool(service.sessions.save_all)  # a restart finds them
 
     app = FastAPI(title="agent_kv", version="0.1.0", lifespan=lifespan)
     app.openapi = openapi_without_validation_422(app)
@@ -214,7 +218,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), None, None, err.headers)
+        code = HTTP_ERROR_CODES.get(err.status_code)
+        return error_response(err.status_code, str(err.detail), None, code, err.headers)
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, err: Exception):
@@ -284,7 +289,7 @@ def create_app(
         _refuse_unsupported(request)
         params = _sampling(request, request.max_completion_tokens)
         messages = [m.as_dict() for m in request.messages]
-        session_id = x_session_id or request.user
+        session_id = _header_text(x_session_id) or request.user
         admission = _admit(service)
         if request.stream:
             return await _stream(
@@ -362,6 +367,17 @@ async def _run_watched(raw: Request, admission: Admission, metrics, service, *ar
         admission.release()
     metrics.observe(turn)
     return turn
+
+
+def _header_text(value: str | None) -> str | None:
+    """A header value as the client wrote it: HTTP hands header bytes over as Latin-1, so a
+    UTF-8 session id is read back as UTF-8 (and so names the same session as in a body)."""
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return value
 
 
 def _set_session_header(headers, session_id: str) -> None:

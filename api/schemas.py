@@ -53,11 +53,19 @@ def _integral(value):
 Count = Annotated[int, Strict(), BeforeValidator(_integral)]
 """A JSON integer (`4` or `4.0`; never `"4"`, `4.5` or a boolean)."""
 PositiveCount = Annotated[int, Strict(), Ge(1), BeforeValidator(_integral)]
+ParamCount = Annotated[
+    int, Strict(), Ge(SEED_RANGE[0]), Le(SEED_RANGE[1]), BeforeValidator(_integral)
+]
+"""An integer policy parameter: one every JSON parser reads exactly (as seeds)."""
 NonNegativeCount = Annotated[int, Strict(), Ge(0), BeforeValidator(_integral)]
 Seed = Annotated[int, Strict(), Ge(SEED_RANGE[0]), Le(SEED_RANGE[1]), BeforeValidator(_integral)]
-SessionId = Annotated[Text, StringConstraints(min_length=1, max_length=SESSION_ID_CHARS)]
+SessionId = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=SESSION_ID_CHARS),
+    AfterValidator(_valid_unicode),
+]
 PolicyName = Literal[tuple(POLICIES)]
-StopText = Annotated[Text, StringConstraints(min_length=1)]
+StopText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_valid_unicode)]
 """A stop string: non-empty."""
 
 
@@ -143,7 +151,9 @@ class PinRulesBody(BaseModel):
     `protection.MAX_PATTERN_CHARS` characters or one RE2 cannot compile is a 422."""
 
 
-PolicyText = Annotated[Text, StringConstraints(strict=True, max_length=64)]
+PolicyText = Annotated[
+    str, StringConstraints(strict=True, max_length=64), AfterValidator(_valid_unicode)
+]
 
 
 class PolicyOverride(BaseModel):
@@ -153,7 +163,7 @@ class PolicyOverride(BaseModel):
 
     name: PolicyName
     budget: PositiveCount | None = None
-    params: dict[Text, Count | Number | PolicyText] = {}
+    params: dict[Text, ParamCount | Number | PolicyText] = {}
     """Numbers, or short names such as ARKV's `quantized: "int8"`; `make_policy` checks each
     against its field (a 422 names the parameter)."""
 

@@ -246,3 +246,24 @@ async def test_the_openapi_document_matches_the_statuses(client):
     wrong_method = await client.get("/v1/chat/completions")
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_huge_policy_numbers_are_refused_not_a_500(client):
+    for params in ({"seed": 2**70}, {"seed": -(2**63) - 1}, {"window": 10**30}):
+        policy = {"name": "random" if "seed" in params else "window", "params": params}
+        body = {"messages": HI, "max_tokens": 1, "policy": policy}
+        response = await client.post("/chat", json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["param"] == "policy"
+
+
+async def test_a_utf8_session_header_names_the_same_session_as_the_body(client, service):
+    sid = "épisode-ü"
+    body = {"messages": HI, "max_tokens": 1}
+    by_header = await client.post(
+        "/v1/chat/completions", json=body, headers={"X-Session-Id": sid.encode()}
+    )
+    assert by_header.json()["kv"]["session_id"] == sid
+    by_body = await client.post("/v1/chat/completions", json={**body, "user": sid})
+    assert by_body.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert service.sessions.ids() == [sid]

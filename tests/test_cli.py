@@ -191,6 +191,7 @@ whether torch was imported."""
         (["run-episode", "--task", "1", "--threads", "0"], "--threads"),
         (["bench", "--tasks", "1", "--out", "unused", "--policies", "lru"], "unknown policy"),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
+        (["serve", "--session-bytes", "60XB"], "60XB"),
         (["sites", "--sites", "bank"], "unknown site 'bank'"),
     ],
 )

@@ -20,7 +20,7 @@ from agent_kv.sampling import SamplingParams
 from agent_kv.service import ChatService
 from agent_kv.session import SessionOutline
 from agent_kv.sessions import SessionStore
-from agent_kv.store import Int8Config
+from agent_kv.store import Int8Config, KVStore
 from api.app import create_app
 from tests.conftest import serving
 
@@ -96,33 +96,54 @@ def test_the_kv_cap_holds_while_turns_run(smollm, tmp_path):
         (make_policy("arkv", budget=96), None),
     ],
 )
-def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8):
+def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8, monkeypatch):
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=64, int8=int8)
     service = ChatService(engine)
     rules = PinRules(roles=frozenset({"system"}))
+    peak = [0]
+    append = KVStore.append
+
+    def measured(store, *args, **kwargs):
+        appended = append(store, *args, **kwargs)
+        peak[0] = max(peak[0], store.allocated_nbytes())
+        return appended
+
+    monkeypatch.setattr(KVStore, "append", measured)
     history: list[dict] = []
-    for turn in range(3):
+    kinds = []
+    for turn in range(4):
         facts = _story(turn)[0]["content"]
-        history += [{"role": "system" if turn == 0 else "tool", "content": facts}]
+        if turn == 3:  # the client rewrote its history: cut back, or rebuilt from scratch
+            history = [{"role": "system", "content": facts}]
+        else:
+            history += [{"role": "system" if turn == 0 else "tool", "content": facts}]
         with service.sessions.use("s") as session:
             outline = SessionOutline.describe(session)
-            peak = [outline.footprint.allocated_bytes]
-            store, append = session.store, session.store.append
-
-            def measured(*args, store=store, append=append, peak=peak, **kwargs):
-                appended = append(*args, **kwargs)
-                peak[0] = max(peak[0], store.allocated_nbytes())
-                return appended
-
-            store.append = measured
+        peak[0] = outline.footprint.allocated_bytes
         prompt = service.prompt_ids(history)
         spans = protected_spans(smollm.tokenizer, history, rules)
         pinned = sum(end - start for start, end in spans)
         bound = service.turn_kv_bound(policy, prompt, pinned, 12, outline)
         reply = service.run(history, SamplingParams(max_new_tokens=12), "s", rules)
         history.append({"role": "assistant", "content": reply.reply.text})
+        kinds.append(reply.kv.rebuild)
         assert peak[0] <= bound, (turn, peak[0], bound)
-    assert outline.footprint.allocated_bytes > 0
+    assert kinds[:3] == ["none"] * 3 and kinds[3] != "none"
+
+
+def test_a_grown_session_takes_a_new_conversation_within_the_cap(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    service = ChatService(engine, SessionStore(engine, max_kv_bytes=2 * SESSION_BYTES))
+    params = SamplingParams(max_new_tokens=4)
+    long = [{"role": "user", "content": "Shelf 7 holds the red bicycle. " * 52}]
+    first = service.run(long, params, "s")
+    assert 450 < first.kv.full_kv_bytes // 46_080 <= 512  # nearly fills 512 slots
+    # a new conversation in the same session: cut back to the shared template prefix, so
+    # the turn needs no more than the session already holds (its bound once counted the
+    # 500 tokens about to be forgotten, 47 MB)
+    again = service.run([{"role": "user", "content": "hi"}], params, "s")
+    assert again.kv.rebuild == "truncated"
+    assert service.sessions.allocated_bytes() <= 2 * SESSION_BYTES
 
 
 def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service):
@@ -184,3 +205,15 @@ def test_saved_sessions_are_known_after_a_restart(smollm, tmp_path):
     assert list(tmp_path.glob("*.pt")) == [old_file]  # the unreadable file is gone
     later = SessionStore(engine, idle_ttl_s=30, spill_dir=tmp_path)  # saved 50 s ago
     assert later.ids() == [] and not old_file.exists() and later.dropped == 1
+
+
+def test_a_server_that_stops_saves_its_sessions_for_the_next(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=64))
+    service = ChatService(engine, SessionStore(engine, spill_dir=tmp_path))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with serving(create_app(service, "smollm2-135m")) as url:
+        for sid in ("a", "b"):
+            assert httpx.post(f"{url}/chat", json={**body, "session_id": sid}).status_code == 200
+        assert list(tmp_path.glob("*.pt")) == []  # no cap: both in memory while it runs
+    restarted = SessionStore(engine, spill_dir=tmp_path)
+    assert sorted(s.id for s in restarted.describe() if s.where == "disk") == ["a", "b"]

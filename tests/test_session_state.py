@@ -10,7 +10,7 @@ from helpers import random_tokens
 from agent_kv.engine import Engine
 from agent_kv.errors import AgentKVError
 from agent_kv.policies import make_policy
-from agent_kv.session import Session
+from agent_kv.session import Session, SessionOutline
 from agent_kv.store import Int8Config, KVStore
 
 TEXT = (
@@ -39,6 +39,23 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
     assert restored.store.pinned_mask(3).sum() == 10
+
+
+def test_a_saved_file_holds_live_bytes_and_says_what_loading_allocates(smollm, tmp_path):
+    engine = Engine(
+        smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=128, protect_recent=16),
+        64, Int8Config(fp_window=16, group=8),
+    )  # fmt: skip
+    session = engine.new_session()
+    engine.feed(session, smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:300])
+    session.save(tmp_path / "s.pt", {"session_id": "x"})
+    live, allocated = session.store.nbytes(), session.store.allocated_nbytes()
+    size = (tmp_path / "s.pt").stat().st_size
+    assert size < live + 2_000_000 < allocated  # live slots (and metadata), no spare capacity
+    outline = SessionOutline.read(tmp_path / "s.pt")
+    restored = Session.load(tmp_path / "s.pt", smollm.model)
+    assert outline.footprint == restored.store.footprint()  # known before loading
+    assert outline.footprint.live_bytes == live and outline.meta == {"session_id": "x"}
 
 
 def test_loading_a_bad_or_foreign_file_is_a_clear_error(smollm, tmp_path):

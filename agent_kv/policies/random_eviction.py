@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent_kv.errors import ConfigError
 from agent_kv.policies.base import FixedBudgetPolicy
 from agent_kv.store import KVStore
+
+SEED_RANGE = (-(2**63), 2**64)
+"""Seeds `torch.Generator.manual_seed` takes: [start, stop)."""
 
 
 @dataclass
@@ -27,6 +31,9 @@ class RandomEviction(FixedBudgetPolicy):
     _generator: torch.Generator = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        """Seed the generator; raises `ConfigError` for a seed torch cannot take."""
+        if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ConfigError(f"{self.name}: seed must lie in [-2**63, 2**64), got {self.seed}")
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def rank(
