@@ -15,18 +15,17 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agent_kv import threads as thread_setting
 from agent_kv.errors import AgentKVError, ConfigError
-from agent_kv.policy_names import check_policy_name
+from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.runtime import threads as thread_setting
 
 if TYPE_CHECKING:
-    from agent_kv.store import Int8Config
+    pass
 
 app = typer.Typer(
     add_completion=False,
@@ -170,128 +169,6 @@ def run_episode_command(
 
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `serve --api-key` when the option is not given."""
-UNCHECKED_BUDGET = 2**40
-"""Stands in for a byte budget not yet converted to tokens when settings are checked early."""
-
-
-@dataclass
-class PolicySpec:
-    """A policy and its store options as the command line gives them; a byte budget needs
-    the model to become tokens."""
-
-    name: str
-    budget: int | None
-    budget_bytes: int | None
-    params: dict
-    int8: Int8Config | None
-    rerotate: bool
-
-    @classmethod
-    def parse(
-        cls,
-        name: str,
-        budget: int | None,
-        budget_bytes: str | None,
-        tau: float | None = None,
-        protect_recent: int | None = None,
-        int8: bool = False,
-        fp_window: int | None = None,
-        positions: str = "original",
-        extra: list[str] | None = None,
-    ) -> PolicySpec:
-        """Check everything that can be checked before the model loads; `extra` holds
-        `--param KEY=VALUE` items.
-
-        Raises:
-            ConfigError: both budgets given, an unreadable size, unknown positions mode,
-                `fp_window` without `int8`, a malformed `--param`, an unknown policy (these
-                before torch is imported), invalid policy or INT8 settings, or `int8` with a
-                policy that quantizes by its own rule.
-        """
-        from agent_kv.budgets import parse_bytes
-
-        params = {**parse_params(extra or []), "tau": tau, "protect_recent": protect_recent}
-        params = {key: value for key, value in params.items() if value is not None}
-        if budget is not None and budget_bytes is not None:
-            raise ConfigError("give --budget or --budget-bytes, not both")
-        if positions not in ("original", "rerotate"):
-            raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
-        if fp_window is not None and not int8:
-            raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
-        check_policy_name(name)
-        size = None if budget_bytes is None else parse_bytes(budget_bytes)
-
-        from agent_kv.engine import check_policy_precision
-        from agent_kv.policies import make_policy
-        from agent_kv.store import Int8Config
-
-        int8_config = None
-        if int8:
-            int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
-            int8_config.validate()
-        spec = cls(name, budget, size, params, int8_config, positions == "rerotate")
-        # a byte budget becomes tokens only once the model is known: check the rest now with
-        # a budget no conversion can exceed, the real one again in `build`
-        placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
-        check_policy_precision(make_policy(name, budget=placeholder, **params), int8_config)
-        return spec
-
-    def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
-        """The validated policy. A byte budget becomes tokens with the FP cost of a token over
-        all layers and, with INT8 on, the INT8 cost (`budgets.tokens_for_bytes`).
-
-        Raises:
-            ConfigError: the budget holds no token, or invalid policy settings.
-        """
-        from agent_kv.budgets import tokens_for_bytes
-        from agent_kv.policies import make_policy
-
-        budget = self.budget
-        if self.budget_bytes is not None:
-            fp_tokens = 0 if self.int8 is None else self.int8.max_fp_tokens
-            budget = tokens_for_bytes(
-                self.budget_bytes, bytes_per_token, int8_bytes_per_token, fp_tokens
-            )
-        return make_policy(self.name, budget=budget, **self.params)
-
-    def engine(self, loaded, prefill_chunk: int = 512):
-        """An `Engine` for a loaded model with this policy and store options."""
-        from agent_kv.engine import Engine
-        from agent_kv.store import KVStore
-
-        shape = KVStore.for_model(loaded.model)
-        int8_cost = None if self.int8 is None else shape.int8_bytes_per_token(self.int8.group)
-        policy = self.build(shape.bytes_per_token(), int8_cost)
-        return Engine(
-            loaded.model, loaded.tokenizer, policy, prefill_chunk, self.int8, self.rerotate
-        )
-
-
-def parse_params(items: list[str]) -> dict:
-    """`["gamma=0.5", "quantized=int8"]` -> `{"gamma": 0.5, "quantized": "int8"}`: each value
-    read as an integer, a number, true/false, or else kept as text.
-
-    Raises:
-        ConfigError: an item without `=` or with an empty key.
-    """
-    params = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--param takes KEY=VALUE, got {item!r}")
-        params[key.strip()] = _param_value(text.strip())
-    return params
-
-
-def _param_value(text: str):
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _print_step(record: dict) -> None:
@@ -318,8 +195,9 @@ def _writable_dir(path: Path) -> None:
 def _run(
     task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, observation, out
 ) -> dict:
-    from agent_kv.agent import AgentConfig, run_episode
-    from agent_kv.model_loading import load_model
+    from agent_kv.harness.agent import AgentConfig, run_episode
+    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.model_loading import load_model
     from envs.browser_env import BrowserEnv
     from envs.server import SiteServers
 
@@ -335,7 +213,7 @@ def _run(
             f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
             err=True,
         )
-        engine = spec.engine(loaded, prefill_chunk)
+        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
 
@@ -382,7 +260,7 @@ def bench_command(
 ) -> None:
     """Sweep tasks x policies x budgets; write results.jsonl, summary.md and
     success_vs_memory.png under --out and print the summary table."""
-    from agent_kv import bench
+    from agent_kv.harness import bench
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
@@ -429,7 +307,7 @@ def trace_command(
 ) -> None:
     """Write TRACE_DIR/trace.html: screenshots, observations, replies and actions per step,
     and the KV-bytes / confidence plot, in one self-contained page."""
-    from agent_kv.trace_view import write_trace_html
+    from agent_kv.harness.trace_view import write_trace_html
 
     try:
         path = write_trace_html(trace_dir)
@@ -460,8 +338,8 @@ def eval_command(
     """Rerun the papers' experiments (docs/methods.md): print each table and write summary.md,
     results.json and plots under --out."""
     from agent_kv.evals import experiment_names, run_experiments
-    from agent_kv.model_loading import load_model
-    from agent_kv.texts import licence_text
+    from agent_kv.evals.texts import licence_text
+    from agent_kv.runtime.model_loading import load_model
 
     try:
         thread_setting.choose(threads)
@@ -538,7 +416,7 @@ def serve_command(
     `/tokenize`, `/v1/models`, `/health`, `/metrics`, `GET /sessions` and
     `DELETE /sessions/{id}`. Says on stderr when the model starts loading and when the server
     is ready."""
-    from agent_kv.budgets import parse_bytes
+    from agent_kv.kv.budgets import parse_bytes
     from api.access import loopback_hosts
 
     hosts = loopback_hosts(host)
@@ -563,15 +441,16 @@ def serve_command(
         _free_port(host, port)
     except AgentKVError as err:
         fail(str(err))
-    from agent_kv.model_loading import DEFAULT_GGUF_NAME, load_model
-    from agent_kv.service import ChatService
-    from agent_kv.sessions import SessionStore
+    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.model_loading import DEFAULT_GGUF_NAME, load_model
+    from agent_kv.serving.chat_service import ChatService
+    from agent_kv.serving.session_store import SessionStore
     from api.app import create_app
 
     typer.echo(f"loading model {model or Path(DEFAULT_GGUF_NAME).stem}...", err=True)
     try:
         loaded = load_model(model)
-        engine = spec.engine(loaded)
+        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer)
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)
@@ -601,7 +480,8 @@ def sites_command(
 ) -> None:
     """Serve the bundled sites on 127.0.0.1, each on a free port, and print one line per site
     (name, URL, and the test account's login where the site has accounts); Ctrl-C stops them."""
-    from envs.server import SITES, TEST_ACCOUNT, SiteServers
+    from envs.server import SITES, SiteServers
+    from envs.sites.common.accounts import TEST_ACCOUNT
 
     names = list(SITES) if sites == "all" else [n.strip() for n in sites.split(",") if n.strip()]
     for name in names or [sites]:

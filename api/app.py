@@ -2,9 +2,9 @@
 server-sent events), `POST /chat` (native), `POST /tokenize`, `GET /v1/models`,
 `GET /health`, `GET /metrics` (Prometheus), `GET /sessions` and `DELETE /sessions/{id}`.
 
-Every turn runs through `agent_kv.service.ChatService`: in a session named by the request
-(`X-Session-Id` header or the body's `user`; `session_id` for `/chat`) or, without one, in
-the anonymous session the conversation continues (prefix match). Only the tokens the
+Every turn runs through `agent_kv.serving.chat_service.ChatService`: in a session named by
+the request (`X-Session-Id` header or the body's `user`; `session_id` for `/chat`) or,
+without one, in the anonymous session the conversation continues (prefix match). Only the tokens the
 session's cache lacks are prefilled. Replies carry the cache's figures under `kv`.
 
 A chat request is admitted first (a 429 at once when `max_waiting` wait already); its
@@ -39,24 +39,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent_kv.engine import check_policy_precision
 from agent_kv.errors import (
     ConfigError,
     ContextOverflowError,
     KVCapacityError,
     TurnCancelled,
 )
-from agent_kv.policies import Policy, make_policy
-from agent_kv.protection import PinRules
-from agent_kv.sampling import SamplingParams
-from agent_kv.service import (
+from agent_kv.kv.policies import Policy, check_policy_precision, make_policy
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.chat_service import (
     Admission,
     ChatService,
     ChatTurn,
     QueueFullError,
     QueueTimeoutError,
 )
-from agent_kv.sessions import SessionBusyError
+from agent_kv.serving.protection import PinRules
+from agent_kv.serving.session_store import SessionBusyError
 from api.access import AccessControl
 from api.body_limit import BodyLimit
 from api.metrics import ServerMetrics

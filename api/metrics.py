@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agent_kv.service import ChatTurn
-from agent_kv.sessions import SessionStore
+from agent_kv.serving.chat_service import ChatTurn
+from agent_kv.serving.session_store import SessionStore
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 """Seconds: a short prompt on a GPU to a full 8K prefill on a 2-core CPU."""

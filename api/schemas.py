@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from agent_kv.policies import POLICIES
+from agent_kv.kv.policies import POLICIES
 from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)

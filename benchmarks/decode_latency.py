@@ -23,11 +23,11 @@ import statistics
 
 import torch
 
-from agent_kv.engine import Engine
 from agent_kv.evals.latency import Timed, decode_step, interleaved_decode
-from agent_kv.model_loading import load_model
-from agent_kv.policies import POLICIES, make_policy
-from agent_kv.store import Int8Config
+from agent_kv.kv.policies import POLICIES, make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_loading import load_model
 
 
 def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
@@ -49,7 +49,7 @@ def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
         f"{'ovh fp':>7} {'ovh int8':>9} {'full MB':>8} {'fp MB':>7} {'int8 MB':>8}"
     )
     for length, prompt in prompts.items():
-        sessions = {label: engine.new_session() for label, engine in engines.items()}
+        sessions = {label: engine.new_sequence() for label, engine in engines.items()}
         for label in ("fp", "int8"):
             store = sessions[label].store
             store.record_attention = timers[label].wrap(store.record_attention)
@@ -87,7 +87,7 @@ def bytes_table(loaded, args, prompt: list[int]) -> None:
             engine = Engine(
                 loaded.model, loaded.tokenizer, make_policy(name, **budget), int8=precision
             )
-            session = engine.new_session()
+            session = engine.new_sequence()
             engine.feed(session, prompt)
             for _ in range(args.steps):
                 decode_step(engine, session)

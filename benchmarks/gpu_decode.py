@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.cache import StoreCache
-from agent_kv.confidence import confidence
-from agent_kv.policies import make_policy
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.confidence import confidence
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config, KVStore
 from kernels import reference
 from kernels.dispatch import kernel_mode
 
@@ -128,7 +128,7 @@ def build_model(shape: Shape, device: torch.device) -> torch.nn.Module:
     # after --smoke set TRITON_INTERPRET
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agent_kv.attention import NAME, register_attention
+    from agent_kv.kv.attention import NAME, register_attention
 
     register_attention()
     config = LlamaConfig(**shape.config, attn_implementation=NAME)

@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 import math
 
-from agent_kv.engine import Engine
-from agent_kv.model_loading import load_model
-from agent_kv.policies import make_policy
-from agent_kv.store import Int8Config
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_loading import load_model
 from kernels.int8 import dequantize, quantize_groups
 
 
 def error_table(engine_full: Engine, ids: list[int], group: int) -> None:
-    session = engine_full.new_session()
+    session = engine_full.new_sequence()
     engine_full.score(session, ids)
     print(f"\nDequantization error over {len(ids)} tokens, groups of {group} (per layer, then all)")
     print(
@@ -67,7 +67,7 @@ def _error_row(label, values: list[float]) -> str:
 
 
 def perplexity(engine: Engine, ids: list[int]) -> tuple[float, int]:
-    session = engine.new_session()
+    session = engine.new_sequence()
     log_probs = engine.score(session, ids)
     return math.exp(-log_probs.mean().item()), session.store.peak_bytes
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 
-from agent_kv.engine import Engine
-from agent_kv.model_loading import load_model
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
-from agent_kv.service import ChatService
-from agent_kv.store import Int8Config
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.chat_service import ChatService
 
 SYSTEM = (
     "You are a web agent. Each user message is the accessibility tree of the current page. "

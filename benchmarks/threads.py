@@ -39,17 +39,17 @@ def worker(prefill: int, decode: int) -> None:
     `prefill_s` (seconds for the prefill) and `decode_ms` (milliseconds per decode step)."""
     import torch
 
-    from agent_kv.engine import Engine
-    from agent_kv.model_loading import load_model
-    from agent_kv.policies import make_policy
-    from agent_kv.texts import licence_text
+    from agent_kv.evals.texts import licence_text
+    from agent_kv.kv.policies import make_policy
+    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.model_loading import load_model
 
     loaded = load_model()
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("conf-kv"), prefill_chunk=prefill)
     ids = loaded.tokenizer(licence_text(), add_special_tokens=False)["input_ids"][:prefill]
 
     def measure() -> dict:
-        session = engine.new_session()
+        session = engine.new_sequence()
         started = time.perf_counter()
         logits = engine.feed(session, ids)
         prefilled = time.perf_counter()

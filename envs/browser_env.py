@@ -66,7 +66,8 @@ from envs.observation import (
     observation_text,
     render_ax_tree,
 )
-from envs.server import TEST_ACCOUNT, SiteServers
+from envs.server import SiteServers
+from envs.sites.common.accounts import TEST_ACCOUNT
 from envs.tasks import Task
 
 CHROMIUM_ARGS = [

@@ -48,10 +48,6 @@ class SiteSpec:
     login_path: str | None = None
 
 
-TEST_ACCOUNT = {"username": "agent", "password": "agent-kv-test"}
-"""The fixed account every site with logins seeds; tasks with `require_login` start signed in."""
-
-
 SITES: dict[str, SiteSpec] = {
     "classifieds": SiteSpec(
         name="classifieds",

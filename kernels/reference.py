@@ -291,7 +291,7 @@ def fused_attention(
     """Softmax attention over the segments through torch's fused `scaled_dot_product_attention`,
     without the attention mass: for prefill chunks, where the block loop's explicit softmax
     costs ~4x more on CPU (the mass then comes from a window of queries, see
-    `agent_kv.attention`). Each segment is read whole (INT8 dequantized, rotated): a transient
+    `agent_kv.kv.attention`). Each segment is read whole (INT8 dequantized, rotated): a transient
     float copy of the live cache for one layer. Causality and row lengths as in
     `segmented_attention`.
 

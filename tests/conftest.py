@@ -21,7 +21,7 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from agent_kv.model_loading import LoadedModel, load_model  # noqa: E402
+from agent_kv.runtime.model_loading import LoadedModel, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +59,9 @@ def live_service(smollm):
     """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving the default model as
     "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
     modules are imported here, so that a broken API fails only the tests that use it."""
-    from agent_kv.engine import Engine
-    from agent_kv.policies import make_policy
-    from agent_kv.service import ChatService
+    from agent_kv.kv.policies import make_policy
+    from agent_kv.runtime.engine import Engine
+    from agent_kv.serving.chat_service import ChatService
     from api.app import create_app
 
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from agent_kv.store import KVStore
+from agent_kv.kv.store import KVStore
 
 
 def append_tokens(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.service import ChatService
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 
 ODD_VALUES = [

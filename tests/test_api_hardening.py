@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.protection import MAX_PATTERN_CHARS, MAX_PATTERNS
-from agent_kv.service import ChatService
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.serving.chat_service import ChatService
+from agent_kv.serving.protection import MAX_PATTERN_CHARS, MAX_PATTERNS
 from api.app import create_app
 
 HI = [{"role": "user", "content": "hi"}]

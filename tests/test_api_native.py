@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.service import ChatService
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 
 SYSTEM = "You help a web agent. Item id 4817 is the red bicycle at http://shop.local/item/4817."

@@ -7,11 +7,10 @@ import pytest
 import torch
 from helpers import append_tokens, kept_positions, random_tokens
 
-from agent_kv.engine import check_policy_precision
 from agent_kv.errors import ConfigError
-from agent_kv.policies import make_policy
-from agent_kv.policies.arkv import layer_sensitivity
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.policies import check_policy_precision, make_policy
+from agent_kv.kv.policies.arkv import layer_sensitivity
+from agent_kv.kv.store import Int8Config, KVStore
 from kernels import fp8, int8
 from kernels.reference import (
     Segment,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
-from agent_kv.session import Session
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import Sequence
 
 
 def licence_ids(smollm, n: int) -> list[int]:
@@ -19,7 +19,7 @@ def licence_ids(smollm, n: int) -> list[int]:
 def test_arkv_plans_from_prefill_statistics_and_keeps_within_its_bytes(smollm):
     policy = make_policy("arkv", budget=192, protect_recent=32, evict_slack=0)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=128)
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, licence_ids(smollm, 700))
     store = session.store
     profile = store.profile_means()
@@ -43,11 +43,11 @@ def test_a_saved_arkv_session_resumes_with_identical_logits(smollm, tmp_path):
     ids = licence_ids(smollm, 420)
     policy = make_policy("arkv", budget=128, protect_recent=16, group=8)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=64)
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, ids[:400])
     assert session.store.quantized_tokens > 0 and session.store.evicted_tokens > 0
     session.save(tmp_path / "s.pt")
-    restored = Session.load(tmp_path / "s.pt", smollm.model)
+    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
     assert torch.equal(restored.store.profile, session.store.profile)
     for token in ids[400:420]:
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent_kv import bench
-from agent_kv.bench import Job
 from agent_kv.cli import app
 from agent_kv.errors import ConfigError
+from agent_kv.harness import bench
+from agent_kv.harness.bench import Job
 from envs.tasks import TaskError, load_task
 
 
@@ -268,22 +268,22 @@ def test_two_worker_processes_run_every_job(tmp_path: Path, two_tasks):
 
 @pytest.mark.model
 def test_force_reply_agrees_with_greedy_decoding(smollm):
-    from agent_kv.chat import ChatSession
-    from agent_kv.engine import Engine
-    from agent_kv.policies import make_policy
-    from agent_kv.sampling import SamplingParams
+    from agent_kv.kv.policies import make_policy
+    from agent_kv.runtime.conversation import Conversation
+    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.sampling import SamplingParams
 
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=48))
-    decoded = ChatSession(engine)
+    decoded = Conversation(engine)
     decoded.add("user", "Name a colour.")
     generation = decoded.reply(SamplingParams(max_new_tokens=8))
-    forced = ChatSession(engine)
+    forced = Conversation(engine)
     forced.add("user", "Name a colour.")
     reply = forced.force_reply(generation.text)
     assert reply.greedy and len(reply.logprobs) == len(reply.hits)
     # greedy tokens are the most likely ones: each at least as likely as a uniform guess
     assert all(lp <= 0 for lp in reply.logprobs)
-    wrong = ChatSession(engine)
+    wrong = Conversation(engine)
     wrong.add("user", "Name a colour.")
     wrong_reply = wrong.force_reply("zebra quantum " + generation.text)
     assert not wrong_reply.greedy

@@ -21,7 +21,8 @@ from envs.observation import (
     render_ax_tree,
     tab_line,
 )
-from envs.server import SITES, TEST_ACCOUNT, SiteServers, SiteSpec
+from envs.server import SITES, SiteServers, SiteSpec
+from envs.sites.common.accounts import TEST_ACCOUNT
 from envs.tasks import Task
 
 MAX_TREE_LINES = 150

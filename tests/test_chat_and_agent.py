@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from agent_kv.agent import AgentConfig, run_episode
-from agent_kv.chat import ChatSession
-from agent_kv.engine import Engine
 from agent_kv.errors import ConfigError
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
+from agent_kv.harness.agent import AgentConfig, run_episode
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.conversation import Conversation
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import load_task
@@ -19,11 +19,11 @@ from envs.tasks import load_task
 
 def test_each_turn_prefills_only_the_new_suffix(smollm):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    chat = ChatSession(engine)
+    chat = Conversation(engine)
     chat.add("system", "You answer in one short sentence.", pin=True)
     chat.add("user", "What colour is grass?")
     chat.reply(SamplingParams(max_new_tokens=10))
-    store = chat.session.store
+    store = chat.sequence.store
     seen_after_first = store.seen_tokens
     chat.add("user", "And the sky?")
     second = chat.reply(SamplingParams(max_new_tokens=10))
@@ -34,23 +34,23 @@ def test_each_turn_prefills_only_the_new_suffix(smollm):
     fed = [t for t in second.token_ids if t not in engine.eos_ids]
     assert store.seen_tokens == seen_after_first + second.prompt_tokens + len(fed)
     assert second.prompt_tokens < 20
-    assert len(chat.session.token_ids) == store.seen_tokens
+    assert len(chat.sequence.token_ids) == store.seen_tokens
 
 
 def test_pins_follow_messages(smollm):
     policy = make_policy("window", budget=40)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=16)
-    chat = ChatSession(engine)
+    chat = Conversation(engine)
     chat.add("system", "Remember the code word: heliotrope. " * 3, pin=True)
     chat.add("user", "Filler text about nothing in particular. " * 8, pin=True)
     chat.reply(SamplingParams(max_new_tokens=4))
     system_span, user_span = chat.spans[0], chat.spans[1]
-    kept = set(chat.session.store.layers[0].live_positions().tolist())
+    kept = set(chat.sequence.store.layers[0].live_positions().tolist())
     assert set(range(*system_span)) <= kept and set(range(*user_span)) <= kept
     chat.unpin_message(1)
     chat.add("user", "Short question?")
     chat.reply(SamplingParams(max_new_tokens=4))
-    layer = chat.session.store.layers[0]
+    layer = chat.sequence.store.layers[0]
     kept = set(layer.live_positions().tolist())
     assert set(range(*system_span)) <= kept
     # once unpinned, the filler competes for a 40-token window with newer turns and loses
@@ -61,14 +61,14 @@ def test_pins_follow_messages(smollm):
 
 def test_bad_sampling_parameters_leave_the_queued_turn_intact(smollm):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    chat = ChatSession(engine)
+    chat = Conversation(engine)
     chat.add("user", "Name a fruit.", pin=True)
     with pytest.raises(ConfigError, match="stop strings"):
         chat.reply(SamplingParams(stop=[""]))
-    assert chat.session.store.seen_tokens == 0
+    assert chat.sequence.store.seen_tokens == 0
     reply = chat.reply(SamplingParams(max_new_tokens=4))
     assert reply.prompt_tokens > 5
-    assert "Name a fruit." in smollm.tokenizer.decode(chat.session.token_ids)
+    assert "Name a fruit." in smollm.tokenizer.decode(chat.sequence.token_ids)
 
 
 @pytest.mark.browser

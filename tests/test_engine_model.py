@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from agent_kv.engine import Engine
-from agent_kv.policies import Policy, make_policy
-from agent_kv.sampling import SamplingParams
+from agent_kv.kv.policies import Policy, make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 
 PROMPT = (
     "The classifieds board lists bicycles, furniture, phones and books. "
@@ -44,7 +44,7 @@ def reference(smollm, prompt_ids):
 def run_engine(smollm, policy: Policy, prompt_ids, chunk: int = 128, check=None):
     """Teacher-free greedy run; returns the logits before each sampled token and the tokens."""
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
-    session = engine.new_session()
+    session = engine.new_sequence()
     logits, tokens = [engine.feed(session, prompt_ids)], []
     for _ in range(DECODE_STEPS):
         tokens.append(int(logits[-1].argmax()))
@@ -74,7 +74,7 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     chunk, protect = 64, 16
     policy = make_policy("conf-kv", n_high=48, n_low=96, tau=0.5, protect_recent=protect)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
-    session = engine.new_session()
+    session = engine.new_sequence()
     store = session.store
     store.pin(0, pins)
     per_token_layer = store.bytes_per_token() // len(store.layers)
@@ -111,16 +111,16 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
 def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    first = engine.generate(engine.new_session(), prompt_ids[:40], params)
-    second = engine.generate(engine.new_session(), prompt_ids[:40], params)
+    first = engine.generate(engine.new_sequence(), prompt_ids[:40], params)
+    second = engine.generate(engine.new_sequence(), prompt_ids[:40], params)
     assert first.token_ids == second.token_ids
     greedy = engine.generate(
-        engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12)
+        engine.new_sequence(), prompt_ids[:40], SamplingParams(max_new_tokens=12)
     )
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 12
     stop = greedy.raw_text.strip().split()[1]
     cut = engine.generate(
-        engine.new_session(), prompt_ids[:40], SamplingParams(max_new_tokens=12, stop=[stop])
+        engine.new_sequence(), prompt_ids[:40], SamplingParams(max_new_tokens=12, stop=[stop])
     )
     assert cut.finish_reason == "stop"
     assert stop not in cut.text and cut.raw_text.startswith(cut.text)
@@ -128,7 +128,7 @@ def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
 
 def test_attention_mass_reaches_the_store(smollm, prompt_ids):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, prompt_ids[:64])
     for layer in session.store.layers:
         scores = layer.scores[0, :, : layer.length()]
@@ -141,7 +141,7 @@ def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_id
     """Kept keys keep their original positions: the next token after compaction equals a
     full-sequence forward whose last query may only see the kept tokens."""
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    session = engine.new_session()
+    session = engine.new_sequence()
     n = 200
     engine.feed(session, prompt_ids[:n])
     keep = torch.tensor([p for p in range(n) if p % 3 == 0 or p >= 150])
@@ -166,7 +166,7 @@ def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_id
 def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids):
     def kept_after(policy):
         engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=100)
-        session = engine.new_session()
+        session = engine.new_sequence()
         engine.feed(session, prompt_ids)
         layer = session.store.layers[15]
         return set(layer.live_positions().tolist())
@@ -197,7 +197,7 @@ def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
     targets = torch.tensor(prompt_ids[1:])
     expected = logits.log_softmax(-1)[:-1].gather(1, targets[:, None]).squeeze(1)
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    session = engine.new_session()
+    session = engine.new_sequence()
     scored = engine.score(session, prompt_ids, chunk=7)
     assert scored.shape == (len(prompt_ids) - 1,)
     assert (scored - expected).abs().max().item() < 1e-4
@@ -205,6 +205,6 @@ def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
     # under a tight window the same text is predicted worse, and the cache stays bounded
     policy = make_policy("window", budget=16, evict_slack=0)
     window = Engine(smollm.model, smollm.tokenizer, policy)
-    windowed = window.new_session()
+    windowed = window.new_sequence()
     assert window.score(windowed, prompt_ids, chunk=8).mean() < scored.mean() - 0.5
     assert max(windowed.store.lengths()) <= 16

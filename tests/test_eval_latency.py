@@ -9,7 +9,7 @@ import pytest
 
 from agent_kv.evals import latency
 from agent_kv.evals.report import EvalContext
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
 
 pytestmark = pytest.mark.model
 

@@ -70,13 +70,13 @@ def test_eviction_rules_and_slices():
 
 @pytest.mark.model
 def test_forked_eviction_path_matches_full_path(smollm):
-    from agent_kv.engine import Engine
-    from agent_kv.policies import make_policy
-    from agent_kv.texts import licence_text
+    from agent_kv.evals.texts import licence_text
+    from agent_kv.kv.policies import make_policy
+    from agent_kv.runtime.engine import Engine
 
     ids = smollm.tokenizer(licence_text()[:4000], add_special_tokens=False)["input_ids"][:301]
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, ids[:300])
     rules = {
         "none": mech.no_eviction_rule,
@@ -94,7 +94,7 @@ def test_forked_eviction_path_matches_full_path(smollm):
 
 @pytest.mark.model
 def test_quick_run_reports_real_correlations(smollm, tmp_path):
-    from agent_kv.texts import licence_text
+    from agent_kv.evals.texts import licence_text
 
     ids = smollm.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
     ctx = EvalContext(smollm, ids, True, tmp_path, lambda line: None)

@@ -9,7 +9,7 @@ import pytest
 from agent_kv.evals import needle
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
 
 
 def test_insert_needle_puts_it_at_the_nearest_line_start():

@@ -14,7 +14,7 @@ from agent_kv.evals.answers import is_right
 from agent_kv.evals.arkv import build_context
 from agent_kv.evals.perplexity import QUICK, Totals, gap_closed, int8_budget, segments
 from agent_kv.evals.report import Report, Table
-from agent_kv.texts import licence_text
+from agent_kv.evals.texts import licence_text
 from tests.test_cli import run_cli
 
 

@@ -10,7 +10,8 @@ from http.cookiejar import CookieJar
 import pytest
 from fastapi.testclient import TestClient
 
-from envs.server import SITES, TEST_ACCOUNT, SiteServer
+from envs.server import SITES, SiteServer
+from envs.sites.common.accounts import TEST_ACCOUNT
 from envs.sites.forum import build_template_db, create_app
 from envs.sites.forum.app import PAGE_SIZE, SESSION_COOKIE, _hotness
 from envs.sites.forum.data import FORUMS

@@ -8,11 +8,11 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
-from agent_kv.engine import Engine
 from agent_kv.errors import ConfigError
-from agent_kv.langchain_chat import ChatAgentKV, ServerError, _dicts
-from agent_kv.policies import make_policy
-from agent_kv.service import ChatService
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.serving.chat_service import ChatService
+from agent_kv.serving.langchain_chat import ChatAgentKV, ServerError, _dicts
 
 pytestmark = pytest.mark.model
 

@@ -18,7 +18,7 @@ from langchain_core.messages import (
 )
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from agent_kv.langchain_chat import ChatAgentKV, ServerError, _checked, _dicts, _sse_chunk
+from agent_kv.serving.langchain_chat import ChatAgentKV, ServerError, _checked, _dicts, _sse_chunk
 
 BASE_URL = "http://127.0.0.1:9"
 

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from agent_kv import model_loading
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.model_loading import load_model
+from agent_kv.runtime import model_loading
+from agent_kv.runtime.model_loading import load_model
 
 
 def test_default_model_is_served_from_the_converted_cache(smollm):

@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import kept_positions, random_tokens
 
-from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError
-from agent_kv.policies import POLICIES, ConfKV, make_policy
-from agent_kv.policy_names import POLICY_NAMES
-from agent_kv.store import KVStore
+from agent_kv.kv.confidence import confidence
+from agent_kv.kv.policies import POLICIES, ConfKV, make_policy
+from agent_kv.kv.policy_names import POLICY_NAMES
+from agent_kv.kv.store import KVStore
 
 
 def store_with(tokens: int, scores: torch.Tensor | None = None) -> KVStore:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent_kv.engine import Engine
 from agent_kv.errors import ContextOverflowError
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
-from agent_kv.store import Int8Config
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 
 TEXT = (
     "Listing 4412: a blue road bike, 56 cm frame, new tyres, sold by Maria in Oakland for 120 "
@@ -30,7 +30,7 @@ def test_int8_storage_changes_little_and_holds_fewer_bytes(smollm):
         engine = Engine(
             smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=384), 128, int8
         )
-        session = engine.new_session()
+        session = engine.new_sequence()
         engine.feed(session, ids[:400])
         logits = [engine.feed(session, [t]) for t in ids[400:]]
         runs[label] = (torch.stack(logits), session.store)
@@ -58,7 +58,7 @@ def test_batched_decoding_equals_row_by_row(smollm):
     params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)
     batched = engine.generate_batch(prompts, params)
     for row, prompt in enumerate(prompts):
-        session = engine.new_session()
+        session = engine.new_sequence()
         alone = engine.generate(session, prompt, params)
         assert batched.generations[row].token_ids == alone.token_ids
         assert batched.store.lengths(row) == session.store.lengths()
@@ -74,7 +74,7 @@ def test_rerotate_without_eviction_matches_original_positions(smollm):
     logits = []
     for rerotate in (False, True):
         engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 128, None, rerotate)
-        session = engine.new_session()
+        session = engine.new_sequence()
         logits.append(
             torch.stack(
                 [engine.feed(session, ids[:300]), *[engine.feed(session, [t]) for t in ids[300:]]]
@@ -102,7 +102,7 @@ def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(smollm):
         int8=Int8Config(),
         rerotate=True,
     )
-    session = engine.new_session()
+    session = engine.new_sequence()
     session.store.pin(0, len(head))
     stream = head + filler[: 12_000 - len(head)]
     assert len(stream) == 12_000 > smollm.model.config.max_position_embeddings
@@ -128,13 +128,13 @@ def test_a_short_row_never_shrinks_the_buffers_of_a_long_one(smollm):
     batched = engine.generate_batch(prompts, params)
     assert batched.store.quantized_lengths(0)[0] >= 640
     for row, prompt in enumerate(prompts):
-        alone = engine.generate(engine.new_session(), prompt, params)
+        alone = engine.generate(engine.new_sequence(), prompt, params)
         assert batched.generations[row].token_ids == alone.token_ids
 
 
 def test_original_positions_refuse_to_pass_the_context_before_any_compute(smollm):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
-    session = engine.new_session()
+    session = engine.new_sequence()
     with pytest.raises(ContextOverflowError, match="8192-token context.*rerotate"):
         engine.feed(session, [5] * 8193)
     assert session.token_ids == [] and session.store.seen_tokens == 0

@@ -6,8 +6,8 @@ import pytest
 from helpers import random_tokens
 
 from agent_kv.errors import ConfigError
-from agent_kv.protection import PinRules, apply_pins, message_char_spans, protected_spans
-from agent_kv.store import KVStore
+from agent_kv.kv.store import KVStore
+from agent_kv.serving.protection import PinRules, apply_pins, message_char_spans, protected_spans
 
 URL = "http://127.0.0.1:8000/item/42"
 MESSAGES = [

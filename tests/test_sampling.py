@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.sampling import SamplingParams, sample_next
+from agent_kv.runtime.sampling import SamplingParams, sample_next
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, -1.0])
 

@@ -13,14 +13,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_kv.engine import Engine
-from agent_kv.policies import make_policy
-from agent_kv.protection import PinRules, protected_spans
-from agent_kv.sampling import SamplingParams
-from agent_kv.service import ChatService
-from agent_kv.session import SessionOutline
-from agent_kv.sessions import SessionStore
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import SequenceOutline
+from agent_kv.serving.chat_service import ChatService
+from agent_kv.serving.protection import PinRules, protected_spans
+from agent_kv.serving.session_store import SessionStore
 from api.app import create_app
 from tests.conftest import serving
 
@@ -118,7 +118,7 @@ def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8, monkey
         else:
             history += [{"role": "system" if turn == 0 else "tool", "content": facts}]
         with service.sessions.use("s") as session:
-            outline = SessionOutline.describe(session)
+            outline = SequenceOutline.describe(session)
         peak[0] = outline.footprint.allocated_bytes
         prompt = service.prompt_ids(history)
         spans = protected_spans(smollm.tokenizer, history, rules)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import random_tokens
 
-from agent_kv.engine import Engine
 from agent_kv.errors import AgentKVError
-from agent_kv.policies import make_policy
-from agent_kv.session import Session, SessionOutline
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sequence import Sequence, SequenceOutline
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "
@@ -26,12 +26,12 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     engine = Engine(
         smollm.model, smollm.tokenizer, policy, 64, Int8Config(fp_window=16, group=8), rerotate
     )
-    session = engine.new_session()
+    session = engine.new_sequence()
     session.store.pin(0, 10)
     engine.feed(session, ids[:300])
     assert session.store.evicted_tokens > 0 and session.store.quantized_tokens > 0
     session.save(tmp_path / "s.pt")
-    restored = Session.load(tmp_path / "s.pt", smollm.model)
+    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
     assert restored.token_ids == session.token_ids
     assert torch.equal(restored.last_logits, session.last_logits)
     assert restored.store.nbytes() == session.store.nbytes()
@@ -46,38 +46,38 @@ def test_a_saved_file_holds_live_bytes_and_says_what_loading_allocates(smollm, t
         smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=128, protect_recent=16),
         64, Int8Config(fp_window=16, group=8),
     )  # fmt: skip
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:300])
     session.save(tmp_path / "s.pt", {"session_id": "x"})
     live, allocated = session.store.nbytes(), session.store.allocated_nbytes()
     size = (tmp_path / "s.pt").stat().st_size
     assert size < live + 2_000_000 < allocated  # live slots (and metadata), no spare capacity
-    outline = SessionOutline.read(tmp_path / "s.pt")
-    restored = Session.load(tmp_path / "s.pt", smollm.model)
+    outline = SequenceOutline.read(tmp_path / "s.pt")
+    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
     assert outline.footprint == restored.store.footprint()  # known before loading
     assert outline.footprint.live_bytes == live and outline.meta == {"session_id": "x"}
 
 
 def test_loading_a_bad_or_foreign_file_is_a_clear_error(smollm, tmp_path):
     with pytest.raises(AgentKVError, match="cannot load session"):
-        Session.load(tmp_path / "missing.pt", smollm.model)
+        Sequence.load(tmp_path / "missing.pt", smollm.model)
     (tmp_path / "junk.pt").write_bytes(b"not a session")
     with pytest.raises(AgentKVError, match="cannot load session"):
-        Session.load(tmp_path / "junk.pt", smollm.model)
-    other = Session(store=KVStore(2, 1, 8), cache=None)
+        Sequence.load(tmp_path / "junk.pt", smollm.model)
+    other = Sequence(store=KVStore(2, 1, 8), cache=None)
     random_tokens(other.store, 3)
     other.save(tmp_path / "other.pt")
     with pytest.raises(AgentKVError, match=r"\[2, 1, 8\]"):
-        Session.load(tmp_path / "other.pt", smollm.model)
+        Sequence.load(tmp_path / "other.pt", smollm.model)
 
 
 def test_truncate_returns_the_cache_to_an_earlier_point_exactly(smollm):
     ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:120]
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=32)
-    reference = engine.new_session()
+    reference = engine.new_sequence()
     expected = [engine.feed(reference, ids[:80])]
     expected += [engine.feed(reference, [t]) for t in ids[80:90]]
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, ids)  # a longer history, then the client rewrites from token 80
     session.store.truncate(80)
     assert session.store.lengths() == [80] * 30 and session.store.seen_tokens == 80

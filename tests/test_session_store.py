@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from agent_kv.engine import Engine
 from agent_kv.errors import KVCapacityError
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
-from agent_kv.sessions import HistorySync, SessionBusyError, SessionStore, sync_history
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.session_store import HistorySync, SessionBusyError, SessionStore, sync_history
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 SLOTS = 256  # a store's first allocation: 256 token slots per layer
@@ -61,7 +61,7 @@ def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
     feed(store, "b", list(range(20, 120)))  # over the cap: a is saved to disk
     assert store.in_memory() == ["b"] and store.ids() == ["a", "b"] and store.spilled == 1
     assert len(list(tmp_path.iterdir())) == 1
-    reference = engine.new_session()
+    reference = engine.new_sequence()
     engine.feed(reference, list(range(10, 110)))
     clock.now = 2.0
     resumed = feed(store, "a", [7])
@@ -114,12 +114,12 @@ def test_requests_to_one_session_are_serialised(engine):
 
 
 def fresh_logits(engine, ids):
-    return engine.feed(engine.new_session(), ids)
+    return engine.feed(engine.new_sequence(), ids)
 
 
 def test_history_is_matched_token_by_token(engine):
     a, b, c = list(range(100, 160)), list(range(200, 220)), list(range(300, 310))
-    session = engine.new_session()
+    session = engine.new_sequence()
     assert sync_history(engine, session, a) == HistorySync(0, 60, "none")
     assert sync_history(engine, session, a + b) == HistorySync(60, 20, "none")
     assert (session.last_logits - fresh_logits(engine, a + b)).abs().max() < 1e-4
@@ -135,7 +135,7 @@ def test_history_is_matched_token_by_token(engine):
 def test_history_rebuilt_from_scratch_when_eviction_followed_the_change(smollm):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=40))
     a, b, c = list(range(100, 160)), list(range(200, 260)), list(range(300, 310))
-    session = engine.new_session()
+    session = engine.new_sequence()
     sync_history(engine, session, a + b)  # evictions happened after token 60
     assert session.store.changed_at[0] > 60
     assert sync_history(engine, session, a + c) == HistorySync(0, 70, "scratch")
@@ -152,7 +152,7 @@ def test_a_pinned_fact_survives_twenty_turns_under_a_tight_budget(smollm, pinned
         add_special_tokens=False,
     )["input_ids"]
     engine = Engine(smollm.model, tok, make_policy("window", budget=256), prefill_chunk=128)
-    session = engine.new_session()
+    session = engine.new_sequence()
     if pinned:
         session.store.pin(0, len(head))
     ids = list(head)

@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from envs.browser_env import BrowserEnv
 from envs.evaluators import evaluate
-from envs.server import SITES, TEST_ACCOUNT, SiteServer, SiteServers
+from envs.server import SITES, SiteServer, SiteServers
+from envs.sites.common.accounts import TEST_ACCOUNT
 from envs.sites.shopping import build_template_db, create_app
 from envs.sites.shopping.app import PAGE_SIZE, SESSION_COOKIE
 from envs.sites.shopping.data import CATEGORIES, FIRST_ORDER_ID

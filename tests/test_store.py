@@ -7,7 +7,7 @@ import torch
 from helpers import append_tokens, kept_positions
 
 from agent_kv.errors import ConfigError, ContextOverflowError
-from agent_kv.store import CAPACITY_STEP, Int8Config, KVStore
+from agent_kv.kv.store import CAPACITY_STEP, Int8Config, KVStore
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from agent_kv import threads
 from agent_kv.errors import ConfigError
-from agent_kv.model_loading import load_model
+from agent_kv.runtime import threads
+from agent_kv.runtime.model_loading import load_model
 
 
 @pytest.fixture

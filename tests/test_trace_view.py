@@ -12,7 +12,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from agent_kv.cli import app
-from agent_kv.trace_view import TraceError, kv_plot_svg, load_trace, write_trace_html
+from agent_kv.harness.trace_view import TraceError, kv_plot_svg, load_trace, write_trace_html
 
 
 def _png(color: str) -> bytes:

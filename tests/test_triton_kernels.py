@@ -27,8 +27,8 @@ if not isinstance(tl.zeros, InterpretedFunction):
         pytrace=False,
     )
 
-from agent_kv.attention import store_attention  # noqa: E402
-from agent_kv.store import Int8Config, KVStore  # noqa: E402
+from agent_kv.kv.attention import store_attention  # noqa: E402
+from agent_kv.kv.store import Int8Config, KVStore  # noqa: E402
 from kernels import dispatch, fp8, int8, triton_attention, triton_store_ops  # noqa: E402
 from kernels.formats import QUANT_FORMATS  # noqa: E402
 from kernels.reference import Segment, attention_with_mass, segmented_attention  # noqa: E402

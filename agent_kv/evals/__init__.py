@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent_kv.evals.report import SUMMARY, EvalContext, Report
-from agent_kv.model_loading import LoadedModel
+from agent_kv.runtime.model_loading import LoadedModel
 
 EXPERIMENTS = ["perplexity", "ablations", "needle", "mechanistic", "latency", "arkv"]
 

@@ -30,7 +30,7 @@ from agent_kv.evals.perplexity import (
     segments,
 )
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.policies import make_policy
+from agent_kv.kv.policies import make_policy
 
 PAPER = {"conf-kv+int8 (reference)": "30.92 PPL", "random+int8, same ratio": "36.54 PPL"}
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from agent_kv.engine import Engine
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.policies import POLICIES, make_policy
-from agent_kv.sampling import SamplingParams
+from agent_kv.kv.policies import POLICIES, make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "grey"]
 THINGS = ["door", "box", "car", "lamp", "chair", "boat", "clock", "bag", "gate", "cup"]
@@ -116,7 +116,7 @@ class Tally:
 
 def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
     """Prefill `context`, then ask every fact's question in turn, adding to `tally`."""
-    session = engine.new_session()
+    session = engine.new_sequence()
     engine.feed(session, context)
     params = SamplingParams(max_new_tokens=ANSWER_TOKENS)
     for name, code in facts:

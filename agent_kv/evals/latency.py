@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from agent_kv.engine import BatchGeneration, Engine
 from agent_kv.errors import ConfigError
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
-from agent_kv.session import Session
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import BatchGeneration, Engine
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import Sequence
 
 PAPER_SPEEDUP = 1.8
 """CONF-KV's per-step latency reduction over full KV (docs/methods.md, "CONF-KV claims and
@@ -124,7 +124,7 @@ class Timed:
         return timed
 
 
-def decode_step(engine: Engine, session: Session) -> float:
+def decode_step(engine: Engine, session: Sequence) -> float:
     """Seconds for one greedy decode step (argmax of the last logits + forward + policy)."""
     start = time.perf_counter()
     engine.feed(session, [int(session.last_logits.argmax())])
@@ -132,7 +132,7 @@ def decode_step(engine: Engine, session: Session) -> float:
 
 
 def interleaved_decode(
-    runs: dict[str, tuple[Engine, Session]], steps: int
+    runs: dict[str, tuple[Engine, Sequence]], steps: int
 ) -> dict[str, list[float]]:
     """Decode `steps` greedy tokens in each prefilled session, one step of each in turn, so
     noise on the machine falls on all of them alike.
@@ -284,7 +284,7 @@ def run(ctx: EvalContext) -> Report:
 def _warm_up(engines: dict[str, Engine], text_ids: list[int]) -> None:
     """Run each engine once on a throwaway session (first-call allocations, lazy init)."""
     for engine in engines.values():
-        session = engine.new_session()
+        session = engine.new_sequence()
         engine.feed(session, text_ids[:WARMUP_TOKENS])
         decode_step(engine, session)
         decode_step(engine, session)
@@ -294,11 +294,11 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
     """Prefill the first `context` tokens under each policy, then decode `steps` interleaved
     steps; the row of raw timings (seconds) and bytes for this context."""
     prompt = ctx.text_ids[:context]
-    runs: dict[str, tuple[Engine, Session]] = {}
+    runs: dict[str, tuple[Engine, Sequence]] = {}
     timers: dict[str, Timed] = {}
     prefill_s: dict[str, float] = {}
     for label, engine in engines.items():
-        session = engine.new_session()
+        session = engine.new_sequence()
         timers[label] = timer = Timed()
         session.store.record_attention = timer.wrap(session.store.record_attention)
         start = time.perf_counter()

@@ -11,7 +11,7 @@ an `Engine` with the `full` policy (nothing is ever evicted from the walking ses
 sampled positions `t` (full: every 16 tokens from a warm-up of 512; quick: every 23 from 320)
 the session holds the slice's tokens `[0, t)`; then
 
-1. the session is forked (`copy.deepcopy` of the `Session`: an independent store, cache
+1. the session is forked (`copy.deepcopy` of the `Sequence`: an independent store, cache
    adapter and token list; ~25 ms at 1K tokens on SmolLM2-135M) once per eviction variant,
    and each fork evicts, in every layer, the live slots whose original position the variant
    names (`KVStore.compact`, the same gather every policy uses; the kept keys stay rotated at
@@ -19,7 +19,7 @@ the session holds the slice's tokens `[0, t)`; then
 2. token `t` is fed to the full session and to every fork, each a one-token decode step, so
    full and evicted logits come from the same code path (with nothing evicted the two are
    bit-identical; the test checks it);
-3. `c_t = confidence(full logits)` (`agent_kv.confidence`, weights 0.4/0.3/0.3), the signal
+3. `c_t = confidence(full logits)` (`agent_kv.kv.confidence`, weights 0.4/0.3/0.3), the signal
    CONF-KV gates its budget on at that step, and per variant
    `KL_t = KL(p_full || p_evicted) = sum_v p_full(v) (log p_full(v) - log p_evicted(v))` in
    nats over the next-token distribution after token `t`, computed in float64 from
@@ -61,12 +61,12 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.confidence import confidence
-from agent_kv.engine import Engine
 from agent_kv.errors import AgentKVError
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.policies import make_policy
-from agent_kv.session import Session
+from agent_kv.kv.confidence import confidence
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sequence import Sequence
 
 PAPER_R = -0.77
 """Pearson r between confidence and the KL shift of evicting recent context (docs/methods.md,
@@ -139,7 +139,7 @@ VARIANTS: dict[str, tuple[str, EvictRule]] = {
 }
 
 
-def fork_evicted(session: Session, rule: EvictRule) -> tuple[Session, int]:
+def fork_evicted(session: Sequence, rule: EvictRule) -> tuple[Sequence, int]:
     """An independent copy of `session` (store, cache adapter, tokens) with the slots `rule`
     selects evicted from every layer of row 0.
 
@@ -169,7 +169,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def eviction_kl(
-    engine: Engine, session: Session, token: int, rules: dict[str, EvictRule]
+    engine: Engine, session: Sequence, token: int, rules: dict[str, EvictRule]
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, int]]:
     """Feed `token` to `session` and to one evicted fork per rule; compare next-token laws.
 
@@ -255,7 +255,7 @@ def walk_slice(
         one record per position: `t`, `c`, and per rule name `kl_NAME` (nats) and
         `evicted_NAME` (tokens per layer).
     """
-    session = engine.new_session()
+    session = engine.new_sequence()
     fed = 0
     records = []
     for t in positions:
@@ -325,7 +325,7 @@ def run(ctx: EvalContext) -> Report:
     """
     size = QUICK if ctx.quick else FULL
     engine = Engine(ctx.loaded.model, ctx.loaded.tokenizer, make_policy("full"))
-    limit = engine.new_session().store.max_positions or size.slice_tokens
+    limit = engine.new_sequence().store.max_positions or size.slice_tokens
     starts, length = slice_starts(len(ctx.text_ids), size)
     length = min(length, limit)
     positions = list(range(size.warmup, length, size.stride))

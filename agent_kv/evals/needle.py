@@ -30,11 +30,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from agent_kv.engine import Engine
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.policies import make_policy
-from agent_kv.sampling import SamplingParams
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 
 POLICIES = ["full", "window", "h2o", "conf-kv"]
 # StreamingLLM's window keeps 4 attention sinks (within its budget). Without them SmolLM2 loses
@@ -148,7 +148,7 @@ def run(ctx: EvalContext) -> Report:
                     if name == "full" and rerotate:
                         continue
                     engine = engines[(name, rerotate)]
-                    session = engine.new_session()
+                    session = engine.new_sequence()
                     reply = engine.generate(session, context + question, params)
                     right = is_right(reply.text, key)
                     trials.append(

@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from agent_kv.budgets import tokens_for_bytes
-from agent_kv.engine import Engine
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
-from agent_kv.model_loading import LoadedModel
-from agent_kv.policies import Policy, make_policy
-from agent_kv.policies.conf_kv import ConfidenceGate
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.budgets import tokens_for_bytes
+from agent_kv.kv.policies import Policy, make_policy
+from agent_kv.kv.policies.conf_kv import ConfidenceGate
+from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_loading import LoadedModel
 
 SCORE_CHUNK = 16
 SINKS = 4
@@ -97,7 +97,7 @@ def score_segment(loaded: LoadedModel, variant: Variant, ids: list[int]) -> Scor
         ValueError: fewer than two tokens.
     """
     engine = Engine(loaded.model, loaded.tokenizer, variant.policy, int8=variant.int8)
-    session = engine.new_session()
+    session = engine.new_sequence()
     log_probs = engine.score(session, ids, chunk=SCORE_CHUNK)
     budgets = [s.budget for s in session.steps if s.budget is not None]
     return Scored(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_kv.model_loading import LoadedModel
+from agent_kv.runtime.model_loading import LoadedModel
 
 SUMMARY = "summary.md"
 RESULTS = "results.json"
@@ -106,7 +106,7 @@ class EvalContext:
 
     Attributes:
         loaded: the model and tokenizer.
-        text_ids: token ids of the long text (`agent_kv.texts.licence_text` by default).
+        text_ids: token ids of the long text (`agent_kv.evals.texts.licence_text` by default).
         quick: run the minutes-long size (the one CI tests) instead of the full one.
         out: the experiment's output directory (exists).
         log: prints one progress line (to stderr).

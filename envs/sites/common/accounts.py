@@ -9,6 +9,9 @@ from urllib.parse import quote
 from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse
 
+TEST_ACCOUNT = {"username": "agent", "password": "agent-kv-test"}
+"""The fixed account every site with logins seeds; tasks with `require_login` start signed in."""
+
 
 class SessionCookie:
     """A site's session cookie `name`, valued '<username><separator><HMAC-SHA256 hex>'."""

@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 from envs.sites.common import seeding
+from envs.sites.common.accounts import TEST_ACCOUNT
 
 SITE_NOW = dt.datetime(2024, 4, 1, 12, 0)
 """The site's notion of "now": new posts and comments carry it, and "hot" ranks against it."""
@@ -337,7 +338,6 @@ def build_template_db(path: str | Path, seed: int = 0) -> Path:
     Returns the path. Deterministic in `seed`; takes a few milliseconds.
     """
     # Imported here: envs.server imports this package to register the site.
-    from envs.server import TEST_ACCOUNT
 
     posts = generate_posts(seed)
     comments = generate_comments(posts, seed)

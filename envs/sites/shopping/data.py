@@ -8,7 +8,7 @@
   `rating` the mean review rating rounded to one decimal or NULL without reviews)
 - `reviews(id, product_id, author, rating, title, body, posted)`
 - `users(id, username, password, name, address, city, zip)` (the first is
-  `envs.server.TEST_ACCOUNT`; `address`, `city` and `zip` prefill the checkout form)
+  `envs.sites.common.accounts.TEST_ACCOUNT`; `address`, `city` and `zip` prefill the checkout form)
 - `cart_items(user_id, product_id, quantity)`
 - `orders(id, user_id, placed, status, ship_name, ship_address, ship_city, ship_zip, total)`
   and `order_items(id, order_id, product_id, title, price, quantity)` (prices in cents, copied
@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from envs.sites.common import seeding
+from envs.sites.common.accounts import TEST_ACCOUNT
 
 SITE_TODAY = dt.date(2024, 4, 1)
 """The site's notion of "today": new orders carry this date, so pages stay deterministic."""
@@ -390,10 +391,9 @@ def generate_orders(products: list[dict], seed: int = 0) -> list[dict]:
 def build_template_db(path: str | Path, seed: int = 0) -> Path:
     """Write the shopping template database to `path` (replacing any file there).
 
-    The test account (`envs.server.TEST_ACCOUNT`) is user 1, with past orders and two items
-    in its cart. Returns the path. Deterministic in `seed`; takes a few milliseconds.
+    The test account (`envs.sites.common.accounts.TEST_ACCOUNT`) is user 1, with past orders
+    and two items in its cart. Returns the path. Deterministic in `seed`; takes a few milliseconds.
     """
-    from envs.server import TEST_ACCOUNT  # here, not at import: envs.server imports this site
 
     products = generate_products(seed)
     reviews = generate_reviews(len(products), seed)

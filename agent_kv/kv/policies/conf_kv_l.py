@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.conf_kv import ConfKV
+from agent_kv.kv.policies.conf_kv import ConfKV
 
 
 @dataclass

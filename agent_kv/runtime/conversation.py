@@ -1,4 +1,4 @@
-"""An append-only chat over one session: messages in, replies out, one KV cache throughout.
+"""An append-only chat over one sequence: messages in, replies out, one KV cache throughout.
 
 The conversation is rendered with the tokenizer's chat template; what the cache already holds
 is a text prefix of the new rendering, so each turn prefills only the new suffix. Messages
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.engine import Engine, Generation
 from agent_kv.errors import ConfigError
-from agent_kv.sampling import SamplingParams
-from agent_kv.session import Session
+from agent_kv.runtime.engine import Engine, Generation
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import Sequence
 
 
 @dataclass
@@ -26,7 +26,7 @@ class _Pending:
 
 @dataclass
 class ForcedReply:
-    """A teacher-forced reply (`ChatSession.force_reply`), per token.
+    """A teacher-forced reply (`Conversation.force_reply`), per token.
 
     Attributes:
         hits: whether each token was the most likely next token.
@@ -42,17 +42,17 @@ class ForcedReply:
         return all(self.hits)
 
 
-class ChatSession:
+class Conversation:
     """One conversation whose whole history stays in one managed KV cache.
 
     Args:
         engine: the engine (model, tokenizer, policy).
-        session: an existing session to continue; a new empty one by default.
+        sequence: an existing sequence to continue; a new empty one by default.
     """
 
-    def __init__(self, engine: Engine, session: Session | None = None):
+    def __init__(self, engine: Engine, sequence: Sequence | None = None):
         self.engine = engine
-        self.session = session or engine.new_session()
+        self.sequence = sequence or engine.new_sequence()
         self.messages: list[dict[str, str]] = []
         self.spans: dict[int, tuple[int, int]] = {}  # message index -> token positions [start, end)
         self._rendered = ""  # template text of everything queued or cached
@@ -93,13 +93,13 @@ class ChatSession:
             KeyError: the message has not been prefilled yet.
         """
         start, end = self.spans[index]
-        self.session.store.unpin(start, end)
+        self.sequence.store.unpin(start, end)
 
     def _take_prompt(self) -> list[int]:
         """Queue the assistant header, pin and place the queued messages' tokens, and return
         them all as the prompt to prefill (the queue is emptied)."""
         self._queue_delta(self._render(generation_prompt=True), pin=False, message=None)
-        store = self.session.store
+        store = self.sequence.store
         prompt: list[int] = []
         for item in self._pending:
             start = store.seen_tokens + len(prompt)
@@ -124,9 +124,9 @@ class ChatSession:
         """
         params.validate()
         prompt = self._take_prompt()
-        store = self.session.store
+        store = self.sequence.store
         reply_start = store.seen_tokens + len(prompt)
-        generation = self.engine.generate(self.session, prompt, params)
+        generation = self.engine.generate(self.sequence, prompt, params)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += generation.raw_text
@@ -156,14 +156,14 @@ class ChatSession:
         if not text:
             raise ValueError("force_reply needs a non-empty reply")
         prompt = self._take_prompt()
-        store = self.session.store
+        store = self.sequence.store
         reply_start = store.seen_tokens + len(prompt)
-        logits = self.engine.feed(self.session, prompt) if prompt else self.session.last_logits
+        logits = self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
         forced = ForcedReply([], [])
         for token in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
             forced.hits.append(int(logits.argmax()) == token)
             forced.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-            logits = self.engine.feed(self.session, [token])
+            logits = self.engine.feed(self.sequence, [token])
         self.messages.append({"role": "assistant", "content": text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += text

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.cache import StoreCache
-from agent_kv.confidence import confidence
 from agent_kv.errors import ConfigError, TurnCancelled
-from agent_kv.policies import Policy
-from agent_kv.rope import Rotary
-from agent_kv.sampling import SamplingParams, sample_next
-from agent_kv.session import Session, StepRecord
-from agent_kv.store import Int8Config, KVStore
+from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.confidence import confidence
+from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.kv.rope import Rotary
+from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.sampling import SamplingParams, sample_next
+from agent_kv.runtime.sequence import Sequence, StepRecord
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Generation:
 
 
 class Engine:
-    """Runs a causal LM over `Session`s whose KV stores a `Policy` manages.
+    """Runs a causal LM over `Sequence`s whose KV stores a `Policy` manages.
 
     Args:
         model: a transformers causal LM loaded with `attn_implementation="agent_kv"`.
@@ -102,41 +103,56 @@ class Engine:
         ]
         self.eos_ids = {int(e) for e in candidates if e is not None}
 
-    def new_session(self) -> Session:
-        """An empty session for this engine's model and store options."""
-        return Session.for_model(self.model, **self.store_options)
+    @classmethod
+    def from_spec(
+        cls, spec: PolicySpec, model: torch.nn.Module, tokenizer, prefill_chunk: int = 512
+    ) -> Engine:
+        """An engine for `model` with the policy and store options of `spec` (a byte budget
+        becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost).
+
+        Raises:
+            ConfigError: the budget holds no token, or invalid policy or engine settings.
+        """
+        shape = KVStore.for_model(model)
+        int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
+        policy = spec.build(shape.bytes_per_token(), int8_cost)
+        return cls(model, tokenizer, policy, prefill_chunk, spec.int8, spec.rerotate)
+
+    def new_sequence(self) -> Sequence:
+        """An empty sequence for this engine's model and store options."""
+        return Sequence.for_model(self.model, **self.store_options)
 
     @torch.no_grad()
     def feed(
-        self, session: Session, token_ids: list[int], cancel: threading.Event | None = None
+        self, sequence: Sequence, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """Run `token_ids` through the model in chunks, applying the policy after each chunk.
 
         Returns:
-            `[vocab]` float32 logits after the last token (also kept as `session.last_logits`).
+            `[vocab]` float32 logits after the last token (also kept as `sequence.last_logits`).
 
         Raises:
             ValueError: `token_ids` is empty.
             ContextOverflowError: the tokens would pass the model's trained context (checked
                 before any compute with original positions; with rerotate, when the policy
                 keeps too much, after the chunks that fitted were fed).
-            TurnCancelled: `cancel` was set before a chunk; the session holds the chunks fed
+            TurnCancelled: `cancel` was set before a chunk; the sequence holds the chunks fed
                 before it.
         """
         if not token_ids:
             raise ValueError("feed needs at least one token")
-        store = session.store
+        store = sequence.store
         if store.positions_mode == "original":
             store.check_context(store.seen_tokens + len(token_ids))
 
         def fed(chunk: list[int], logits: torch.Tensor) -> None:
-            # the session follows the store chunk by chunk, so a failure midway (a rerotate
+            # the sequence follows the store chunk by chunk, so a failure midway (a rerotate
             # context overflow) leaves them consistent
-            session.token_ids.extend(chunk)
-            session.last_logits = logits
+            sequence.token_ids.extend(chunk)
+            sequence.last_logits = logits
 
-        self._prefill_row(session.cache, 0, token_ids, session.steps, fed, cancel)
-        return session.last_logits
+        self._prefill_row(sequence.cache, 0, token_ids, sequence.steps, fed, cancel)
+        return sequence.last_logits
 
     def _prefill_row(
         self,
@@ -260,7 +276,7 @@ class Engine:
         return BatchGeneration(generations=generations, store=store, steps=steps)
 
     @torch.no_grad()
-    def score(self, session: Session, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
+    def score(self, sequence: Sequence, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
         """Teacher-forced log-likelihood of `token_ids` under the managed cache.
 
         The tokens are fed `chunk` at a time; after each call the policy steps with the
@@ -280,11 +296,11 @@ class Engine:
         log_probs = []
         for start in range(0, len(token_ids), chunk):
             piece = token_ids[start : start + chunk]
-            logits = self._forward(session.cache, range(1), [piece], all_positions=True)[0]
-            self._apply_policy(session.store, range(1), logits[-1:], [True], [session.steps])
+            logits = self._forward(sequence.cache, range(1), [piece], all_positions=True)[0]
+            self._apply_policy(sequence.store, range(1), logits[-1:], [True], [sequence.steps])
             log_probs.append(torch.log_softmax(logits, dim=-1))  # [n, vocab]
-            session.last_logits = logits[-1]
-        session.token_ids.extend(token_ids)
+            sequence.last_logits = logits[-1]
+        sequence.token_ids.extend(token_ids)
         targets = torch.tensor(token_ids[1:])
         return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
 
@@ -309,7 +325,7 @@ class Engine:
 
     def generate(
         self,
-        session: Session,
+        sequence: Sequence,
         prompt_ids: list[int],
         params: SamplingParams,
         on_text: Callable[[str], None] | None = None,
@@ -324,15 +340,15 @@ class Engine:
 
         Raises:
             ConfigError: invalid sampling parameters.
-            ValueError: empty prompt on an empty session.
+            ValueError: empty prompt on an empty sequence.
             TurnCancelled: `cancel` was set before a prefill chunk or a decode step; the
-                session keeps every token fed before it.
+                sequence keeps every token fed before it.
         """
         params.validate()
         start = time.perf_counter()
         if prompt_ids:
-            self.feed(session, prompt_ids, cancel)
-        elif session.last_logits is None:
+            self.feed(sequence, prompt_ids, cancel)
+        elif sequence.last_logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
         generator = None
         if params.seed is not None:
@@ -344,14 +360,14 @@ class Engine:
         hold = max((len(s) for s in params.stop), default=1) - 1
         for _ in range(params.max_new_tokens):
             _check_cancel(cancel)
-            token = sample_next(session.last_logits, params, generator)
+            token = sample_next(sequence.last_logits, params, generator)
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             generated.append(token)
             if token in self.eos_ids:
                 finish = "stop"
                 break
-            self.feed(session, [token])
+            self.feed(sequence, [token])
             text = self.tokenizer.decode(generated, skip_special_tokens=False)
             if any(s in text for s in params.stop):
                 finish = "stop"
@@ -407,23 +423,3 @@ def _as_list(value) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple, set)) else [value]
-
-
-def check_policy_precision(
-    policy: Policy, int8: Int8Config | None, store: KVStore | None = None
-) -> None:
-    """Raise `ConfigError` when a policy that chooses its quantized tokens itself (ARKV and
-    its baselines) would run on a store with age-based mixed precision too (`int8`), or on
-    a `store` that already holds quantized tokens of another format."""
-    if not policy.manages_precision:
-        return
-    if int8 is not None:
-        raise ConfigError(
-            f"policy {policy.name!r} chooses which tokens to quantize itself: run it without --int8"
-        )
-    held = None if store is None else store.quantized_format()
-    if held not in (None, policy.quantized):
-        raise ConfigError(
-            f"this session's cache holds {held} tokens; policy {policy.name!r} would add "
-            f"{policy.quantized} ones (one format per session)"
-        )

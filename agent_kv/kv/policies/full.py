@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.base import Policy
+from agent_kv.kv.policies.base import Policy
 
 
 @dataclass

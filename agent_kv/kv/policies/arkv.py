@@ -48,8 +48,8 @@ from typing import ClassVar
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.base import FixedBudgetPolicy, Policy, check_quantized, row_confidences
-from agent_kv.store import KVStore
+from agent_kv.kv.policies.base import FixedBudgetPolicy, Policy, check_quantized, row_confidences
+from agent_kv.kv.store import KVStore
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
-from agent_kv.engine import Engine, Generation, check_policy_precision
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
-from agent_kv.policies import Policy
-from agent_kv.protection import PinRules, protected_spans
-from agent_kv.sampling import SamplingParams
-from agent_kv.session import SessionOutline, StepRecord
-from agent_kv.sessions import HistorySync, SessionStore, plan_history_sync, sync_history
+from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.runtime.engine import Engine, Generation
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import SequenceOutline, StepRecord
+from agent_kv.serving.protection import PinRules, protected_spans
+from agent_kv.serving.session_store import (
+    HistorySync,
+    SessionStore,
+    plan_history_sync,
+    sync_history,
+)
 from agent_kv.valid_text import check_unicode
 
 ANONYMOUS_PREFIX = "auto-"
@@ -372,7 +377,7 @@ class ChatService:
         prompt_ids: list[int],
         pinned_tokens: int,
         max_new_tokens: int,
-        outline: SessionOutline,
+        outline: SequenceOutline,
     ) -> int:
         """The most allocated KV bytes the session `outline` describes can hold during one
         turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`.

@@ -1,21 +1,22 @@
-"""KV-cache policies, one module each, one interface (`agent_kv.policies.base.Policy`)."""
+"""KV-cache policies, one module each, one interface (`agent_kv.kv.policies.base.Policy`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.arkv import Arkv, BaseOrigin
-from agent_kv.policies.base import Policy, check_budget
-from agent_kv.policies.base_quant import BaseQuant
-from agent_kv.policies.conf_kv import ConfKV
-from agent_kv.policies.conf_kv_arkv import ConfKVArkv
-from agent_kv.policies.conf_kv_l import ConfKVL
-from agent_kv.policies.full import FullKV
-from agent_kv.policies.h2o import H2O
-from agent_kv.policies.random_eviction import RandomEviction
-from agent_kv.policies.window import SlidingWindow
-from agent_kv.policy_names import check_policy_name
+from agent_kv.kv.policies.arkv import Arkv, BaseOrigin
+from agent_kv.kv.policies.base import Policy, check_budget
+from agent_kv.kv.policies.base_quant import BaseQuant
+from agent_kv.kv.policies.conf_kv import ConfKV
+from agent_kv.kv.policies.conf_kv_arkv import ConfKVArkv
+from agent_kv.kv.policies.conf_kv_l import ConfKVL
+from agent_kv.kv.policies.full import FullKV
+from agent_kv.kv.policies.h2o import H2O
+from agent_kv.kv.policies.random_eviction import RandomEviction
+from agent_kv.kv.policies.window import SlidingWindow
+from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.kv.store import Int8Config, KVStore
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -77,6 +78,26 @@ def _check_type(policy: str, key: str, value, default) -> None:
         raise ConfigError(f"policy {policy!r} parameter {key!r} must be {kind}, got {value!r}")
 
 
+def check_policy_precision(
+    policy: Policy, int8: Int8Config | None, store: KVStore | None = None
+) -> None:
+    """Raise `ConfigError` when a policy that chooses its quantized tokens itself (ARKV and
+    its baselines) would run on a store with age-based mixed precision too (`int8`), or on
+    a `store` that already holds quantized tokens of another format."""
+    if not policy.manages_precision:
+        return
+    if int8 is not None:
+        raise ConfigError(
+            f"policy {policy.name!r} chooses which tokens to quantize itself: run it without --int8"
+        )
+    held = None if store is None else store.quantized_format()
+    if held not in (None, policy.quantized):
+        raise ConfigError(
+            f"this session's cache holds {held} tokens; policy {policy.name!r} would add "
+            f"{policy.quantized} ones (one format per session)"
+        )
+
+
 __all__ = [
     "POLICIES",
     "Arkv",
@@ -90,5 +111,6 @@ __all__ = [
     "Policy",
     "RandomEviction",
     "SlidingWindow",
+    "check_policy_precision",
     "make_policy",
 ]

@@ -19,10 +19,10 @@ from typing import Any
 
 from playwright.sync_api import Error as PlaywrightError
 
-from agent_kv.chat import ChatSession
-from agent_kv.engine import Engine
 from agent_kv.errors import ContextOverflowError
-from agent_kv.sampling import SamplingParams
+from agent_kv.runtime.conversation import Conversation
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
 from envs.tasks import Task
@@ -142,8 +142,8 @@ def run_episode(
     config = config or AgentConfig()
     trace_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    chat = ChatSession(engine)
-    store = chat.session.store
+    chat = Conversation(engine)
+    store = chat.sequence.store
     chat.add("system", SYSTEM_PROMPT.format(intent=task.intent), pin=True)
     for example, action in FEW_SHOT:
         chat.add("user", example, pin=True)
@@ -184,7 +184,7 @@ def run_episode(
     except ContextOverflowError as err:
         error = str(err)
         end_reason, score, details = "error", 0.0, {"error": error}
-    _write_kv_steps(trace_dir, chat.session.steps)
+    _write_kv_steps(trace_dir, chat.sequence.steps)
     episode = EpisodeResult(
         task_id=task.task_id,
         policy=engine.policy.name,

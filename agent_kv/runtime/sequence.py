@@ -1,4 +1,5 @@
-"""A session: one sequence's KV store, its token history, and what happened to its memory."""
+"""One sequence's state across every turn: its KV store, its token history, and what happened
+to its memory (a server's session or an agent's conversation runs on one)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from agent_kv.cache import StoreCache
 from agent_kv.errors import AgentKVError
-from agent_kv.rope import Rotary
-from agent_kv.store import KVStore, StoreFootprint
+from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.rope import Rotary
+from agent_kv.kv.store import KVStore, StoreFootprint
 
 
 @dataclass
@@ -43,7 +44,7 @@ class StepRecord:
 
 
 @dataclass
-class Session:
+class Sequence:
     """One sequence's state across every turn.
 
     Attributes:
@@ -61,13 +62,13 @@ class Session:
     steps: list[StepRecord] = field(default_factory=list)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, **store_kwargs) -> Session:
-        """An empty session shaped for `model`."""
+    def for_model(cls, model: torch.nn.Module, **store_kwargs) -> Sequence:
+        """An empty sequence shaped for `model`."""
         store = KVStore.for_model(model, **store_kwargs)
         return cls(store=store, cache=StoreCache(store))
 
-    def restart(self, fresh: Callable[[], Session]) -> None:
-        """Drop this session's cache and history, then take over `fresh()`'s in place (a
+    def restart(self, fresh: Callable[[], Sequence]) -> None:
+        """Drop this sequence's cache and history, then take over `fresh()`'s in place (a
         rebuilt cache), so holders of this object see the new one. The old cache is let go
         before the new one is made, so the two are never held together."""
         self.store = self.cache = None
@@ -81,9 +82,9 @@ class Session:
         )
 
     def save(self, path: Path, meta: dict | None = None) -> None:
-        """Write the session (store, tokens, last logits, step records) to `path` with
-        `torch.save`, with `meta` (plain values, e.g. the session's id) beside it for
-        `SessionOutline.read`; the file appears whole or not at all (written aside, then
+        """Write the sequence (store, tokens, last logits, step records) to `path` with
+        `torch.save`, with `meta` (plain values, e.g. the id of the session it serves) beside it for
+        `SequenceOutline.read`; the file appears whole or not at all (written aside, then
         renamed)."""
         data = {
             "store": self.store.state(trim=True),
@@ -103,8 +104,8 @@ class Session:
                 os.unlink(tmp)
 
     @classmethod
-    def load(cls, path: Path, model: torch.nn.Module) -> Session:
-        """The session `save` wrote, for the same `model`; decoding resumes with the same
+    def load(cls, path: Path, model: torch.nn.Module) -> Sequence:
+        """The sequence `save` wrote, for the same `model`; decoding resumes with the same
         next-token logits.
 
         Raises:
@@ -132,9 +133,9 @@ class Session:
 
 
 @dataclass
-class SessionOutline:
-    """What a session holds, known without its tensors: read from a saved session's file
-    (`read`), or taken from a session in memory (`describe`).
+class SequenceOutline:
+    """What a sequence holds, known without its tensors: read from a saved sequence's file
+    (`read`), or taken from a sequence in memory (`describe`).
 
     Attributes:
         meta: the `meta` it was saved with.
@@ -153,23 +154,23 @@ class SessionOutline:
     pinned_tokens: int
 
     @classmethod
-    def describe(cls, session: Session, meta: dict | None = None) -> SessionOutline:
-        """The outline of `session` (as `read` would give it once saved with `meta`)."""
+    def describe(cls, sequence: Sequence, meta: dict | None = None) -> SequenceOutline:
+        """The outline of `sequence` (as `read` would give it once saved with `meta`)."""
         return cls(
             meta=meta or {},
-            footprint=session.store.footprint(),
-            token_ids=list(session.token_ids),
-            changed_at=session.store.changed_at[0],
-            pinned_tokens=session.store.pinned_tokens(),
+            footprint=sequence.store.footprint(),
+            token_ids=list(sequence.token_ids),
+            changed_at=sequence.store.changed_at[0],
+            pinned_tokens=sequence.store.pinned_tokens(),
         )
 
     @classmethod
-    def read(cls, path: Path) -> SessionOutline:
-        """The outline of the session file `path` (its tensors are memory-mapped, not read,
+    def read(cls, path: Path) -> SequenceOutline:
+        """The outline of the sequence file `path` (its tensors are memory-mapped, not read,
         except the pin flags).
 
         Raises:
-            AgentKVError: the file is missing or not a saved session.
+            AgentKVError: the file is missing or not a saved sequence.
         """
         data = _load(path, mmap=True)
         try:
@@ -186,7 +187,7 @@ class SessionOutline:
 
 
 def _load(path: Path, mmap: bool = False) -> dict:
-    """`torch.load` of a session file (tensors only, no code), or AgentKVError saying why
+    """`torch.load` of a sequence file (tensors only, no code), or AgentKVError saying why
     it cannot be read."""
     try:
         data = torch.load(path, weights_only=True, mmap=mmap)

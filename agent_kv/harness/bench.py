@@ -18,7 +18,7 @@ plots success rate against mean peak KV memory, one labelled point per row.
 replayed in the browser; at each step the agent's prompt is built exactly as the agent builds
 it (pinned system message and examples, the observation the browser now shows, pinned while
 latest), the reference action is resolved to the page's element ids (`click [15]`, what the
-model would have to emit) and teacher-forced as the reply with `ChatSession.force_reply`: the
+model would have to emit) and teacher-forced as the reply with `Conversation.force_reply`: the
 tokens are fed one at a time, exactly as decoding feeds them, so the policy evicts as it
 would during the episode. A step counts as correct when every token of the action is the
 argmax of the logits before it, i.e. greedy decoding (the agent's decoding) emits that action
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.errors import ConfigError
-from agent_kv.policy_names import check_policy_name
+from agent_kv.kv.policy_names import check_policy_name
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
 RESULTS = "results.jsonl"
@@ -62,8 +62,8 @@ class Job:
 
     Attributes:
         task_id: the task.
-        policy: a name of `agent_kv.policies.POLICIES`.
-        budget: unpinned tokens per layer (see `cli.PolicySpec`), None for `full`.
+        policy: a name of `agent_kv.kv.policies.POLICIES`.
+        budget: unpinned tokens per layer (see `kv.policy_spec.PolicySpec`), None for `full`.
         precision: "fp"; "int8" for mixed precision (`--int8`); for a policy that quantizes
             by its own rule (ARKV's), its format ("fp8").
     """
@@ -189,7 +189,7 @@ def make_jobs(
     for budget in budgets:
         if budget < 1:
             raise ValueError(f"budgets must be >= 1, got {budget}")
-    from agent_kv.policies import POLICIES  # torch: after the cheap checks
+    from agent_kv.kv.policies import POLICIES  # torch: after the cheap checks
 
     jobs = []
     for task in tasks:
@@ -449,7 +449,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reference_nll": ref_nll / ref_tokens if ref_tokens else None,
             }
         )
-    from agent_kv.policies import POLICIES
+    from agent_kv.kv.policies import POLICIES
 
     order = {name: i for i, name in enumerate(POLICIES)}
     rows.sort(
@@ -582,10 +582,15 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
         model's context; envs.browser_env.ActionError: a reference names no element of the
         page it is replayed on.
     """
-    from agent_kv.agent import FEW_SHOT, OBSERVATION_TEMPLATE, SYSTEM_PROMPT, truncate_tokens
-    from agent_kv.chat import ChatSession
+    from agent_kv.harness.agent import (
+        FEW_SHOT,
+        OBSERVATION_TEMPLATE,
+        SYSTEM_PROMPT,
+        truncate_tokens,
+    )
+    from agent_kv.runtime.conversation import Conversation
 
-    chat = ChatSession(engine)
+    chat = Conversation(engine)
     chat.add("system", SYSTEM_PROMPT.format(intent=task.intent), pin=True)
     for example, action in FEW_SHOT:
         chat.add("user", example, pin=True)
@@ -652,7 +657,7 @@ class EpisodeRunner:
             ChromiumNotFoundError, AgentKVError: no usable Chromium or model.
             KeyError: a site that is not bundled.
         """
-        from agent_kv.model_loading import load_model
+        from agent_kv.runtime.model_loading import load_model
         from envs.browser_env import BrowserEnv
         from envs.server import SiteServers
 
@@ -684,12 +689,13 @@ class EpisodeRunner:
         Raises:
             AgentKVError, ChromiumNotFoundError, and whatever the episode raises.
         """
-        from agent_kv.agent import AgentConfig, run_episode
-        from agent_kv.cli import PolicySpec
+        from agent_kv.harness.agent import AgentConfig, run_episode
+        from agent_kv.kv.policy_spec import PolicySpec
+        from agent_kv.runtime.engine import Engine
 
         spec = PolicySpec.parse(job.policy, job.budget, None, int8=job.precision == "int8")
         env, loaded = self.start(task.sites)
-        engine = spec.engine(loaded, self.settings.prefill_chunk)
+        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, self.settings.prefill_chunk)
         config = AgentConfig(
             max_steps=self.settings.max_steps, max_obs_tokens=self.settings.max_obs_tokens
         )

@@ -5,15 +5,15 @@ decides how much each step may hold from the model's confidence; ARKV decides, w
 budget, which tokens stay Original, which are quantized and which go. Here the confidence gate
 picks the step's budget (`n_high` when confident, `n_low` otherwise, in FP tokens of bytes per
 layer) and ARKV's per-layer plan, heavy-hitter score and tri-state assignment spend it
-(`agent_kv.policies.arkv`).
+(`agent_kv.kv.policies.arkv`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent_kv.policies.arkv import TriState
-from agent_kv.policies.conf_kv import ConfidenceGate
+from agent_kv.kv.policies.arkv import TriState
+from agent_kv.kv.policies.conf_kv import ConfidenceGate
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ConfKVArkv(TriState, ConfidenceGate):
 
     Parameters: the gate's `n_high` (default 512), `n_low` (default 1024), `tau` (default
     0.6) and ARKV's `protect_recent`, `gamma`, `oq_ratio`, `oq_spread`, `share_spread`,
-    `quantized`, `group` (`agent_kv.policies.arkv.TriState`). `--budget N` sets
+    `quantized`, `group` (`agent_kv.kv.policies.arkv.TriState`). `--budget N` sets
     `n_low = N`, `n_high = N // 2`.
     """
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.base import FixedBudgetPolicy
-from agent_kv.store import KVStore
+from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.store import KVStore
 
 SEED_RANGE = (-(2**63), 2**64)
 """Seeds `torch.Generator.manual_seed` takes: [start, stop)."""

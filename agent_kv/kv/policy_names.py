@@ -1,6 +1,6 @@
 """The KV policies' names, without importing the policies (they import torch), so the command
 line refuses an unknown name before anything heavy loads. `make_policy` checks names here
-too, so `agent_kv.policies.POLICIES` cannot hold a policy missing from this list."""
+too, so `agent_kv.kv.policies.POLICIES` cannot hold a policy missing from this list."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ POLICY_NAMES = (
     "full", "window", "h2o", "random", "conf-kv", "conf-kv-l",
     "arkv", "base-quant", "base-origin", "conf-kv+arkv",
 )  # fmt: skip
-"""The names of `agent_kv.policies.POLICIES`, in its order."""
+"""The names of `agent_kv.kv.policies.POLICIES`, in its order."""
 
 
 def check_policy_name(name: str) -> None:

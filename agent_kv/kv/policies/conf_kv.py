@@ -1,7 +1,7 @@
 """CONF-KV: confidence-gated budgets with attention-and-recency ranking (docs/methods.md,
 CONF-KV).
 
-Each step the confidence `c` of the last next-token distribution (`agent_kv.confidence`, §1)
+Each step the confidence `c` of the last next-token distribution (`agent_kv.kv.confidence`, §1)
 picks the budget (§2): `n_high` tokens when `c >= tau` (confident: tight budget), `n_low`
 otherwise (uncertain: keep more); a step with no signal (a prompt chunk before the last)
 gets `n_low`. Tokens are ranked (§3) by
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.policies.base import Policy, check_budget
-from agent_kv.store import KVStore
+from agent_kv.kv.policies.base import Policy, check_budget
+from agent_kv.kv.store import KVStore
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.store import KVStore
+from agent_kv.kv.store import KVStore
 from kernels.formats import QUANT_FORMATS
 
 

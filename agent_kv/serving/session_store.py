@@ -31,10 +31,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_kv.engine import Engine
 from agent_kv.errors import AgentKVError, KVCapacityError
-from agent_kv.protection import apply_pins
-from agent_kv.session import Session, SessionOutline
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sequence import Sequence, SequenceOutline
+from agent_kv.serving.protection import apply_pins
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class HistorySync:
 
 def sync_history(
     engine: Engine,
-    session: Session,
+    session: Sequence,
     token_ids: list[int],
     pins: list[tuple[int, int]] | None = None,
     cancel: threading.Event | None = None,
@@ -82,7 +82,7 @@ def sync_history(
         session.store.truncate(sync.reused_tokens)
         del session.token_ids[sync.reused_tokens :]
     elif sync.rebuild == "scratch":
-        session.restart(engine.new_session)
+        session.restart(engine.new_sequence)
     if pins is not None:
         apply_pins(session.store, pins)
     if sync.prefilled_tokens:
@@ -153,10 +153,10 @@ class SessionSummary:
 
 @dataclass
 class _Entry:
-    session: Session | None  # None while saved to disk
+    session: Sequence | None  # None while saved to disk
     last_used: float  # the store's clock
     last_used_wall: float  # Unix seconds
-    saved: SessionOutline | None = None  # what the file on disk holds, while there
+    saved: SequenceOutline | None = None  # what the file on disk holds, while there
     policy: str | None = None
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -166,7 +166,7 @@ class SessionStore:
     """Sessions of one engine, by id.
 
     Args:
-        engine: makes new sessions (`Engine.new_session`) and owns the model they belong to.
+        engine: makes new sessions (`Engine.new_sequence`) and owns the model they belong to.
         max_kv_bytes: cap on the allocated KV bytes of all sessions in memory
             (`KVStore.allocated_nbytes`), or None for no cap.
         idle_ttl_s: seconds a session may stay unused before it is dropped, or None.
@@ -199,7 +199,7 @@ class SessionStore:
         self.spilled = 0
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
-        self.fresh = SessionOutline.describe(engine.new_session())
+        self.fresh = SequenceOutline.describe(engine.new_sequence())
         """The outline of a new session of this engine (what one allocates at first)."""
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -209,9 +209,9 @@ class SessionStore:
     def use(
         self,
         session_id: str,
-        need: Callable[[SessionOutline], int] | None = None,
+        need: Callable[[SequenceOutline], int] | None = None,
         policy: str | None = None,
-    ) -> Iterator[Session]:
+    ) -> Iterator[Sequence]:
         """Hold the session `session_id` for one request: created when new, restored when it
         was saved to disk. Other requests to it wait until this one ends; afterwards the TTL
         and the byte cap are enforced.
@@ -251,12 +251,12 @@ class SessionStore:
                 self._enforce()
 
     def _make_room(
-        self, session_id: str, entry: _Entry, need: Callable[[SessionOutline], int] | None
+        self, session_id: str, entry: _Entry, need: Callable[[SequenceOutline], int] | None
     ) -> None:
         """Move idle sessions out of memory, least recently used first, until `entry` can
         grow to `need(outline)` bytes under the cap; called holding the entry's lock."""
         if entry.session is not None:
-            outline = SessionOutline.describe(entry.session)
+            outline = SequenceOutline.describe(entry.session)
         else:
             outline = entry.saved if entry.saved is not None else self.fresh
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
@@ -412,7 +412,7 @@ class SessionStore:
             return
         meta = {"session_id": session_id, "policy": entry.policy}
         entry.session.save(self._path(session_id), meta)
-        entry.saved = SessionOutline.describe(entry.session, meta)
+        entry.saved = SequenceOutline.describe(entry.session, meta)
         entry.session = None
         self.spilled += 1
 
@@ -421,13 +421,13 @@ class SessionStore:
         if self.spill_dir is not None:
             self._path(session_id).unlink(missing_ok=True)
 
-    def _restore(self, session_id: str) -> Session:
+    def _restore(self, session_id: str) -> Sequence:
         path = None if self.spill_dir is None else self._path(session_id)
         if path is not None and path.exists():
-            session = Session.load(path, self.engine.model)
+            session = Sequence.load(path, self.engine.model)
             path.unlink()
             return session
-        return self.engine.new_session()
+        return self.engine.new_sequence()
 
     def _adopt_saved(self) -> None:
         """Know again the sessions saved in `spill_dir` (by an earlier run): each keeps its
@@ -436,7 +436,7 @@ class SessionStore:
         now_wall, now = time.time(), self.clock()
         for path in sorted(self.spill_dir.glob("*.pt")):
             try:
-                saved = SessionOutline.read(path)
+                saved = SequenceOutline.read(path)
                 session_id = saved.meta["session_id"]
                 if self._path(session_id) != path:
                     raise AgentKVError(f"{path} holds session {session_id!r} under another name")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.policies.base import FixedBudgetPolicy
-from agent_kv.store import KVStore
+from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.store import KVStore
 
 
 @dataclass

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from agent_kv.policies.base import check_quantized
-from agent_kv.policies.full import FullKV
-from agent_kv.store import KVStore
+from agent_kv.kv.policies.base import check_quantized
+from agent_kv.kv.policies.full import FullKV
+from agent_kv.kv.store import KVStore
 
 
 @dataclass

@@ -25,7 +25,7 @@ from functools import lru_cache
 import re2
 
 from agent_kv.errors import ConfigError
-from agent_kv.store import KVStore
+from agent_kv.kv.store import KVStore
 from agent_kv.valid_text import check_unicode
 
 MAX_PATTERNS = 16

