@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent_kv.cli import PolicySpec
 from agent_kv.errors import ConfigError
 from agent_kv.kv.budgets import parse_bytes, tokens_for_bytes
+from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
 
 SMOLLM_FP32_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
