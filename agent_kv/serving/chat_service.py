@@ -385,7 +385,7 @@ class ChatService:
         The turn appends what `sync_history` prefills (the prompt past the history it
         shares) and the reply, to layers cut back to the shared history when the client
         changed it; a cache rebuilt from scratch starts as a new session's, after the old one
-        is let go (`Session.restart`). Under a policy that bounds tokens
+        is let go (`Sequence.restart`). Under a policy that bounds tokens
         (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
         than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
         next eviction; the store's growth rule then bounds its buffers
