@@ -147,7 +147,7 @@ def test_sse_lines_become_chunks():
 def test_round_trips_through_load():
     model = ChatAgentKV(base_url=BASE_URL, session_id="ep", model="m", stop=["\n"])
     serialised = dumpd(model)
-    assert serialised["id"] == ["agent_kv", "langchain_chat", "ChatAgentKV"]
+    assert serialised["id"] == ["agent_kv", "serving", "langchain_chat", "ChatAgentKV"]
     assert "service" not in serialised["kwargs"]
     loaded = load(serialised, valid_namespaces=["agent_kv"], allowed_objects=[ChatAgentKV])
     assert loaded.asdict() == model.asdict()

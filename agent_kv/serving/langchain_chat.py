@@ -183,7 +183,7 @@ class ChatAgentKV(BaseChatModel):
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
         """Where `langchain_core.load` finds the class."""
-        return ["agent_kv", "langchain_chat"]
+        return ["agent_kv", "serving", "langchain_chat"]
 
     def to_json(self):
         """The serialised model; "not implemented" for an in-process one."""
