@@ -348,28 +348,21 @@ class ChatAgentKV(BaseChatModel):
         session_id = kwargs.get("session_id", self.session_id)
         return {"json": body, "headers": {} if session_id is None else {"X-Session-Id": session_id}}
 
-    def _auth_headers(self) -> dict[str, str]:
-        if self.api_key is None:
-            return {}
-        return {"Authorization": f"Bearer {self.api_key.get_secret_value()}"}
+    def _client_options(self) -> dict:
+        """What both HTTP clients share: the server, the timeout, and the API key as a
+        bearer token when there is one."""
+        headers = {}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key.get_secret_value()}"
+        return {"base_url": self.base_url, "timeout": self.timeout, "headers": headers}
 
     def _client(self) -> httpx.Client:
         transport = httpx.HTTPTransport(retries=self.max_retries)
-        return httpx.Client(
-            base_url=self.base_url,
-            timeout=self.timeout,
-            transport=transport,
-            headers=self._auth_headers(),
-        )
+        return httpx.Client(transport=transport, **self._client_options())
 
     def _async_client(self) -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(retries=self.max_retries)
-        return httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=self.timeout,
-            transport=transport,
-            headers=self._auth_headers(),
-        )
+        return httpx.AsyncClient(transport=transport, **self._client_options())
 
     def _server_stream(self, messages, params, kwargs) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, params, kwargs, stream=True)
