@@ -14,10 +14,16 @@ VisualWebArena does (surrounding quotes stripped, lowercased, outer whitespace s
   lowercased, punctuation replaced by spaces, whitespace collapsed — and a reference matches
   when it equals the normalised answer or occurs in it as a run of whole words.
 
-"Occurs" for must_include / must_exclude / one_of means substring, except that a reference
-beginning or ending with a digit must not touch further digits of the answer, so "12" does
-not occur in "$120" or "1,200" (".00" cents after a whole number are ignored on both sides,
-so "$45.00" and "$45" match each other).
+"Occurs" for must_include / must_exclude / one_of means a whole-word occurrence: the
+reference's text (punctuation and inner spaces included) appears in the answer, and where the
+reference begins or ends with a word character (letter, digit, underscore) the answer has no
+word character right before or after it, so "correct" does not occur in "incorrect" nor
+"yes" in "eyes", while "yes" occurs in "Yes, it is" and "correct" in "correct.". Punctuation
+at the reference's ends is matched as written ("$45" occurs in "It is $45", "Ann Lee." needs
+the full stop). A reference beginning or ending with a digit must not continue a number of the
+answer either, across a decimal point or a thousands comma: "12" does not occur in "$120" or
+"1,200", nor "5" in "5.5" or "2" in "1.2". ".00" cents after a whole number are ignored on
+both sides, so "$45.00" and "$45" match each other.
 
 url_match compares the final URL with `eval.reference_url` (`|OR|` alternatives, placeholders
 such as `__CLASSIFIEDS__` substituted). URLs are lowercased and stripped of a trailing "/";
@@ -69,14 +75,25 @@ def clean_answer(text: str) -> str:
 
 
 def occurs(reference: str, answer: str) -> bool:
-    """Whether cleaned `reference` occurs in cleaned `answer` (digit-aware substring)."""
+    """Whether cleaned `reference` occurs in cleaned `answer` as whole words (a reference end
+    that is a word character touches no word character of the answer; one that is a digit
+    touches no further number either; see the module docstring). An empty reference occurs
+    in every answer."""
     reference = _ZERO_CENTS.sub(r"\1", clean_answer(reference))
     answer = _ZERO_CENTS.sub(r"\1", clean_answer(answer))
     if not reference:
         return True
-    before = r"(?<![\d])(?<!\d[.,])" if reference[0].isdigit() else ""
-    after = r"(?![\d])(?![.,]\d)" if reference[-1].isdigit() else ""
+    before = _edge(reference[0], r"(?<!\w)", r"(?<!\d[.,])")
+    after = _edge(reference[-1], r"(?!\w)", r"(?![.,]\d)")
     return re.search(before + re.escape(reference) + after, answer) is not None
+
+
+def _edge(char: str, word_rule: str, digit_rule: str) -> str:
+    """The lookaround that keeps a reference end `char` from running into the answer's text:
+    `word_rule` for a word character, plus `digit_rule` for a digit, nothing for punctuation."""
+    if not re.fullmatch(r"\w", char):
+        return ""
+    return word_rule + digit_rule if re.fullmatch(r"\d", char) else word_rule
 
 
 def normalise(text: str) -> str:

@@ -66,6 +66,36 @@ def test_numbers_do_not_match_inside_longer_numbers():
     assert not occurs("5", "5.5")
 
 
+def test_references_match_whole_words_only():
+    assert score({"must_include": ["correct"]}, "incorrect") == 0.0
+    assert score({"must_include": ["yes"]}, "eyes") == 0.0
+    assert not occurs("Lee", "Leeds") and not occurs("road bike", "road biker")
+    assert not occurs("gear", "gear_grinder")  # the underscore is part of the word
+    assert score({"must_include": ["yes"]}, "Yes, it is") == 1.0
+    assert score({"must_include": ["correct"]}, "correct.") == 1.0
+    assert score({"one_of": ["no", "yes"]}, "(yes)") == 1.0
+    assert occurs("Aisha Khan", "Sold by Aisha Khan, Erie")
+    assert not occurs("Aisha Khan", "Aisha Khanh")
+    tent = {"must_include": ["Trailpeak camping tent", "132"]}
+    assert score(tent, "Trailpeak camping tent, $132.00") == 1.0
+    assert occurs("Weekly thread: synthesizers", '"Weekly thread: synthesizers"')
+
+
+def test_punctuation_at_a_reference_end_is_matched_as_written():
+    assert occurs("$45", "It is $45.") and occurs("$45", "US$45") and not occurs("$45", "$450")
+    assert occurs("$45", "$45.00 each") and not occurs("$45", "$45.50")
+    assert occurs("Ann Lee.", "The seller is Ann Lee.") and not occurs("Ann Lee.", "Ann Lee")
+    assert not occurs("Ann Lee.", "Joann Lee.")
+    assert occurs("Comments (1)", "Comments (1)") and not occurs("Comments (1)", "Comments (12)")
+
+
+def test_must_exclude_drops_only_whole_words():
+    refs = {"must_include": ["headphones"], "must_exclude": ["phone", "e-bike"]}
+    assert score(refs, "studio headphones") == 1.0
+    assert score(refs, "studio headphones and an e-bike") == 0.0
+    assert score(refs, "headphones, not a phone") == 0.0
+
+
 def test_must_exclude():
     refs = {"must_include": ["Red"], "must_exclude": ["Green", "dresser"]}
     assert score(refs, "Red bookshelf") == 1.0
