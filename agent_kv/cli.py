@@ -44,7 +44,7 @@ def fail(message: str) -> None:
 PolicyOption = Annotated[
     str,
     typer.Option(
-        help="KV policy: conf-kv, conf-kv-l, h2o, window, random, full, or ARKV's arkv, "
+        help="KV policy: conf-kv, conf-kv-l, h2o, snapkv, window, random, full, or ARKV's arkv, "
         "base-quant, base-origin, conf-kv+arkv."
     ),
 ]
@@ -53,7 +53,7 @@ BudgetOption = Annotated[
     typer.Option(
         min=1,
         help="Unpinned tokens per layer: conf-kv's uncertain budget N_low (the confident "
-        "budget N_high is half), the window, the h2o/random budget, or ARKV's bytes per "
+        "budget N_high is half), the window, the h2o/snapkv/random budget, or ARKV's bytes per "
         "layer counted in full-precision tokens. Default: the policy's own.",
     ),
 ]
@@ -107,6 +107,14 @@ ThreadsOption = Annotated[
         f"{thread_setting.DEFAULT}: more threads stall when other processes share the cores).",
     ),
 ]
+ConstrainOption = Annotated[
+    bool,
+    typer.Option(
+        "--constrain/--no-constrain",
+        help="Decode each action under the page's action grammar (ids on the page, open tabs), "
+        "so every reply parses; --no-constrain decodes freely, to compare.",
+    ),
+]
 ObservationOption = Annotated[
     str,
     typer.Option(
@@ -139,6 +147,7 @@ def run_episode_command(
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
     observation: ObservationOption = "accessibility_tree",
+    constrain: ConstrainOption = True,
     model: ModelOption = None,
     threads: ThreadsOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
@@ -159,9 +168,12 @@ def run_episode_command(
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
     try:
-        summary = _run(
-            task_obj, spec, model, max_steps, max_obs_tokens, prefill_chunk, observation, out
+        from agent_kv.harness.agent import AgentConfig
+
+        config = AgentConfig(
+            max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain
         )
+        summary = _run(task_obj, spec, model, config, prefill_chunk, observation, out)
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
@@ -179,7 +191,9 @@ def _print_step(record: dict) -> None:
         outcome += f" (failed: {record['error'][:60]})"
     typer.echo(
         f"step {record['step']}: {reply!r} -> {outcome} | {record['tokens_seen']} tokens seen, "
-        f"KV {record['kv_bytes'] / 1e6:.1f} MB (peak {record['peak_kv_bytes'] / 1e6:.1f} MB)",
+        f"KV {record['kv_allocated_bytes'] / 1e6:.1f} MB allocated, "
+        f"{record['kv_live_bytes'] / 1e6:.1f} MB live "
+        f"(peak {record['peak_kv_bytes'] / 1e6:.1f} MB allocated)",
         err=True,
     )
 
@@ -192,10 +206,8 @@ def _writable_dir(path: Path) -> None:
         raise AgentKVError(f"cannot use {path}: {err.strerror}") from None
 
 
-def _run(
-    task, spec: PolicySpec, model_path, max_steps, max_obs_tokens, prefill_chunk, observation, out
-) -> dict:
-    from agent_kv.harness.agent import AgentConfig, run_episode
+def _run(task, spec: PolicySpec, model_path, config, prefill_chunk, observation, out) -> dict:
+    from agent_kv.harness.agent import run_episode
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
     from envs.browser_env import BrowserEnv
@@ -203,7 +215,6 @@ def _run(
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     trace_dir = out / f"task{task.task_id}-{spec.name}-{stamp}"
-    config = AgentConfig(max_steps=max_steps, max_obs_tokens=max_obs_tokens)
     # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers, observation=observation) as env:
         started = time.perf_counter()
@@ -232,8 +243,22 @@ def bench_command(
         str, typer.Option(help="Comma-separated budgets (unpinned tokens per layer).")
     ] = "512,1024",
     workers: Annotated[
-        int, typer.Option(min=1, help="Processes, each with its own browser, sites and model.")
+        int,
+        typer.Option(
+            min=1,
+            help="Ray actors: worker processes, each with its own browser, sites and model, "
+            "running one episode at a time.",
+        ),
     ] = 1,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="Join the Ray cluster at this address (HOST:PORT, ray://HOST:PORT, or auto "
+            "for the one `ray start` runs here) instead of starting a local Ray instance "
+            "for the sweep.",
+        ),
+    ] = None,
     max_steps: MaxStepsOption = 6,
     max_obs_tokens: MaxObsTokensOption = 1200,
     prefill_chunk: PrefillChunkOption = 512,
@@ -252,20 +277,31 @@ def bench_command(
             "often the model's greedy action is the reference one.",
         ),
     ] = True,
+    constrain: ConstrainOption = True,
+    agreement: Annotated[
+        bool,
+        typer.Option(
+            "--agreement/--no-agreement",
+            help="Also replay each task's full-KV episode under every other policy, "
+            "teacher-forced, and report how often its own next action equals full KV's, "
+            "and the KL of its next-token distributions from full KV's.",
+        ),
+    ] = True,
     retry_errors: Annotated[
         bool, typer.Option(help="Rerun episodes recorded with end_reason error.")
     ] = False,
     model: ModelOption = None,
     threads: ThreadsOption = None,
 ) -> None:
-    """Sweep tasks x policies x budgets; write results.jsonl, summary.md and
-    success_vs_memory.png under --out and print the summary table."""
+    """Sweep tasks x policies x budgets on Ray actors (a local Ray instance, or the cluster
+    at --ray-address); write results.jsonl, summary.md and success_vs_memory.png under --out
+    and print the summary table."""
     from agent_kv.harness import bench
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
     try:
-        thread_setting.choose(threads)  # workers inherit it through the environment
+        thread_setting.choose(threads)  # the Ray actors get it through the environment
         task_list = bench.select_tasks(tasks)
         check_observation_mode(observation)
         names = bench.parse_list(policies, "--policies")
@@ -275,7 +311,9 @@ def bench_command(
             raise ConfigError(
                 f"--budgets must be comma-separated integers, got {budgets!r}"
             ) from None
-        jobs = bench.make_jobs(task_list, names, sizes, int8)
+        if ray_address is not None:
+            bench.check_ray_address(ray_address)
+        jobs = bench.make_jobs(task_list, names, sizes, int8)  # imports torch
         for job in {(j.policy, j.budget, j.precision): j for j in jobs}.values():
             PolicySpec.parse(job.policy, job.budget, None, int8=job.precision == "int8")
         find_chromium()
@@ -283,22 +321,28 @@ def bench_command(
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
     settings = bench.BenchSettings(
-        max_steps, max_obs_tokens, prefill_chunk, model, reference_accuracy, observation
+        max_steps,
+        max_obs_tokens,
+        prefill_chunk,
+        model,
+        reference_accuracy,
+        observation,
+        constrain,
+        agreement and "full" in names,
     )
-    runner = bench.EpisodeRunner(settings)
-    try:
-        if workers == 1:  # a missing model or broken Chromium fails here, once
-            runner.start({site for task in task_list for site in task.sites})
-        bench.run_bench(task_list, jobs, out, runner, workers, settings, retry_errors=retry_errors)
+    actors = bench.RayActors(workers, ray_address)
+    try:  # a missing model or broken Chromium fails as the actors start, once
+        bench.run_bench(task_list, jobs, out, actors, settings, retry_errors=retry_errors)
         table = bench.write_report(out)
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     except OSError as err:
         fail(f"cannot write under {out}: {err.strerror or err}")
-    finally:
-        runner.close()
     typer.echo(table)
-    typer.echo(f"\nwrote {out / bench.SUMMARY}, {out / bench.PLOT}", err=True)
+    typer.echo(
+        f"\nwrote {out / bench.SUMMARY}, {out / bench.PLOT}, {out / bench.AGREEMENT_PLOT}",
+        err=True,
+    )
 
 
 @app.command("trace")

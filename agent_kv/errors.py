@@ -25,3 +25,8 @@ class TurnCancelled(AgentKVError):
 class KVCapacityError(AgentKVError):
     """A turn could hold more KV bytes than the session store's cap allows, even with every
     idle session out of memory."""
+
+
+class GrammarError(ConfigError):
+    """A constrained-decoding grammar (Lark, JSON schema or regex) cannot be built, or a
+    token outside it was forced."""

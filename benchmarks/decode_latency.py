@@ -7,11 +7,12 @@ alike (the timing helpers are `agent_kv.evals.latency`'s; `agent-kv eval latency
 full vs conf-kv on real text, batch 1 and 8, inside the evaluation suite). Printed: the
 median decode step of each, the speed-up over full, the policy's own share of its step
 (scoring + eviction + compaction + quantization: the time spent in `record_attention` and
-`Policy.step`), and the KV bytes each holds.
+`Policy.step`), and the KV bytes each holds (allocated/live: its buffers, spare capacity
+included, and its live tokens).
 
 Part 2, KV bytes held by every policy at the same token budget after the same prompt and
 decode steps, FP and INT8 (the policies that do not choose
-their quantized tokens themselves).
+their quantized tokens themselves), allocated with live beside them.
 
     .venv/bin/python benchmarks/decode_latency.py --lengths 2048 4096 8000 --budget 1024
 """
@@ -46,7 +47,8 @@ def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
     )
     print(
         f"{'context':>8} {'full':>7} {'fp':>7} {'int8':>7} {'full/fp':>8} {'full/int8':>10} "
-        f"{'ovh fp':>7} {'ovh int8':>9} {'full MB':>8} {'fp MB':>7} {'int8 MB':>8}"
+        f"{'ovh fp':>7} {'ovh int8':>9} {'full MB a/l':>13} {'fp MB a/l':>11} "
+        f"{'int8 MB a/l':>11}"
     )
     for length, prompt in prompts.items():
         sessions = {label: engine.new_sequence() for label, engine in engines.items()}
@@ -61,22 +63,26 @@ def latency_table(loaded, args, prompts: dict[int, list[int]]) -> None:
         times = interleaved_decode(runs, args.steps)
         ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
         share = {label: timers[label].seconds / sum(times[label]) for label in timers}
-        mb = {label: s.store.nbytes() / 1e6 for label, s in sessions.items()}
+        mb = {
+            label: _mb(s.store.allocated_nbytes(), s.store.nbytes())
+            for label, s in sessions.items()
+        }
         print(
             f"{length:>8} {ms['full']:>7.1f} {ms['fp']:>7.1f} {ms['int8']:>7.1f} "
             f"{ms['full'] / ms['fp']:>7.2f}x {ms['full'] / ms['int8']:>9.2f}x "
             f"{share['fp']:>7.1%} {share['int8']:>9.1%} "
-            f"{mb['full']:>8.1f} {mb['fp']:>7.1f} {mb['int8']:>8.1f}"
+            f"{mb['full']:>13} {mb['fp']:>11} {mb['int8']:>11}"
         )
 
 
 def bytes_table(loaded, args, prompt: list[int]) -> None:
     print(
         f"\nKV bytes held at budget {args.budget} after a {len(prompt)}-token prompt and "
-        f"{args.steps} decode steps (peak = largest after any append)"
+        f"{args.steps} decode steps (peak = largest after any append), MB allocated/live"
     )
     print(
-        f"{'policy':>10} {'FP MB':>7} {'FP peak':>8} {'INT8 MB':>8} {'INT8 peak':>10} {'ratio':>6}"
+        f"{'policy':>10} {'FP MB':>11} {'FP peak':>11} {'INT8 MB':>11} {'INT8 peak':>11} "
+        f"{'ratio':>6}"
     )
     for name, cls in POLICIES.items():
         if cls.manages_precision:  # ARKV's tiers are its own; they refuse INT8 mixed precision
@@ -91,9 +97,20 @@ def bytes_table(loaded, args, prompt: list[int]) -> None:
             engine.feed(session, prompt)
             for _ in range(args.steps):
                 decode_step(engine, session)
-            held.append((session.store.nbytes() / 1e6, session.store.peak_bytes / 1e6))
-        (fp, fp_peak), (q, q_peak) = held
-        print(f"{name:>10} {fp:>7.1f} {fp_peak:>8.1f} {q:>8.1f} {q_peak:>10.1f} {fp / q:>5.2f}x")
+            held.append(session.store)
+        fp, q = held
+        print(
+            f"{name:>10} {_mb(fp.allocated_nbytes(), fp.nbytes()):>11} "
+            f"{_mb(fp.peak_allocated_bytes, fp.peak_bytes):>11} "
+            f"{_mb(q.allocated_nbytes(), q.nbytes()):>11} "
+            f"{_mb(q.peak_allocated_bytes, q.peak_bytes):>11} "
+            f"{fp.allocated_nbytes() / q.allocated_nbytes():>5.2f}x"
+        )
+
+
+def _mb(allocated: int, live: int) -> str:
+    """KV bytes as `allocated/live` MB."""
+    return f"{allocated / 1e6:.1f}/{live / 1e6:.1f}"
 
 
 def main() -> None:

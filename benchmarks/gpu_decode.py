@@ -250,7 +250,8 @@ def measure(model, shape: Shape, variant: str, context: int, batch: int) -> dict
         "policy": statistics.median(policy_s for _, policy_s in times),
         "tokens": layer.length(0),
         "int8": layer.q_len[0],
-        "kv_gib": store.nbytes() / 2**30,
+        "kv_gib": store.allocated_nbytes() / 2**30,
+        "kv_live_gib": store.nbytes() / 2**30,
         **attention_read(model, store, shape),
     }
     result["peak_gib"] = (
@@ -287,8 +288,8 @@ def profile(model, shape: Shape, variant: str, context: int, batch: int) -> None
 
 def table(rows: list[tuple[int, int, str, dict]], copy_bw: float) -> None:
     print(
-        "| context | batch | variant | live tokens/row (INT8) | KV GiB | step ms | model ms "
-        "| policy ms | tok/s "
+        "| context | batch | variant | live tokens/row (INT8) | KV GiB allocated (live) "
+        "| step ms | model ms | policy ms | tok/s "
         "| vs full | attn ms Triton | attn ms torch | torch/Triton | max abs diff "
         "| attn GB/s | of copy BW | peak GiB |"
     )
@@ -301,7 +302,8 @@ def table(rows: list[tuple[int, int, str, dict]], copy_bw: float) -> None:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(
             f"| {context} | {batch} | {variant} | {r['tokens']} ({r['int8']}) "
-            f"| {r['kv_gib']:.3g} | {r['step'] * 1e3:.1f} | {r['model'] * 1e3:.1f} "
+            f"| {r['kv_gib']:.3g} ({r['kv_live_gib']:.3g}) "
+            f"| {r['step'] * 1e3:.1f} | {r['model'] * 1e3:.1f} "
             f"| {r['policy'] * 1e3:.1f} | {batch / r['step']:.1f} "
             f"| {full_step[context, batch] / r['step']:.2f}x "
             f"| {r['triton'] * 1e3:.3g} | {r['torch'] * 1e3:.3g} "

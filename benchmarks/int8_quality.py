@@ -66,18 +66,24 @@ def _error_row(label, values: list[float]) -> str:
     return f"{label:>6} " + " ".join(cells)
 
 
-def perplexity(engine: Engine, ids: list[int]) -> tuple[float, int]:
+def perplexity(engine: Engine, ids: list[int]) -> tuple[float, str]:
+    """Perplexity of `ids` from an empty cache, and the peak KV as `allocated/live` MB."""
     session = engine.new_sequence()
     log_probs = engine.score(session, ids)
-    return math.exp(-log_probs.mean().item()), session.store.peak_bytes
+    store = session.store
+    peak = f"{store.peak_allocated_bytes / 1e6:.1f}/{store.peak_bytes / 1e6:.1f}"
+    return math.exp(-log_probs.mean().item()), peak
 
 
 def perplexity_table(loaded, ids_by_length: dict[int, list[int]], args) -> None:
     int8 = Int8Config(fp_window=args.fp_window, group=args.group)
-    print(f"\nPerplexity, FP vs INT8 (W={args.fp_window}, group {args.group}); peak KV in MB")
+    print(
+        f"\nPerplexity, FP vs INT8 (W={args.fp_window}, group {args.group}); "
+        "peak KV in MB allocated/live"
+    )
     print(
         f"{'tokens':>7} {'policy':>16} {'FP ppl':>8} {'INT8 ppl':>9} {'delta':>7} "
-        f"{'FP MB':>7} {'INT8 MB':>8}"
+        f"{'FP MB':>11} {'INT8 MB':>11}"
     )
     for length, ids in ids_by_length.items():
         for name, budget in (("full", None), ("window", args.budget), ("conf-kv", args.budget)):
@@ -92,7 +98,7 @@ def perplexity_table(loaded, ids_by_length: dict[int, list[int]], args) -> None:
             label = name if budget is None else f"{name} {budget}"
             print(
                 f"{length:>7} {label:>16} {fp:>8.3f} {q:>9.3f} {q - fp:>+7.3f} "
-                f"{fp_peak / 1e6:>7.1f} {q_peak / 1e6:>8.1f}"
+                f"{fp_peak:>11} {q_peak:>11}"
             )
 
 

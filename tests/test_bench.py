@@ -1,17 +1,26 @@
 """The policy sweep: aggregation, resume, crash handling and the report, with a fake episode
-runner (no browser, no model); one real sweep behind the browser and model markers."""
+runner (no browser, no model), in this process and on Ray actors of one local Ray instance
+shared by this module's tests; one real sweep behind the browser and model markers."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from agent_kv.cli import app
-from agent_kv.errors import ConfigError
+from agent_kv.errors import ConfigError, ModelNotFoundError
 from agent_kv.harness import bench
+from agent_kv.harness.agreement import canonical
 from agent_kv.harness.bench import Job
 from envs.tasks import TaskError, load_task
 
@@ -47,8 +56,33 @@ HAND_WRITTEN = [
     _record(3, "full", None, False, 200e6),
     _record(4, "full", None, False, 200e6),
     # window 512: succeeds on 1 of 4; peaks 50 MB each; 3 reference steps, 1 hit
-    _record(1, "window", 512, True, 50e6, reference_steps=2, reference_hits=1, **_nll(4, 1.0)),
-    _record(2, "window", 512, False, 50e6, reference_steps=1, reference_hits=0, **_nll(2, 4.0)),
+    # agreement with full: 3 of 4 steps on task 1 (KL 0.1), 1 of 2 on task 2 (KL 0.4)
+    _record(
+        1,
+        "window",
+        512,
+        True,
+        50e6,
+        reference_steps=2,
+        reference_hits=1,
+        **_nll(4, 1.0),
+        agreement=0.75,
+        mean_kl=0.1,
+        steps_compared=4,
+    ),
+    _record(
+        2,
+        "window",
+        512,
+        False,
+        50e6,
+        reference_steps=1,
+        reference_hits=0,
+        **_nll(2, 4.0),
+        agreement=0.5,
+        mean_kl=0.4,
+        steps_compared=2,
+    ),
     _record(3, "window", 512, False, 50e6),
     _record(4, "window", 512, False, 50e6, steps=4, rates=(30.0,)),
     # conf-kv 512 ran only tasks 1, 2 (one an error, no peak)
@@ -92,7 +126,14 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     table = bench.format_table(rows)
     lines = table.splitlines()
     assert len(lines) == 2 + 3
-    assert "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | 3.00x | 2.5 |" in table
+    assert window["agreement"] == pytest.approx(4 / 6)  # step-weighted over both episodes
+    assert window["mean_kl"] == pytest.approx((4 * 0.1 + 2 * 0.4) / 6)
+    assert window["agreement_steps"] == 6
+    assert full["agreement"] is None and conf["agreement"] is None
+    assert (
+        "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 3.00x | 67% (6 steps) | 0.200 |"
+        in table
+    )
     assert "33% (3 steps) | 2.00 |" in lines[3]
 
 
@@ -101,6 +142,24 @@ def test_relative_success_is_none_when_full_never_succeeds():
     rows = bench.aggregate(records)
     assert rows[1]["relative_success"] is None
     assert rows[1]["reduction_vs_full"] == pytest.approx(2.0)
+    assert "| n/a (full KV solved none) |" in bench.format_table(rows)
+    alone = bench.aggregate([_record(1, "h2o", 256, True, 5e6)])
+    assert "| n/a (no full KV run) |" in bench.format_table(alone)
+
+
+def test_per_task_table_links_rendered_traces(tmp_path: Path):
+    trace = tmp_path / "traces" / "task1-full"
+    trace.mkdir(parents=True)
+    (trace / "trace.html").write_text("<html></html>")
+    records = [
+        {**_record(1, "full", None, True, 1e6), "trace_dir": str(trace)},
+        {**_record(1, "h2o", 256, False, 1e6), "end_reason": "repeated_action"},
+        {**_record(2, "h2o", 256, False, None), "end_reason": "error"},
+    ]
+    table = bench.per_task_table(records, tmp_path).splitlines()
+    assert table[0] == "| task | full | h2o 256 |"
+    assert table[2] == "| 1 | [✓](traces/task1-full/trace.html) | ✗ repeated_action |"
+    assert table[3] == "| 2 |  | error |"
 
 
 def test_read_results_keeps_last_record_per_job_and_skips_a_torn_line(tmp_path: Path):
@@ -113,21 +172,67 @@ def test_read_results_keeps_last_record_per_job_and_skips_a_torn_line(tmp_path: 
 
 
 class FakeRunner:
-    """Returns a canned summary; raises for the jobs named in `crash`; logs every call."""
+    """Returns a canned summary of `steps` agent steps (>= 1), each told to `on_step` as it
+    ends, with the pid of the process that ran it, after `seconds` (spread over the steps);
+    raises for the jobs named in `crash`; ends its process at once (`os._exit`, as a
+    segfault or the OOM killer would) for those in `die`; logs every call.
 
-    def __init__(self, crash: set[tuple] = frozenset()):
-        self.crash = crash
+    `settings` makes it a `bench.RunnerFactory`: `functools.partial(FakeRunner, ...)` builds
+    one inside each Ray actor."""
+
+    def __init__(
+        self,
+        settings: bench.BenchSettings | None = None,
+        crash: set[tuple] = frozenset(),
+        die: set[tuple] = frozenset(),
+        seconds: float = 0.0,
+        steps: int = 2,
+    ):
+        self.crash, self.die, self.seconds, self.steps = crash, die, seconds, steps
         self.calls: list[Job] = []
+        self.started: list[list[str]] = []
 
-    def __call__(self, task, job: Job, trace_dir: Path) -> dict:
+    def start(self, sites) -> None:
+        self.started.append(sorted(sites))
+
+    def __call__(self, task, job: Job, trace_dir: Path, on_step) -> dict:
         self.calls.append(job)
+        if job.key in self.die:
+            os._exit(1)
         if job.key in self.crash:
             raise RuntimeError("browser died")
+        for step in range(1, self.steps + 1):
+            time.sleep(self.seconds / self.steps)
+            on_step(step)
         peak = 100e6 if job.policy == "full" else job.budget * 1e5
-        return _record(job.task_id, "ignored", "ignored", job.task_id == 1, peak)
+        success = job.task_id == 1
+        return _record(
+            job.task_id, "ignored", "ignored", success, peak, self.steps, pid=os.getpid()
+        )
 
     def close(self) -> None:
         pass
+
+
+class NoModelRunner(FakeRunner):
+    """A runner whose start fails as a missing model does."""
+
+    def start(self, sites) -> None:
+        raise ModelNotFoundError("no model at /nowhere")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for this module's Ray tests, started as a sweep starts one;
+    this module's classes go to the workers by value (the workers cannot import it)."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    started = time.perf_counter()
+    with bench.ray_session(num_cpus=2):
+        print(f"\nlocal Ray instance up in {time.perf_counter() - started:.1f} s")
+        yield
+    assert not ray.is_initialized()
 
 
 @pytest.fixture
@@ -142,6 +247,7 @@ def test_sweep_records_a_crash_and_finishes_the_rest(tmp_path: Path, two_tasks):
     runner = FakeRunner(crash={crashing})
     written = bench.run_bench(two_tasks, jobs, tmp_path, runner, progress=False)
     assert len(written) == 6 and len(runner.calls) == 6
+    assert runner.started == [["classifieds"]]  # once, before the first job
     records = {bench.record_key(r): r for r in bench.read_results(tmp_path / "results.jsonl")}
     assert len(records) == 6
     crashed = records[crashing]
@@ -171,6 +277,10 @@ def test_rerun_skips_finished_episodes(tmp_path: Path, two_tasks):
     assert [job.key for job in third.calls] == [Job(1, "h2o", 256).key]
     records = bench.read_results(tmp_path / "results.jsonl")
     assert len(records) == 4 and all(r["end_reason"] != "error" for r in records)
+
+    idle = FakeRunner()  # every job has its record: nothing starts
+    assert bench.run_bench(two_tasks, jobs, tmp_path, idle, progress=False) == []
+    assert idle.started == [] and idle.calls == []
 
 
 def test_a_rerun_with_other_settings_is_refused(tmp_path: Path, two_tasks):
@@ -241,7 +351,7 @@ def test_bench_cli_bad_input_is_one_error_line(tmp_path: Path, args, message):
 
 @pytest.mark.browser
 @pytest.mark.model
-def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path):
+def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     task = load_task(1)
     jobs = bench.make_jobs([task], ["full", "window"], [256])
     settings = bench.BenchSettings(max_steps=1)
@@ -253,17 +363,206 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path):
         assert record["peak_kv_bytes"] > 0
         assert record["reference_steps"] == len(task.reference_actions)
         assert 0 <= record["reference_hits"] <= record["reference_steps"]
+        steps = sorted(Path(record["trace_dir"]).glob("step_[0-9][0-9][0-9].json"))
+        assert [json.loads(p.read_text())["constrained"] for p in steps] == [True]
+    full, window = sorted(records, key=lambda r: r["policy"] != "full")
+    assert "agreement" not in full
+    assert window["steps_compared"] == full["steps"] == 1
+    assert window["agreement"] in (0.0, 1.0) and window["mean_kl"] >= 0
+    assert window["agreement_steps"][0]["reference"] == canonical(
+        json.loads((Path(full["trace_dir"]) / "step_001.json").read_text())["reply"]
+    )
     table = bench.write_report(tmp_path)
     assert "| window | 256 |" in table
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Per task" in summary and "trace.html)" in summary
+    assert (tmp_path / "agreement_vs_memory.png").stat().st_size > 0
+    assert (Path(full["trace_dir"]) / "trace.html").is_file()
 
 
-def test_two_worker_processes_run_every_job(tmp_path: Path, two_tasks):
+class RecordingBar:
+    """A tqdm stand-in that keeps every update and postfix."""
+
+    def __init__(self):
+        self.updates: list[int] = []
+        self.postfix = ""
+
+    def update(self, n: int) -> None:
+        self.updates.append(n)
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+
+def test_progress_moves_per_step_and_by_the_steps_an_episode_did_not_take():
+    bar = RecordingBar()
+    progress = bench.StepProgress(bar, max_steps=6, episodes=2)
+    early, failed = Job(1, "full", None), Job(2, "window", 512)
+    for step in (1, 2, 3):
+        progress.step(early, step)
+    assert bar.updates == [1, 1, 1] and bar.postfix == "0/2 episodes; task1-full step 3"
+    progress.finish({**_record(1, "full", None, True, 1e6), "steps": 3})
+    assert bar.updates[-1] == 3 and bar.postfix == "1/2 episodes; task1-full: True"
+    progress.step(failed, 1)
+    progress.finish({**_record(2, "window", 512, False, None), "end_reason": "error"})
+    assert bar.updates[-2:] == [1, 5] and bar.postfix.endswith("task2-window-512: error")
+    assert sum(bar.updates) == 2 * 6  # the bar's total: episodes x max_steps
+
+
+def _spy_on_progress(monkeypatch) -> list[tuple]:
+    """Log `("step", job key, n, time)` and `("finish", job key, None, time)` as the sweep's
+    `StepProgress` is told them, letting them through."""
+    events: list[tuple] = []
+    step, finish = bench.StepProgress.step, bench.StepProgress.finish
+
+    def spy_step(self, job, n):
+        events.append(("step", job.key, n, time.perf_counter()))
+        step(self, job, n)
+
+    def spy_finish(self, record):
+        events.append(("finish", bench.record_key(record), None, time.perf_counter()))
+        finish(self, record)
+
+    monkeypatch.setattr(bench.StepProgress, "step", spy_step)
+    monkeypatch.setattr(bench.StepProgress, "finish", spy_finish)
+    return events
+
+
+def test_an_in_process_sweep_reports_every_step(tmp_path: Path, two_tasks, monkeypatch):
+    events = _spy_on_progress(monkeypatch)
+    jobs = bench.make_jobs(two_tasks, ["full"], [])
+    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(steps=3), progress=False)
+    assert [e[:3] for e in events] == [
+        *(("step", jobs[0].key, n) for n in (1, 2, 3)),
+        ("finish", jobs[0].key, None),
+        *(("step", jobs[1].key, n) for n in (1, 2, 3)),
+        ("finish", jobs[1].key, None),
+    ]
+
+
+def test_jobs_wait_for_their_tasks_full_kv_reference():
+    work = deque(
+        (None, Job(t, p, b), None)
+        for t, p, b in [(1, "h2o", 64), (2, "h2o", 64), (1, "full", None)]
+    )
+    references = {1}
+    assert bench._next_ready(work, references)[1] == Job(2, "h2o", 64)
+    assert bench._next_ready(work, references)[1] == Job(1, "full", None)
+    assert bench._next_ready(work, references) is None  # task 1's full KV still runs
+    references.discard(1)
+    assert bench._next_ready(work, references)[1] == Job(1, "h2o", 64)
+
+
+def test_two_ray_actors_run_every_job(tmp_path: Path, two_tasks, local_ray):
     jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
-    runner = FakeRunner(crash={Job(1, "window", 512).key})
-    written = bench.run_bench(two_tasks, jobs, tmp_path, runner, workers=2, progress=False)
+    factory = functools.partial(FakeRunner, crash={Job(1, "window", 512).key}, seconds=0.3)
+    written = bench.run_bench(
+        two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False
+    )
     assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
     errors = [r for r in written if r["end_reason"] == "error"]
     assert [bench.record_key(r) for r in errors] == [Job(1, "window", 512).key]
+    assert errors[0]["error"] == "RuntimeError: browser died"  # as in-process
+    pids = {r["pid"] for r in written if "pid" in r}
+    assert len(pids) == 2 and os.getpid() not in pids  # both actors ran episodes
+
+
+def test_ray_actors_report_steps_while_their_episodes_run(
+    tmp_path: Path, two_tasks, local_ray, monkeypatch
+):
+    monkeypatch.setattr(bench, "STEP_POLL_S", 0.05)
+    events = _spy_on_progress(monkeypatch)
+    jobs = bench.make_jobs(two_tasks, ["full"], [])
+    factory = functools.partial(FakeRunner, seconds=1.5, steps=3)
+    bench.run_bench(two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False)
+    for job in jobs:
+        mine = [e for e in events if e[1] == job.key]
+        assert [e[0] for e in mine] == ["step", "step", "step", "finish"]
+        assert [e[2] for e in mine[:3]] == [1, 2, 3]
+        # step 1 reached the driver while the episode still had two 0.5 s steps to go
+        assert mine[-1][-1] - mine[0][-1] > 0.5
+
+
+def test_a_killed_ray_worker_is_one_error_record_and_the_sweep_finishes(
+    tmp_path: Path, two_tasks, local_ray
+):
+    jobs = bench.make_jobs(two_tasks, ["full", "window", "h2o"], [512, 1024])
+    assert len(jobs) == 2 * 5
+    bench.run_bench(two_tasks, jobs[:2], tmp_path, FakeRunner(), progress=False)
+    before = (tmp_path / "results.jsonl").read_text()
+    dying = jobs[2].key  # the first job handed out by this run
+    factory = functools.partial(FakeRunner, die={dying}, seconds=0.3)
+    started = time.perf_counter()
+    written = bench.run_bench(
+        two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False
+    )
+    print(f"\n8 episodes on 2 actors, one killed, in {time.perf_counter() - started:.1f} s")
+    assert sorted(bench.record_key(r) for r in written) == sorted(j.key for j in jobs[2:])
+    died = next(r for r in written if bench.record_key(r) == dying)
+    assert died["end_reason"] == "error" and died["success"] is False
+    assert died["error"].startswith("ActorDiedError: The actor died unexpectedly")
+    assert "worker process has died" in died["error"]
+    others = [r for r in written if bench.record_key(r) != dying]
+    assert all(r["end_reason"] == "stop" for r in others)
+    # the dead actor wrote nothing; its replacement and the other actor ran the rest
+    assert len({r["pid"] for r in others}) == 2
+    text = (tmp_path / "results.jsonl").read_text()
+    assert text.startswith(before)  # earlier records unchanged
+    lines = text.splitlines()
+    assert len(lines) == len(jobs)
+    assert [bench.record_key(json.loads(line)) for line in lines[:2]] == [j.key for j in jobs[:2]]
+
+
+def test_a_runner_that_cannot_start_stops_the_sweep_with_its_error(
+    tmp_path: Path, two_tasks, local_ray
+):
+    jobs = bench.make_jobs(two_tasks, ["full"], [])
+    actors = bench.RayActors(2, factory=NoModelRunner)
+    with pytest.raises(ModelNotFoundError, match="^no model at /nowhere$"):
+        bench.run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
+    assert bench.read_results(tmp_path / "results.jsonl") == []
+
+
+def test_more_actors_than_the_cluster_has_cpus_is_refused(tmp_path: Path, two_tasks, local_ray):
+    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
+    actors = bench.RayActors(3, factory=FakeRunner)
+    with pytest.raises(ConfigError, match="has 2 CPUs; 3 actors need 1 each"):
+        bench.run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
+
+
+def test_ray_address_is_checked_quickly():
+    bench.check_ray_address("auto")  # Ray looks it up itself
+    with pytest.raises(ConfigError, match="must be auto, HOST:PORT or ray://HOST:PORT"):
+        bench.check_ray_address("head-node")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.perf_counter()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=f"no Ray cluster answers at {address}: "):
+            bench.check_ray_address(address)
+    assert time.perf_counter() - started < 2 * bench.CONNECT_TIMEOUT_S
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--policies", "lru"], "unknown policy 'lru'"),
+        (["--workers", "0"], "--workers"),
+        (["--ray-address", "head-node"], "--ray-address must be"),
+    ],
+)
+def test_bench_usage_errors_import_neither_torch_nor_ray(tmp_path: Path, args, needle):
+    probe = (
+        "import sys; from agent_kv.cli import main; code = main(); "
+        "print('heavy:', sorted({'torch', 'ray'} & set(sys.modules)), 'exit:', code)"
+    )
+    command = ["bench", "--tasks", "1", "--out", str(tmp_path / "o"), *args]
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "heavy: [] exit: 2", proc.stdout + proc.stderr
+    assert needle in proc.stderr
 
 
 @pytest.mark.model
@@ -290,3 +589,14 @@ def test_force_reply_agrees_with_greedy_decoding(smollm):
     assert min(wrong_reply.logprobs) < min(reply.logprobs)
     forced.add("user", "Another?")  # the conversation continues append-only
     forced.reply(SamplingParams(max_new_tokens=2))
+
+
+def test_aggregate_reports_the_live_peak_beside_the_allocated_one():
+    records = [
+        _record(1, "full", None, True, 200e6, peak_kv_live_bytes=150e6),
+        _record(1, "window", 512, True, 60e6, peak_kv_live_bytes=50e6),
+    ]
+    window = {bench.row_label(r): r for r in bench.aggregate(records)}["window 512"]
+    assert window["peak_kv_mb"] == pytest.approx(60.0)  # allocated: the headline
+    assert window["peak_kv_live_mb"] == pytest.approx(50.0)
+    assert window["reduction_vs_full"] == pytest.approx(200 / 60)  # allocated over allocated

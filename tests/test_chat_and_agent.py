@@ -9,10 +9,11 @@ import pytest
 from agent_kv.errors import ConfigError
 from agent_kv.harness.agent import AgentConfig, run_episode
 from agent_kv.kv.policies import make_policy
+from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from envs.browser_env import BrowserEnv
+from envs.browser_env import BrowserEnv, StepResult
 from envs.server import SiteServers
 from envs.tasks import load_task
 
@@ -92,3 +93,59 @@ def test_dead_browser_fails_the_episode_and_keeps_the_trace(smollm, tmp_path):
     assert result.tokens_seen > 0 and result.peak_kv_bytes > 0
     summary = json.loads((tmp_path / "trace" / "summary.json").read_text())
     assert summary["end_reason"] == "error"
+
+
+class ScriptedPages:
+    """A `BrowserEnv` stand-in: numbered pages of listings, `steps` of them, then `stop`."""
+
+    servers: dict = {}
+    read_page = None
+
+    def __init__(self, steps: int):
+        self.steps, self.url = steps, "http://127.0.0.1/1"
+
+    def _page(self, n: int) -> dict:
+        lines = [f"[{i}] link 'Listing {n}-{i}: a used road bike, ${100 + i}'" for i in range(60)]
+        return {"url": f"http://127.0.0.1/{n}", "text": "\n".join(lines), "tabs": [f"Page {n}"]}
+
+    def reset(self, task) -> dict:
+        return self._page(1)
+
+    def step(self, reply: str) -> StepResult:
+        n = int(self.url.rsplit("/", 1)[1]) + 1
+        self.url = f"http://127.0.0.1/{n}"
+        done = n > self.steps
+        info = {"step": n - 1, "action": "click [1]", **({"reason": "stop"} if done else {})}
+        return StepResult(self._page(n), done, info, "$120" if done else None)
+
+
+def test_episode_memory_figures_are_allocated_with_live_beside_them(smollm, tmp_path):
+    spec = PolicySpec.parse("conf-kv", 256, None, int8=True)
+    engine = Engine.from_spec(spec, smollm.model, smollm.tokenizer)
+    config = AgentConfig(max_steps=3, sampling=SamplingParams(max_new_tokens=6))
+    result = run_episode(load_task(1), engine, ScriptedPages(3), tmp_path, "smollm", config)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kv_steps = [json.loads(line) for line in (tmp_path / "kv_steps.jsonl").read_text().splitlines()]
+    last = json.loads((tmp_path / "step_003.json").read_text())
+    token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, fp32
+    assert result.steps == 3 and summary["tokens_seen"] > 1500
+    # allocated: the most any forward call held; live: the most after any call's append
+    assert summary["peak_kv_bytes"] == max(r["allocated_kv_bytes"] for r in kv_steps)
+    assert summary["peak_kv_live_bytes"] == max(r["appended_kv_bytes"] for r in kv_steps)
+    assert all(r["kv_bytes"] <= r["appended_kv_bytes"] <= r["allocated_kv_bytes"] for r in kv_steps)
+    assert summary["peak_kv_live_bytes"] < summary["peak_kv_bytes"]
+    assert summary["full_kv_live_bytes"] == summary["tokens_seen"] * token
+    slots = summary["full_kv_bytes"] // token  # 256 slots doubled until they hold the tokens
+    assert slots in {256 * 2**k for k in range(8)} and slots // 2 < summary["tokens_seen"] <= slots
+    assert summary["kv_reduction_vs_full"] == round(
+        summary["full_kv_bytes"] / summary["peak_kv_bytes"], 3
+    )
+    assert summary["kv_live_reduction_vs_full"] == round(
+        summary["full_kv_live_bytes"] / summary["peak_kv_live_bytes"], 3
+    )
+    # the last step's record: the store now and its peaks, the same as the summary's
+    assert (last["peak_kv_bytes"], last["peak_kv_live_bytes"]) == (
+        summary["peak_kv_bytes"],
+        summary["peak_kv_live_bytes"],
+    )
+    assert last["kv_live_bytes"] <= last["kv_allocated_bytes"] <= 1.5 * last["kv_live_bytes"]

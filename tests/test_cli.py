@@ -40,8 +40,9 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     assert len(summary["step_s"]) == summary["steps"]
     assert summary["end_reason"] in {"stop", "max_steps", "parse_failures", "repeated_action"}
     assert summary["tokens_seen"] > 100
-    assert 0 < summary["peak_kv_bytes"] <= summary["full_kv_bytes"]
-    assert summary["full_kv_bytes"] == summary["tokens_seen"] * 30 * 2 * 3 * 64 * 4
+    assert 0 < summary["peak_kv_live_bytes"] <= summary["peak_kv_bytes"]
+    assert summary["peak_kv_live_bytes"] <= summary["full_kv_live_bytes"]
+    assert summary["full_kv_live_bytes"] == summary["tokens_seen"] * 30 * 2 * 3 * 64 * 4
     assert len(summary["ttft_s"]) == summary["steps"]
     assert all(t > 0 for t in summary["ttft_s"])
     assert summary["wall_s"] > 0
@@ -56,8 +57,9 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
         == summary["peak_kv_bytes"]
     )
     kv_steps = [json.loads(line) for line in (trace / "kv_steps.jsonl").read_text().splitlines()]
-    assert max(r["kv_bytes"] for r in kv_steps) <= summary["peak_kv_bytes"]
-    assert max(r["appended_kv_bytes"] for r in kv_steps) == summary["peak_kv_bytes"]
+    assert max(r["kv_bytes"] for r in kv_steps) <= summary["peak_kv_live_bytes"]
+    assert max(r["appended_kv_bytes"] for r in kv_steps) == summary["peak_kv_live_bytes"]
+    assert max(r["allocated_kv_bytes"] for r in kv_steps) == summary["peak_kv_bytes"]
     assert all(r["kv_bytes"] <= r["appended_kv_bytes"] for r in kv_steps)
     assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
 
@@ -77,7 +79,7 @@ def test_episode_with_int8_rerotate_and_set_of_marks(tmp_path: Path):
     assert summary["positions"] == "rerotate"
     # the first observation, released when the second arrives, leaves the FP window as INT8
     assert summary["steps"] == 2 and summary["quantized_tokens"] > 0
-    assert summary["peak_kv_bytes"] < summary["full_kv_bytes"]
+    assert summary["peak_kv_live_bytes"] < summary["full_kv_live_bytes"]
 
 
 def assert_one_line_error(proc, *needles: str) -> None:

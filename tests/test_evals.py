@@ -12,7 +12,14 @@ import pytest
 from agent_kv.evals import experiment_names, run_experiments
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.arkv import build_context
-from agent_kv.evals.perplexity import QUICK, Totals, gap_closed, int8_budget, segments
+from agent_kv.evals.perplexity import (
+    QUICK,
+    Totals,
+    gap_closed,
+    int8_budget,
+    segments,
+    variants,
+)
 from agent_kv.evals.report import Report, Table
 from agent_kv.evals.texts import licence_text
 from tests.test_cli import run_cli
@@ -69,6 +76,11 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 @pytest.mark.model
+def test_the_plain_window_row_keeps_no_sinks_and_the_other_four(smollm):
+    windows = {v.label: v.policy.sinks for v in variants(smollm, QUICK) if "window" in v.label}
+    assert windows == {f"window {QUICK.window}": 0, f"window {QUICK.window} + 4 sinks": 4}
+
+
 def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
     reports = run_experiments(["perplexity", "ablations"], smollm, text_ids, tmp_path, quick=True)
     assert [r.experiment for r in reports] == ["perplexity", "ablations"]

@@ -10,6 +10,7 @@ from agent_kv.errors import ConfigError
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.policies import POLICIES, ConfKV, make_policy
 from agent_kv.kv.policy_names import POLICY_NAMES
+from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
 
 
@@ -104,6 +105,20 @@ def test_window_keeps_newest_and_sinks():
     assert kept_positions(store, 1) == [0, 1] + list(range(42, 50))
 
 
+def test_window_keeps_four_attention_sinks_unless_told_none():
+    store = store_with(50)
+    policy = make_policy("window", budget=10, evict_slack=0)
+    assert policy.sinks == 4
+    policy.step(store, 0.0)
+    assert kept_positions(store) == [0, 1, 2, 3] + list(range(44, 50))
+    plain = PolicySpec.parse("window", 10, None, extra=["sinks=0", "evict_slack=0"]).build(1)
+    store = store_with(50)
+    plain.step(store, 0.0)
+    assert kept_positions(store) == list(range(40, 50))
+    with pytest.raises(ConfigError, match="protection window"):
+        make_policy("window", budget=4)  # the 4 sinks fill it
+
+
 def test_full_never_evicts():
     store = store_with(70)
     assert make_policy("full").step(store, 1.0) == 0
@@ -194,6 +209,9 @@ def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
         ("random", {"budget": 0}, "positive number of tokens"),
         ("conf-kv-l", {"n_high": 100, "n_low": 100, "protect_recent": 64}, "deepest layer"),
         ("conf-kv-l", {"pyramid": 1.0}, "pyramid"),
+        ("snapkv", {"budget": 64}, "keeps 32 tokens after an eviction .evict_slack 32."),
+        ("snapkv", {"budget": 64, "evict_slack": 0, "observation_window": 0}, "observation_w"),
+        ("snapkv", {"kernel": 6}, "kernel must be an odd width"),
     ],
 )
 def test_bad_baseline_settings(name, kwargs, message):
@@ -233,8 +251,122 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
     policy = make_policy("window", budget=20)  # default evict_slack 32
     policy.step(store, None)
     assert store.lengths() == [10, 10]
-    assert kept_positions(store) == list(range(90, 100))
+    assert kept_positions(store) == [0, 1, 2, 3] + list(range(94, 100))  # 4 sinks by default
 
 
 def test_the_torch_free_name_list_is_the_registry():
     assert tuple(POLICIES) == POLICY_NAMES
+
+
+def observed_store(mass: torch.Tensor, window: int) -> KVStore:
+    """A two-layer store of `mass.shape[-1]` tokens fed in one call whose last `window`
+    queries gave each token the attention `mass` (`[tokens]` for both KV heads, or
+    `[kv_heads, tokens]`)."""
+    store = store_with(mass.shape[-1])
+    per_head = mass.expand(2, mass.shape[-1])[None].clone()  # [rows, kv_heads, tokens]
+    for idx in range(len(store.layers)):
+        store.record_window(idx, [per_head], window)
+    return store
+
+
+def test_snapkv_keeps_the_tokens_the_observation_window_attends_to():
+    mass = torch.full((2, 100), 0.01)
+    mass[0, [10, 30]] = 1.0  # each KV head has its own heavy hitters: the mean keeps both
+    mass[1, [50, 70]] = 1.0
+    store = observed_store(mass, window=8)
+    assert store.observed_from == [92]
+    policy = make_policy("snapkv", budget=12, observation_window=8, kernel=1, evict_slack=0)
+    assert policy.step(store, confidence=0.9) == 2 * (100 - 12)
+    assert kept_positions(store) == [10, 30, 50, 70] + list(range(92, 100))
+    assert kept_positions(store, 1) == kept_positions(store)
+
+
+def test_snapkv_pooling_keeps_the_neighbours_of_a_hit():
+    mass = torch.linspace(0.001, 0.002, 100)  # faint, rising toward the window
+    mass[40] = 1.0
+    pooled = make_policy("snapkv", budget=15, observation_window=8, evict_slack=0)
+    assert pooled.kernel == 7
+    store = observed_store(mass, window=8)
+    pooled.step(store, None)
+    assert kept_positions(store) == list(range(37, 44)) + list(range(92, 100))
+    unpooled = make_policy("snapkv", budget=15, observation_window=8, kernel=1, evict_slack=0)
+    store = observed_store(mass, window=8)
+    unpooled.step(store, None)
+    assert kept_positions(store) == [40] + list(range(86, 100))
+
+
+def test_snapkv_holds_its_budget_through_decode_and_compresses_again_next_turn():
+    mass = torch.full((100,), 0.01)
+    mass[[5, 15, 25]] = 1.0
+    store = observed_store(mass, window=8)
+    policy = make_policy("snapkv", budget=40, observation_window=8, kernel=1, evict_slack=8)
+    assert policy.max_kept_tokens(2) == [40, 40]
+    policy.step(store, 0.5)  # the end of the prompt: the compression point
+    assert store.lengths() == [32, 32]
+    assert {5, 15, 25} | set(range(92, 100)) <= set(kept_positions(store))
+    for _ in range(20):  # decode: one query per call, nothing scored anew
+        random_tokens(store, 1)
+        policy.step(store, 0.5)
+        assert max(store.lengths()) <= 40
+    kept = set(kept_positions(store))
+    assert {5, 15, 25} | set(range(92, 120)) <= kept  # generated tokens stay, hits too
+    # the next turn's prompt: a new window scores the whole cache, the reply included
+    random_tokens(store, 10)
+    positions = store.layers[0].live_positions(0)
+    mass = torch.where((positions >= 100) & (positions < 110), 0.0, 0.01)
+    mass[positions == 110] = 1.0
+    for idx in range(2):
+        store.record_window(idx, [mass.expand(2, -1)[None].clone()], 8)
+    assert store.observed_from == [122]
+    policy.step(store, 0.5)
+    kept = set(kept_positions(store))
+    assert len(kept) == 32 and 110 in kept and set(range(122, 130)) <= kept
+    assert not kept & set(range(100, 110))
+
+
+def test_snapkv_keeps_pins_and_sinks_whatever_their_attention():
+    mass = torch.full((100,), 0.01)
+    mass[[0, 1, 20, 21, 22, 23, 24]] = 0.0
+    mass[[50, 60]] = 1.0
+    store = observed_store(mass, window=8)
+    store.pin(20, 25)
+    policy = make_policy(
+        "snapkv", budget=12, observation_window=8, sinks=2, kernel=1, evict_slack=0
+    )
+    policy.step(store, None)
+    assert kept_positions(store) == [0, 1, *range(20, 25), 50, 60, *range(92, 100)]
+
+
+def test_snapkv_asks_prefill_calls_for_its_window_and_other_policies_stop_it():
+    store = store_with(4)
+    make_policy("snapkv", observation_window=16).prepare(store)
+    assert store.observation_window == 16
+    make_policy("arkv").prepare(store)
+    assert (store.observation_window, store.profile_prefill) == (0, True)
+    make_policy("h2o").prepare(store)
+    assert (store.observation_window, store.profile_prefill) == (0, False)
+
+
+@pytest.mark.parametrize("query_len,window", [(100, 8), (100, 64), (40, 8), (6, 8)])
+def test_the_attention_function_measures_the_observation_window(query_len, window):
+    from agent_kv.kv.attention import store_attention
+
+    gen = torch.Generator().manual_seed(query_len + window)
+    store = KVStore(1, 2, 16)
+    random_tokens(store, 30)  # already cached
+    keys, values = (torch.randn(1, 2, query_len, 16, generator=gen) for _ in range(2))
+    store.begin_forward(range(1), query_len)
+    store.append(0, keys, values)
+    store.observation_window = window
+    query = torch.randn(1, 6, query_len, 16, generator=gen)  # 3 query heads per KV head
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    store_attention(layer, query, keys, values, None, kv_store=store)
+    cached = store.layers[0].keys[:, :, : 30 + query_len].repeat_interleave(3, dim=1)
+    logits = query @ cached.transpose(-1, -2) / 4.0  # [1, 6, q, L]
+    visible = torch.ones(query_len, 30 + query_len, dtype=torch.bool).tril(diagonal=30)
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    observed = min(query_len, window)
+    expected = probs[0, :, -observed:].sum(dim=1).view(2, 3, -1).sum(dim=1)  # [kv_heads, L]
+    torch.testing.assert_close(store.layers[0].window_mass[0, :, : 30 + query_len], expected)
+    assert store.observed_from == [30 + query_len - observed]

@@ -77,7 +77,7 @@ def run(ctx: EvalContext) -> Report:
             "perplexity",
             "vs reference",
             "mean KV MB",
-            "peak KV MB",
+            "peak KV MB allocated (live)",
             "mean budget",
             "paper",
         ],
@@ -89,7 +89,7 @@ def run(ctx: EvalContext) -> Report:
             f"{t.perplexity:.3f}",
             f"{t.perplexity - ref.perplexity:+.3f}",
             f"{t.mean_bytes / 1e6:.1f}",
-            f"{t.peak_bytes / 1e6:.1f}",
+            t.peak_mb,
             "-" if t.mean_budget is None else f"{t.mean_budget:.0f}",
             PAPER.get(label, "-"),
         )

@@ -156,6 +156,7 @@ class BatchRun:
         decode_s: decode wall time (seconds after the first token; the longest row's).
         wall_s: seconds of the whole call (prefill of every row + decode).
         kv_bytes: live KV bytes of the batch's store at the end, all rows.
+        kv_allocated_bytes: bytes its buffers held at the end, spare capacity included.
         peak_kv_bytes: the store's peak live KV bytes.
     """
 
@@ -167,6 +168,7 @@ class BatchRun:
     decode_s: float
     wall_s: float
     kv_bytes: int
+    kv_allocated_bytes: int
     peak_kv_bytes: int
     per_row_generated: list[int] = field(default_factory=list)
 
@@ -324,6 +326,7 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
             "mean_ms": statistics.fmean(times[label]) * 1e3,
             "policy_share": timers[label].seconds / sum(times[label]),
             "kv_bytes": store.nbytes(),
+            "kv_allocated_bytes": store.allocated_nbytes(),
             "peak_kv_bytes": store.peak_bytes,
             "live_tokens": max(store.lengths()),
             "seen_tokens": store.seen_tokens,
@@ -360,6 +363,7 @@ def _batch_run(engine: Engine, label: str, prompts: list[list[int]], new_tokens:
         decode_s=max(g.decode_s for g in result.generations),
         wall_s=wall,
         kv_bytes=result.store.nbytes(),
+        kv_allocated_bytes=result.store.allocated_nbytes(),
         peak_kv_bytes=result.store.peak_bytes,
         per_row_generated=per_row,
     )
@@ -395,6 +399,7 @@ def _pool(runs: list[BatchRun], by_context: dict[int, dict]) -> list[dict]:
                 "tokens_per_s": generated / seconds,
                 "batch1_tokens_per_s": 1e3 / by_context[context][label]["mean_ms"],
                 "kv_bytes": mine[-1].kv_bytes,
+                "kv_allocated_bytes": mine[-1].kv_allocated_bytes,
                 "peak_kv_bytes": max(r.peak_kv_bytes for r in mine),
             }
         row["throughput_ratio"] = row["conf-kv"]["tokens_per_s"] / row["full"]["tokens_per_s"]
@@ -417,8 +422,9 @@ def _threads(n: int) -> str:
     return f"{n} torch thread{'' if n == 1 else 's'}"
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f}"
+def _mb(figures: dict) -> str:
+    """A row's KV bytes in MB: allocated (spare capacity included), live beside it."""
+    return f"{figures['kv_allocated_bytes'] / 1e6:.1f} ({figures['kv_bytes'] / 1e6:.1f} live)"
 
 
 def _latency_table(single: list[dict], size: Size) -> Table:
@@ -458,8 +464,8 @@ def _memory_table(single: list[dict]) -> Table:
             "TTFT full s",
             "TTFT conf-kv s",
             "TTFT full/conf-kv",
-            "KV full MB",
-            "KV conf-kv MB",
+            "KV full MB allocated (live)",
+            "KV conf-kv MB allocated (live)",
             "conf-kv tokens held (largest layer)",
         ],
     )
@@ -470,8 +476,8 @@ def _memory_table(single: list[dict]) -> Table:
             f"{full['prefill_s']:.2f}",
             f"{conf['prefill_s']:.2f}",
             f"{full['prefill_s'] / conf['prefill_s']:.2f}x",
-            _mb(full["kv_bytes"]),
-            _mb(conf["kv_bytes"]),
+            _mb(full),
+            _mb(conf),
             conf["live_tokens"],
         )
     return table
@@ -492,8 +498,8 @@ def _batch_table(batched: list[dict], size: Size) -> Table:
             "paper",
             "batch-1 full tok/s",
             "batch-1 conf-kv tok/s",
-            "KV full MB",
-            "KV conf-kv MB",
+            "KV full MB allocated (live)",
+            "KV conf-kv MB allocated (live)",
         ],
     )
     for row in batched:
@@ -507,8 +513,8 @@ def _batch_table(batched: list[dict], size: Size) -> Table:
             f"{PAPER_BATCH_THROUGHPUT:.2f}x",
             f"{full['batch1_tokens_per_s']:.2f}",
             f"{conf['batch1_tokens_per_s']:.2f}",
-            _mb(full["kv_bytes"]),
-            _mb(conf["kv_bytes"]),
+            _mb(full),
+            _mb(conf),
         )
     return table
 

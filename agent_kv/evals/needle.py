@@ -163,7 +163,8 @@ def run(ctx: EvalContext) -> Report:
                             "key": key,
                             "answer": reply.text,
                             "right": right,
-                            "peak_kv_bytes": session.store.peak_bytes,
+                            "peak_kv_bytes": session.store.peak_allocated_bytes,
+                            "peak_kv_live_bytes": session.store.peak_bytes,
                             "prefill_s": round(reply.ttft_s, 2),
                         }
                     )
@@ -181,6 +182,15 @@ def _accuracy(trials: list[dict]) -> float | None:
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
+
+
+def _peak_mb(trials: list[dict]) -> str:
+    """The trials' largest peak KV in MB: allocated, live in parentheses."""
+    if not trials:
+        return "n/a"
+    allocated = max(t["peak_kv_bytes"] for t in trials)
+    live = max(t["peak_kv_live_bytes"] for t in trials)
+    return f"{allocated / 1e6:.1f} ({live / 1e6:.1f})"
 
 
 def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict]) -> Report:
@@ -204,7 +214,9 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         f"Retrieval accuracy by context length (budget {size.budget} tokens per layer)",
         ["policy", *labels, "overall", "paper (up to 32K)"],
     )
-    peaks = Table("Peak KV MB (largest over a length's trials)", ["policy", *labels])
+    peaks = Table(
+        "Peak KV MB allocated (live), largest over a length's trials", ["policy", *labels]
+    )
     overall = {}
     for name in POLICIES:
         per_length = [_accuracy(picked(policy=name, length=label)) for label in labels]
@@ -212,11 +224,7 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         accuracy.add(
             name, *map(_percent, per_length), _percent(overall[name]), PAPER.get(name, "-")
         )
-        peak = [
-            max((t["peak_kv_bytes"] for t in picked(policy=name, length=label)), default=None)
-            for label in labels
-        ]
-        peaks.add(name, *("n/a" if p is None else f"{p / 1e6:.1f}" for p in peak))
+        peaks.add(name, *(_peak_mb(picked(policy=name, length=label)) for label in labels))
     figure = _heatmap(ctx, size, labels, cells)
     per_cell = f"{size.seeds} trial{'s' if size.seeds > 1 else ''}"
     setup = (

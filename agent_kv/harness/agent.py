@@ -20,6 +20,8 @@ from typing import Any
 from playwright.sync_api import Error as PlaywrightError
 
 from agent_kv.errors import ContextOverflowError
+from agent_kv.harness.action_decoding import action_decoding
+from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
@@ -64,6 +66,8 @@ class AgentConfig:
         max_obs_tokens: observation text is truncated to this many tokens.
         sampling: decoding of each action (greedy by default, 48 tokens, stops at a newline
             after the action).
+        constrain: decode each action under the page's action grammar (the default; see
+            `agent_kv.harness.action_decoding`); False decodes freely.
     """
 
     max_steps: int = 6
@@ -71,11 +75,27 @@ class AgentConfig:
     sampling: SamplingParams = field(
         default_factory=lambda: SamplingParams(max_new_tokens=48, stop=["\n"])
     )
+    constrain: bool = True
 
 
 @dataclass
 class EpisodeResult:
-    """What one episode produced; `summary()` is the JSON the CLI prints."""
+    """What one episode produced; `summary()` is the JSON the CLI prints.
+
+    KV memory comes in pairs, allocated first (the headline: what the process holds) and
+    live beside it:
+
+    Attributes:
+        peak_kv_bytes: the most bytes the KV store's buffers held at any point of the episode,
+            spare capacity included (`KVStore.peak_allocated_bytes`).
+        peak_kv_live_bytes: the most bytes of live keys, values and scales it held
+            (`KVStore.peak_bytes`).
+        full_kv_bytes: what a full KV cache of the tokens seen would be allocated at full
+            precision under the same growth rule (`KVStore.full_kv_allocated_nbytes`): the
+            allocated reference `peak_kv_bytes` is compared with.
+        full_kv_live_bytes: the live bytes of those tokens alone, at full precision
+            (`KVStore.full_kv_nbytes`): the live-equivalent reference.
+    """
 
     task_id: int
     policy: str
@@ -90,7 +110,9 @@ class EpisodeResult:
     steps: int
     tokens_seen: int
     peak_kv_bytes: int
+    peak_kv_live_bytes: int
     full_kv_bytes: int
+    full_kv_live_bytes: int
     evicted_tokens: int
     int8: dict | None
     quantized_tokens: int
@@ -102,11 +124,16 @@ class EpisodeResult:
     trace_dir: str
 
     def summary(self) -> dict[str, Any]:
-        """The result as a JSON-ready dict, with the KV reduction vs full KV added."""
+        """The result as a JSON-ready dict, with the KV reduction vs full KV added, like with
+        like: `kv_reduction_vs_full` is allocated over allocated (`full_kv_bytes /
+        peak_kv_bytes`), `kv_live_reduction_vs_full` live over live."""
         data = asdict(self)
-        data["kv_reduction_vs_full"] = (
-            round(self.full_kv_bytes / self.peak_kv_bytes, 3) if self.peak_kv_bytes else None
-        )
+        ratios = {
+            "kv_reduction_vs_full": (self.full_kv_bytes, self.peak_kv_bytes),
+            "kv_live_reduction_vs_full": (self.full_kv_live_bytes, self.peak_kv_live_bytes),
+        }
+        for key, (full, peak) in ratios.items():
+            data[key] = round(full / peak, 3) if peak else None
         return data
 
 
@@ -116,6 +143,30 @@ def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
     if len(ids) <= max_tokens:
         return text
     return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_NOTE
+
+
+def open_conversation(engine: Engine, intent: str) -> Conversation:
+    """An episode's conversation: the system prompt with the goal, and the example turns,
+    all pinned."""
+    chat = Conversation(engine)
+    chat.add("system", SYSTEM_PROMPT.format(intent=intent), pin=True)
+    for example, action in FEW_SHOT:
+        chat.add("user", example, pin=True)
+        chat.add("assistant", action, pin=True)
+    return chat
+
+
+def add_observation(
+    chat: Conversation, observation: str, intent: str, config: AgentConfig, previous: int | None
+) -> str:
+    """Queue a page as the latest observation turn: truncated to `config.max_obs_tokens`,
+    in `OBSERVATION_TEMPLATE`, pinned; the pin of the previous observation (message index
+    `previous`, if any) is released. Returns the page text as the agent sees it."""
+    text = truncate_tokens(chat.engine.tokenizer, observation, config.max_obs_tokens)
+    if previous is not None:
+        chat.unpin_message(previous)
+    chat.add("user", OBSERVATION_TEMPLATE.format(observation=text, intent=intent), pin=True)
+    return text
 
 
 def run_episode(
@@ -129,7 +180,9 @@ def run_episode(
 ) -> EpisodeResult:
     """Run `task` to its end in `env` with `engine`, writing a trace to `trace_dir`.
 
-    The trace holds `step_NNN.json` (observation, reply, action, blocked requests, KV stats),
+    The trace holds `task.json` (the task as run: goal, eval spec), `step_NNN.json`
+    (observation, reply, action, blocked requests, KV stats, the step's wall time, the
+    prompt's tokens and their states in the cache: `trace_view.step_cache_fields`),
     `step_NNN.png` (the screenshot the agent acted on) and, with a set-of-marks observation,
     `step_NNN.som.png` per step, `kv_steps.jsonl` (one record per forward
     call: tokens seen, KV bytes, confidence, budget, evictions) and `summary.json`.
@@ -141,13 +194,10 @@ def run_episode(
     """
     config = config or AgentConfig()
     trace_dir.mkdir(parents=True, exist_ok=True)
+    (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
-    chat = Conversation(engine)
+    chat = open_conversation(engine, task.intent)
     store = chat.sequence.store
-    chat.add("system", SYSTEM_PROMPT.format(intent=task.intent), pin=True)
-    for example, action in FEW_SHOT:
-        chat.add("user", example, pin=True)
-        chat.add("assistant", action, pin=True)
     answer, end_reason, steps, error = None, "max_steps", 0, None
     ttfts: list[float] = []
     rates: list[float] = []
@@ -156,20 +206,31 @@ def run_episode(
     try:
         observation = env.reset(task)
         for step in range(1, config.max_steps + 1):
-            step_started = time.perf_counter()
-            text = truncate_tokens(engine.tokenizer, observation["text"], config.max_obs_tokens)
-            if previous_observation is not None:
-                chat.unpin_message(previous_observation)
-            observation_text = OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent)
-            chat.add("user", observation_text, pin=True)
+            step_started, first_token = time.perf_counter(), store.seen_tokens
+            text = add_observation(
+                chat, observation["text"], task.intent, config, previous_observation
+            )
             previous_observation = len(chat.messages) - 1
-            reply = chat.reply(config.sampling)
+            decoding = action_decoding(
+                engine, config.sampling, text, len(observation["tabs"]), config.constrain
+            )
+            reply = chat.reply(decoding.params)
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
             result = env.step(reply.text)
             steps = step
             step_times.append(time.perf_counter() - step_started)
-            record = _write_step(trace_dir, step, observation, reply.text, result, store)
+            record = _write_step(
+                trace_dir,
+                step,
+                observation,
+                reply.text,
+                result,
+                store,
+                decoding.record(),
+                step_times[-1],
+                step_cache_fields(chat, first_token, previous_observation),
+            )
             if on_step is not None:
                 on_step(record)
             if result.done:
@@ -198,8 +259,10 @@ def run_episode(
         error=error,
         steps=steps,
         tokens_seen=store.seen_tokens,
-        peak_kv_bytes=store.peak_bytes,
-        full_kv_bytes=store.full_kv_nbytes(),
+        peak_kv_bytes=store.peak_allocated_bytes,
+        peak_kv_live_bytes=store.peak_bytes,
+        full_kv_bytes=store.full_kv_allocated_nbytes(),
+        full_kv_live_bytes=store.full_kv_nbytes(),
         evicted_tokens=store.evicted_tokens,
         int8=None if store.int8 is None else asdict(store.int8),
         quantized_tokens=store.quantized_tokens,
@@ -215,9 +278,20 @@ def run_episode(
 
 
 def _write_step(
-    trace_dir: Path, step: int, observation: dict, reply: str, result: StepResult, store
+    trace_dir: Path,
+    step: int,
+    observation: dict,
+    reply: str,
+    result: StepResult,
+    store,
+    decoding: dict[str, Any],
+    step_s: float,
+    cache: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write the step's JSON record (and the screenshots acted on); return the record."""
+    """Write the step's JSON record (and the screenshots acted on); return the record. Its KV
+    figures are the store's now and at its peak, allocated (buffers, spare capacity
+    included) and live; `step_s` is the step's wall time (seconds); `cache` (the prompt's
+    tokens and their states in the cache, `trace_view.step_cache_fields`) ends it."""
     stem = trace_dir / f"step_{step:03d}"
     if observation.get("screenshot"):
         stem.with_suffix(".png").write_bytes(observation["screenshot"])
@@ -228,14 +302,20 @@ def _write_step(
         "url": observation["url"],
         "observation": observation["text"],
         "reply": reply,
+        "tabs": len(observation["tabs"]),
+        **decoding,
         "action": result.info.get("action"),
         "error": result.observation.get("error"),
         "blocked_requests": observation.get("blocked_requests", []),
         "info": result.info,
-        "kv_bytes": store.nbytes(),
-        "peak_kv_bytes": store.peak_bytes,
+        "kv_allocated_bytes": store.allocated_nbytes(),
+        "kv_live_bytes": store.nbytes(),
+        "peak_kv_bytes": store.peak_allocated_bytes,
+        "peak_kv_live_bytes": store.peak_bytes,
         "kv_lengths": store.lengths(),
         "tokens_seen": store.seen_tokens,
+        "step_s": round(step_s, 3),
+        **cache,
     }
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str))
     return record

@@ -14,6 +14,24 @@ anything) is recorded with `end_reason: "error"` and the error text, and the swe
 At the end `DIR/summary.md` holds the table of `aggregate` and `DIR/success_vs_memory.png`
 plots success rate against mean peak KV memory, one labelled point per row.
 
+**Scheduling** (`run_bench`): the episodes run on Ray actors (`RayActors`), each a worker
+process holding its own runner (the model, a headless Chromium and the sites), one episode at
+a time; the driver hands the next job to whichever actor is free and writes each record as
+its episode finishes (`ray.wait`), so a slow episode holds up no other record. By default a
+local Ray instance is started for the sweep and shut down after it (`ray_session`); an
+existing cluster is joined by address. An actor whose worker process dies (killed, out of
+memory, a crash in native code) makes its episode an error record; the actor is replaced by
+a fresh one and the sweep goes on. Ray itself neither restarts actors nor retries their calls
+(`max_restarts=0`, `max_task_retries=0`): a crash that killed a process would most likely
+kill it again, and a silent retry would hide it. A `Runner` passed in instead runs the
+episodes one after another in the calling process, without Ray (tests, debugging).
+
+**Agreement with full KV** (`agent_kv.harness.agreement`): every job but `full` also replays
+its task's full-KV episode teacher-forced beside full KV and records how often its own
+greedy, constrained action equals full KV's and the KL between their next-token
+distributions; jobs are handed out so that a task's full-KV episode runs before the jobs
+that replay it (`_next_ready`).
+
 **Reference-action accuracy** (`reference_replay`): the task's `reference_actions` are
 replayed in the browser; at each step the agent's prompt is built exactly as the agent builds
 it (pinned system message and examples, the observation the browser now shows, pinned while
@@ -32,27 +50,34 @@ figure under a policy where full KV scores well means the cache lost what matter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import glob
 import json
+import logging
 import math
-import multiprocessing
+import os
+import shutil
+import socket
 import sys
+import tempfile
 import traceback
-from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from agent_kv.errors import ConfigError
+from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.runtime import threads as thread_setting
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 PLOT = "success_vs_memory.png"
+AGREEMENT_PLOT = "agreement_vs_memory.png"
 SETTINGS = "settings.json"
 
 
@@ -111,6 +136,10 @@ class BenchSettings:
         reference_accuracy: also replay each task's reference actions (see the module
             docstring); tasks without reference actions get none.
         observation: the browser's observation mode (`envs.browser_env.OBSERVATION_MODES`).
+        constrain: decode actions under each page's action grammar (`AgentConfig.constrain`).
+        agreement: also replay the task's full-KV episode under each other policy and
+            compare its decisions with full KV's (`agent_kv.harness.agreement`); needs `full`
+            among the sweep's policies.
     """
 
     max_steps: int = 6
@@ -119,11 +148,65 @@ class BenchSettings:
     model: str | None = None
     reference_accuracy: bool = True
     observation: str = "accessibility_tree"
+    constrain: bool = True
+    agreement: bool = True
 
 
-Runner = Callable[[Task, Job, Path], dict[str, Any]]
-"""Runs one job and returns its record fields (an episode summary); the trace goes under the
-given directory. May raise: the sweep records the error."""
+class Runner(Protocol):
+    """Runs the jobs of a sweep one at a time (`EpisodeRunner` is the real one)."""
+
+    def start(self, sites: Iterable[str]) -> object:
+        """Get ready for jobs on `sites` (start the browser, load the model), before the
+        first job. Raise what would fail every job (AgentKVError, ChromiumNotFoundError):
+        the sweep then stops with that error instead of recording it once per job."""
+
+    def __call__(
+        self, task: Task, job: Job, trace_dir: Path, on_step: Callable[[int], None]
+    ) -> dict[str, Any]:
+        """Run one job and return its record fields (an episode summary); the trace goes
+        under `trace_dir`; `on_step(n)` is called as the episode finishes its agent step n
+        (1, 2, ...: the sweep's progress). May raise: the sweep records the error."""
+
+    def close(self) -> None:
+        """Release what the runner started."""
+
+
+RunnerFactory = Callable[[BenchSettings], Runner]
+"""Builds a runner from the sweep's episode settings, inside a Ray actor."""
+StepReport = Callable[[Job, int], None]
+"""Told `(job, n)` as the episode of `job` finishes its agent step n."""
+
+RAY_OBJECT_STORE_BYTES = 100 * 2**20
+"""Object store of a local Ray instance (bytes): jobs and records are small JSON-like
+values, so Ray's default (30% of the memory) would only reserve shared memory."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long `check_ray_address` waits for a cluster to accept a connection (seconds)."""
+STEP_POLL_S = 0.5
+"""How often the driver of a Ray sweep collects the steps its actors report while no
+episode finishes (seconds)."""
+
+
+@dataclass(frozen=True)
+class RayActors:
+    """Run a sweep on Ray: `count` actors, each a Ray worker process holding the runner
+    `factory(settings)` builds.
+
+    Attributes:
+        count: actors (>= 1), each running one episode at a time and asking Ray for 1 CPU;
+            with the real runner each holds its own model, browser and sites.
+        address: the cluster to join (`check_ray_address`); None starts a local Ray
+            instance for the sweep (`ray_session`).
+        factory: builds an actor's runner; it is sent to the workers, so it must be
+            picklable (a module-level class or function, or a `functools.partial` of one).
+    """
+
+    count: int = 1
+    address: str | None = None
+    factory: RunnerFactory = dataclasses.field(default_factory=lambda: EpisodeRunner)
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"RayActors.count must be >= 1, got {self.count}")
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -204,6 +287,11 @@ def make_jobs(
     return jobs
 
 
+def full_job(task_id: int) -> Job:
+    """The full-KV job of a task: the reference of every other job's agreement."""
+    return Job(task_id, "full", None, "fp")
+
+
 def read_results(path: Path) -> list[dict[str, Any]]:
     """The records of a results.jsonl, the last one per job key, in file order. A truncated
     last line (a sweep killed mid-write) is ignored; a missing file is no records."""
@@ -240,27 +328,52 @@ def _finish(job: Job, fields: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _run_job(runner: Runner, task: Task, job: Job, trace_dir: Path) -> dict[str, Any]:
-    """Run one job, turning any exception into an error record."""
+def _run_job(
+    runner: Runner, task: Task, job: Job, trace_dir: Path, on_step: Callable[[int], None]
+) -> dict[str, Any]:
+    """Run one job (`on_step`: see `Runner.__call__`), turning any exception into an error
+    record."""
     try:
-        fields = runner(task, job, trace_dir)
+        fields = runner(task, job, trace_dir, on_step)
     except Exception as err:  # noqa: BLE001 - a sweep records every failure and goes on
         last = traceback.format_exception_only(err)[-1].strip()
         fields = error_record(last)
     return _finish(job, fields)
 
 
-_WORKER_RUNNER: Runner | None = None
+class StepProgress:
+    """The sweep's progress bar in agent steps: every episode counts `max_steps` (the most
+    it can take); the bar moves by one per step an episode reports and, when the episode's
+    record is written, by the steps it did not take (it stopped early, or failed). The
+    postfix names the episodes finished and the latest step or outcome.
 
+    Args:
+        bar: a tqdm bar of `episodes * max_steps` steps.
+        max_steps: the sweep's `BenchSettings.max_steps`.
+        episodes: the episodes the sweep runs.
+    """
 
-def _init_worker(runner: Runner) -> None:
-    global _WORKER_RUNNER
-    _WORKER_RUNNER = runner
+    def __init__(self, bar, max_steps: int, episodes: int):
+        self.bar, self.max_steps, self.episodes = bar, max_steps, episodes
+        self.counted: dict[tuple, int] = {}  # job key -> steps counted of its running episode
+        self.finished = 0
 
+    def step(self, job: Job, step: int) -> None:
+        """`StepReport`: the episode of `job` finished its step `step`."""
+        counted = self.counted.get(job.key, 0)
+        self.counted[job.key] = max(counted, min(step, self.max_steps))
+        self._show(f"{job.name} step {step}", self.counted[job.key] - counted)
 
-def _run_in_worker(task: Task, job: Job, trace_dir: Path) -> dict[str, Any]:
-    assert _WORKER_RUNNER is not None
-    return _run_job(_WORKER_RUNNER, task, job, trace_dir)
+    def finish(self, record: dict[str, Any]) -> None:
+        """The record of an episode was written: count the steps it did not take."""
+        job = _job_of(record)
+        self.finished += 1
+        outcome = "error" if record.get("end_reason") == "error" else record.get("success")
+        self._show(f"{job.name}: {outcome}", self.max_steps - self.counted.pop(job.key, 0))
+
+    def _show(self, latest: str, advance: int) -> None:
+        self.bar.set_postfix_str(f"{self.finished}/{self.episodes} episodes; {latest}")
+        self.bar.update(advance)
 
 
 def _check_settings(out: Path, settings: BenchSettings) -> None:
@@ -285,24 +398,27 @@ def run_bench(
     tasks: list[Task],
     jobs: list[Job],
     out: Path,
-    runner: Runner | None = None,
-    workers: int = 1,
+    runner: Runner | RayActors | None = None,
     settings: BenchSettings | None = None,
     progress: bool = True,
     retry_errors: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the jobs not yet in `out/results.jsonl`, appending one record per finished job.
 
+    Nothing starts (no Ray, no model) when every job already has its record.
+
     Args:
         tasks: the tasks the jobs name.
         jobs: see `make_jobs`.
-        out: the sweep directory (created); traces go under `out/traces/<job name>`.
-        runner: runs one job (default: `EpisodeRunner(settings)`, a browser, the sites and
-            the model, started on first use). With `workers > 1` it must be picklable: each
-            worker process gets its own copy.
-        workers: processes; 1 runs in this process.
-        settings: episode settings for the default runner.
-        progress: show a progress bar on stderr.
+        out: the sweep directory (created); traces go under `out/traces/<job name>` (on a
+            joined cluster, on the filesystem of the node that ran the episode).
+        runner: where the episodes run: `RayActors` on Ray (default `RayActors()`: one
+            actor with an `EpisodeRunner`, on a local Ray instance), or a `Runner` that
+            runs them one after another in this process, without Ray (the caller closes
+            it).
+        settings: episode settings for the runners the actors build (default
+            `BenchSettings()`); recorded in `out/settings.json`.
+        progress: show a progress bar on stderr, in agent steps (`StepProgress`).
         retry_errors: also rerun jobs recorded with `end_reason: "error"`.
 
     Returns:
@@ -311,12 +427,15 @@ def run_bench(
     Raises:
         OSError: `out` cannot be created or written.
         ConfigError: `out` holds a sweep run with other episode settings (its results could
-            not be compared with these).
+            not be compared with these), or Ray cannot be reached (see `ray_session`).
+        AgentKVError, ChromiumNotFoundError: a runner cannot start (no model, no
+            browser), or a Ray worker died while starting one.
     """
     from tqdm import tqdm
 
+    settings = settings or BenchSettings()
     out.mkdir(parents=True, exist_ok=True)
-    _check_settings(out, settings or BenchSettings())
+    _check_settings(out, settings)
     results = out / RESULTS
     done = {
         record_key(r)
@@ -324,59 +443,261 @@ def run_bench(
         if not (retry_errors and r.get("end_reason") == "error")
     }
     by_id = {task.task_id: task for task in tasks}
-    pending = [job for job in jobs if job.key not in done]
-    own_runner = runner is None
-    if runner is None:
-        runner = EpisodeRunner(settings or BenchSettings())
+    pending = sorted((job for job in jobs if job.key not in done), key=lambda j: j.policy != "full")
     written: list[dict[str, Any]] = []
+    if len(jobs) > len(pending):
+        tqdm.write(f"skipping {len(jobs) - len(pending)} episodes already in {results}", sys.stderr)
+    if not pending:
+        return written
     bar = tqdm(
-        total=len(pending),
+        total=len(pending) * settings.max_steps,
         file=sys.stderr,
         disable=not progress,
-        unit="episode",
+        unit="step",
         dynamic_ncols=True,
     )
-    if len(jobs) > len(pending):
-        bar.write(f"skipping {len(jobs) - len(pending)} episodes already in {results}", sys.stderr)
+    steps = StepProgress(bar, settings.max_steps, len(pending))
+    work = [(by_id[job.task_id], job, out.resolve() / "traces" / job.name) for job in pending]
     with results.open("a", encoding="utf-8") as handle:
 
         def write(record: dict[str, Any]) -> None:
             handle.write(json.dumps(record, default=str) + "\n")
             handle.flush()
             written.append(record)
-            outcome = "error" if record.get("end_reason") == "error" else record.get("success")
-            bar.set_postfix_str(f"{_job_of(record).name}: {outcome}")
-            bar.update(1)
+            steps.finish(record)
 
         try:
-            if workers <= 1:
-                for job in pending:
-                    write(_run_job(runner, by_id[job.task_id], job, out / "traces" / job.name))
+            if runner is None or isinstance(runner, RayActors):
+                _run_on_ray(runner or RayActors(), settings, work, write, steps.step)
             else:
-                with ProcessPoolExecutor(
-                    max_workers=workers,
-                    mp_context=multiprocessing.get_context("spawn"),  # no forked torch/browser
-                    initializer=_init_worker,
-                    initargs=(runner,),
-                ) as pool:
-                    futures = {
-                        pool.submit(
-                            _run_in_worker, by_id[job.task_id], job, out / "traces" / job.name
-                        ): job
-                        for job in pending
-                    }
-                    for future in as_completed(futures):
-                        job = futures[future]
-                        try:
-                            record = future.result()
-                        except BrokenProcessPool as err:
-                            record = _finish(job, error_record(f"worker process died: {err}"))
-                        write(record)
+                runner.start({site for task, _, _ in work for site in task.sites})
+                for task, job, trace_dir in work:
+                    on_step = functools.partial(steps.step, job)
+                    write(_run_job(runner, task, job, trace_dir, on_step))
         finally:
             bar.close()
-            if own_runner:
-                runner.close()
     return written
+
+
+def check_ray_address(address: str) -> None:
+    """Check that `address` names a Ray cluster that accepts connections: `auto` (the
+    cluster `ray start` runs on this machine, which Ray looks up itself), `HOST:PORT` (the
+    head node's GCS, port 6379 unless set otherwise) or `ray://HOST:PORT` (Ray Client).
+    Ray itself waits minutes for a GCS that does not answer; this takes at most
+    `CONNECT_TIMEOUT_S`.
+
+    Raises:
+        ConfigError: a malformed address, or nothing accepts a connection there.
+    """
+    if address == "auto":
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"--ray-address must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConfigError(f"no Ray cluster answers at {address}: {err.strerror or err}") from None
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, num_cpus: int = 1) -> Iterator[None]:
+    """Be connected to Ray inside the block.
+
+    A connection this process already has is used as it is (and kept). Otherwise, with an
+    `address` (see `check_ray_address`), that cluster is joined and left at the end; without
+    one, a local Ray instance is started and shut down at the end: `num_cpus` logical CPUs
+    (one per actor), no dashboard, an object store of `RAY_OBJECT_STORE_BYTES`, the
+    workers' output kept out of this process's stderr, Ray's own messages below ERROR
+    hidden, and its session files (logs, sockets) in a temporary directory under the system
+    temp dir (short enough for Unix socket paths), removed at the end.
+
+    Raises:
+        ConfigError: Ray cannot connect to `address`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    options: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "logging_level": logging.ERROR,
+    }
+    temp_dir = None
+    if address is None:
+        temp_dir = tempfile.mkdtemp(prefix="agent-kv-ray-")
+        options.update(
+            num_cpus=num_cpus, object_store_memory=RAY_OBJECT_STORE_BYTES, _temp_dir=temp_dir
+        )
+    try:
+        try:
+            ray.init("local" if address is None else address, **options)
+        except (ConnectionError, ValueError) as err:
+            raise ConfigError(f"cannot connect to Ray at {address}: {err}") from None
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class _RunnerHost:
+    """The state of one Ray actor: the runner `factory(settings)` builds, and the queue
+    (`ray.util.queue.Queue`) its episodes report their steps to, as `(job, n)`."""
+
+    def __init__(self, factory: RunnerFactory, settings: BenchSettings, steps):
+        self.runner = factory(settings)
+        self.steps = steps
+
+    def start(self, sites: Iterable[str]) -> None:
+        self.runner.start(sites)
+
+    def run(self, task: Task, job: Job, trace_dir: Path) -> dict[str, Any]:
+        return _run_job(self.runner, task, job, trace_dir, functools.partial(self._report, job))
+
+    def _report(self, job: Job, step: int) -> None:
+        """Queue a step for the driver; progress only, so a queue that is gone loses the
+        report, never the episode."""
+        from ray.exceptions import RayError
+
+        try:
+            self.steps.put_nowait((job, step))
+        except RayError:
+            pass
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _ray_error(err: Exception) -> str:
+    """An error record's text for a Ray failure: its type and message on one line."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def _next_ready(
+    queue: deque[tuple[Task, Job, Path]], references: set[int]
+) -> tuple[Task, Job, Path] | None:
+    """Take the first queued work item whose task's full-KV episode (the reference its
+    agreement replays) is not still to run: a `full` job, or one of a task not in
+    `references`. None when every queued item waits for one."""
+    for item in queue:
+        if item[1].policy == "full" or item[1].task_id not in references:
+            queue.remove(item)
+            return item
+    return None
+
+
+def _run_on_ray(
+    actors: RayActors,
+    settings: BenchSettings,
+    work: list[tuple[Task, Job, Path]],
+    write: Callable[[dict[str, Any]], None],
+    report: StepReport,
+) -> None:
+    """Run `work` (task, job, trace directory) on `actors.count` Ray actors (no more than
+    there are jobs), calling `write` with each record as its episode finishes and `report`
+    with each agent step while the episodes run.
+
+    The actors put their episodes' steps on one `ray.util.queue.Queue` (an actor of its
+    own, asking for no CPU); the driver waits for a finished episode at most `STEP_POLL_S`
+    at a time and passes on what the queue holds after each wait, so a job's steps all
+    reach `report` before its record reaches `write` (they were queued before it
+    returned). Progress is best effort: a queue that is gone loses steps, never episodes.
+
+    Every actor starts its runner first, for the sites of all the jobs, so that a missing
+    model or browser stops the sweep at once. An actor whose process dies mid-sweep gets
+    an error record for its episode and is replaced by a fresh actor (its runner starts on
+    its first job) while jobs remain. `ray.util.ActorPool` is not used: it hands a dead
+    actor the next job and does not say which job a failed result belonged to.
+    """
+    import ray
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+    from ray.util.queue import Queue
+
+    count = min(actors.count, len(work))
+    env_vars = {}  # a joined cluster's workers do not inherit this process's environment
+    if os.environ.get(thread_setting.ENV):
+        env_vars[thread_setting.ENV] = os.environ[thread_setting.ENV]
+    host = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(_RunnerHost)
+    if env_vars:
+        host = host.options(runtime_env={"env_vars": env_vars})
+    with ray_session(actors.address, count):
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < count:
+            raise ConfigError(
+                f"the Ray cluster has {cpus:g} CPUs; {count} actors need 1 each: "
+                "ask for fewer actors (--workers)"
+            )
+        steps = Queue(actor_options={"num_cpus": 0})
+        live = [host.remote(actors.factory, settings, steps) for _ in range(count)]
+        try:
+            sites = sorted({site for task, _, _ in work for site in task.sites})
+            try:
+                ray.get([actor.start.remote(sites) for actor in live])
+            except RayTaskError as err:
+                raise err.cause from None
+            except RayActorError as err:
+                raise AgentKVError(
+                    f"a Ray worker died while starting its runner: {_ray_error(err)}"
+                ) from None
+            queue = deque(work)
+            idle = list(live)
+            running: dict[ray.ObjectRef, tuple[Job, Any]] = {}
+            references = {job.task_id for _, job, _ in work if job.policy == "full"}
+            while queue or running:
+                while idle and (item := _next_ready(queue, references)) is not None:
+                    actor = idle.pop()
+                    task, job, trace_dir = item
+                    running[actor.run.remote(task, job, trace_dir)] = (job, actor)
+                done, _ = ray.wait(list(running), num_returns=1, timeout=STEP_POLL_S)
+                _drain_steps(steps, report)
+                if not done:
+                    continue
+                ready = done[0]
+                job, actor = running.pop(ready)
+                if job.policy == "full":
+                    references.discard(job.task_id)
+                try:
+                    record = ray.get(ready)
+                except RayActorError as err:  # its process died (or cannot be reached)
+                    record = _finish(job, error_record(_ray_error(err)))
+                    ray.kill(actor)
+                    live.remove(actor)
+                    if queue:
+                        actor = host.remote(actors.factory, settings, steps)
+                        live.append(actor)
+                        idle.append(actor)
+                except RayError as err:  # the call failed in Ray (e.g. a record it cannot send)
+                    record = _finish(job, error_record(_ray_error(err)))
+                    idle.append(actor)
+                else:
+                    idle.append(actor)
+                write(record)
+            ray.get([actor.close.remote() for actor in live])
+        finally:
+            for actor in live:
+                ray.kill(actor)
+            steps.shutdown(force=True)
+
+
+def _drain_steps(steps, report: StepReport) -> None:
+    """Pass the `(job, n)` steps queued on `steps` (a `ray.util.queue.Queue`) to `report`,
+    in order; nothing when the queue is gone (see `_run_on_ray`)."""
+    from ray.exceptions import RayError
+
+    try:
+        size = steps.qsize()
+        reports = steps.get_nowait_batch(size) if size else []
+    except RayError:
+        return
+    for job, step in reports:
+        report(job, step)
 
 
 def _job_of(record: dict[str, Any]) -> Job:
@@ -394,12 +715,17 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     Row fields: `policy`, `budget` (None for full), `precision`, `episodes`, `errors`,
     `success_rate` (errors count as failures), `relative_success` (this row's success rate
     over full KV's on the tasks both ran; None without a full run or when full never
-    succeeded), `peak_kv_mb` (mean peak KV bytes / 1e6 over episodes that report them),
+    succeeded), `peak_kv_mb` (mean peak allocated KV bytes / 1e6 over episodes that report
+    them), `peak_kv_live_mb` (the same for the peak live bytes),
     `reduction_vs_full` (mean peak bytes of full over mean peak bytes of this row, on the
     tasks both ran with a peak), `mean_steps`, `decode_tokens_per_s` (mean over every decode
     turn of every episode), `reference_accuracy` (reference steps whose action was the
     model's greedy choice over all reference steps replayed; None when none was) and
-    `reference_steps`.
+    `reference_steps`, `full_success_rate` (full KV's success on the tasks both ran; None
+    without them), and agreement with full KV over every compared step of the row's
+    episodes: `agreement` (share of steps whose own action equals full KV's), `mean_kl`
+    (KL(full || policy), nats, mean over steps) and `agreement_steps` (None / 0 when no
+    step was compared).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
@@ -428,7 +754,14 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ref_nll = sum(
             (r.get("reference_nll") or 0) * (r.get("reference_tokens") or 0) for r in group
         )
+        compared = sum(r.get("steps_compared") or 0 for r in group)
+        agreed = sum((r.get("agreement") or 0) * (r.get("steps_compared") or 0) for r in group)
+        kl = sum((r.get("mean_kl") or 0) * (r.get("steps_compared") or 0) for r in group)
+        full_rate = None
+        if common:
+            full_rate = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
         peak = _mean(r["peak_kv_bytes"] for r in group if r.get("peak_kv_bytes"))
+        live = _mean(r["peak_kv_live_bytes"] for r in group if r.get("peak_kv_live_bytes"))
         rows.append(
             {
                 "policy": policy,
@@ -439,6 +772,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "success_rate": _mean(float(bool(r.get("success"))) for r in group),
                 "relative_success": relative,
                 "peak_kv_mb": None if peak is None else peak / 1e6,
+                "peak_kv_live_mb": None if live is None else live / 1e6,
                 "reduction_vs_full": reduction,
                 "mean_steps": _mean(r.get("steps") or 0 for r in group),
                 "decode_tokens_per_s": _mean(
@@ -447,6 +781,10 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reference_accuracy": ref_hits / ref_steps if ref_steps else None,
                 "reference_steps": ref_steps,
                 "reference_nll": ref_nll / ref_tokens if ref_tokens else None,
+                "full_success_rate": full_rate,
+                "agreement": agreed / compared if compared else None,
+                "mean_kl": kl / compared if compared else None,
+                "agreement_steps": compared,
             }
         )
     from agent_kv.kv.policies import POLICIES
@@ -476,12 +814,29 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _relative(row: dict[str, Any]) -> str:
+    """The *vs full* cell: the ratio, or why there is none."""
+    if row["relative_success"] is not None:
+        return f"{row['relative_success']:.2f}"
+    if row["full_success_rate"] == 0:
+        return "n/a (full KV solved none)"
+    return "n/a (no full KV run)"
+
+
+def _agreement_cell(row: dict[str, Any]) -> str:
+    """The *agreement* cell: the share and its step count, '–' for full KV itself."""
+    if row["agreement"] is None:
+        return "–"
+    steps = row["agreement_steps"]
+    return f"{row['agreement']:.0%} ({steps} step{'s' if steps != 1 else ''})"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `aggregate` as a markdown table."""
     header = (
         "| policy | budget | precision | episodes | errors | success | vs full | "
-        "peak KV (MB) | reduction vs full | steps | decode tok/s | ref. action acc. | "
-        "ref. NLL |"
+        "peak KV (MB) | live KV (MB) | reduction vs full | agreement | KL vs full | steps | "
+        "decode tok/s | ref. action acc. | ref. NLL |"
     )
     lines = [header, "|" + "|".join([" --- "] * (header.count("|") - 1)) + "|"]
     for r in rows:
@@ -496,9 +851,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             str(r["episodes"]),
             str(r["errors"]),
             _fmt(r["success_rate"], ".0%"),
-            _fmt(r["relative_success"], ".2f"),
+            _relative(r),
             _fmt(r["peak_kv_mb"], ".1f"),
+            _fmt(r.get("peak_kv_live_mb"), ".1f"),
             _fmt(r["reduction_vs_full"], ".2f", "x"),
+            _agreement_cell(r),
+            _fmt(r["mean_kl"], ".3f"),
             _fmt(r["mean_steps"], ".1f"),
             _fmt(r["decode_tokens_per_s"], ".1f"),
             ref,
@@ -508,10 +866,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_success_vs_memory(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write a PNG: success rate against mean peak KV memory (MB), one point per row, named
-    in the legend (points often coincide: equal budgets, or no success anywhere); rows
-    without a peak are left out."""
+def plot_vs_memory(rows: list[dict[str, Any]], path: Path, metric: str, what: str) -> None:
+    """Write a PNG: `metric` (a share, 0-1, plotted in %) against mean peak allocated KV
+    memory (MB), one point per row, named in the legend with its episode count (points often
+    coincide: equal budgets, or no success anywhere); rows without a peak or without the
+    metric are left out.
+
+    Args:
+        rows: `aggregate`'s rows.
+        path: the PNG to write.
+        metric: the row field plotted ("success_rate", "agreement").
+        what: its name on the axis and in the title ("success rate").
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,17 +886,18 @@ def plot_success_vs_memory(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     try:
         for row in rows:
-            if row["peak_kv_mb"] is None:
+            if row["peak_kv_mb"] is None or row[metric] is None:
                 continue
-            x, y = row["peak_kv_mb"], row["success_rate"] * 100
+            x, y = row["peak_kv_mb"], row[metric] * 100
             marker = "s" if row["policy"] == "full" else "o"
-            label = f"{row_label(row)}: {x:.1f} MB, {y:.0f}%"
+            label = f"{row_label(row)}: {x:.1f} MB, {y:.0f}% (n={row['episodes']})"
             ax.scatter([x], [y], marker=marker, s=40, alpha=0.8, label=label)
-        ax.legend(fontsize=8, loc="best")
-        ax.set_xlabel("mean peak KV memory (MB)")
-        ax.set_ylabel("success rate (%)")
+        if ax.collections:
+            ax.legend(fontsize=8, loc="best")
+        ax.set_xlabel("mean peak KV memory, allocated (MB)")
+        ax.set_ylabel(f"{what} (%)")
         ax.set_ylim(-5, 105)
-        ax.set_title("Task success vs KV memory")
+        ax.set_title(f"{what[0].upper()}{what[1:]} vs KV memory")
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, format="png")
@@ -538,28 +905,77 @@ def plot_success_vs_memory(rows: list[dict[str, Any]], path: Path) -> None:
         plt.close(fig)
 
 
+def _outcome(record: dict[str, Any]) -> str:
+    if record.get("end_reason") == "error":
+        return "error"
+    return "✓" if record.get("success") else f"✗ {record.get('end_reason', '')}".strip()
+
+
+def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
+    """Markdown: one row per task, one column per policy setting; each cell the episode's
+    outcome (✓, ✗ and its end reason, or error), linked to its rendered trace when there is
+    one (`traces/<job>/trace.html`, relative to `out`)."""
+    labels: dict[tuple, str] = {}
+    cells: dict[int, dict[tuple, str]] = {}
+    for record in records:
+        task_id, policy, budget, precision = record_key(record)
+        column = (policy, budget, precision)
+        labels[column] = row_label({"policy": policy, "budget": budget, "precision": precision})
+        text = _outcome(record)
+        page = Path(record.get("trace_dir") or "") / "trace.html"
+        if record.get("trace_dir") and page.is_file():
+            link = os.path.relpath(page, out.resolve())
+            text = f"[{text}]({link})"
+        cells.setdefault(task_id, {})[column] = text
+    columns = sorted(labels, key=lambda c: (c[0] != "full", labels[c]))
+    lines = [
+        "| task | " + " | ".join(labels[c] for c in columns) + " |",
+        "|" + "|".join([" --- "] * (len(columns) + 1)) + "|",
+    ]
+    for task_id in sorted(cells):
+        row = [cells[task_id].get(c, "") for c in columns]
+        lines.append(f"| {task_id} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def write_report(out: Path) -> str:
-    """Aggregate `out/results.jsonl` into `out/summary.md` and `out/success_vs_memory.png`;
-    return the markdown table.
+    """Aggregate `out/results.jsonl` into `out/summary.md` (the policy table, then the
+    per-task table linking each episode's rendered trace, written here where missing),
+    `out/success_vs_memory.png` and `out/agreement_vs_memory.png`; return the policy table.
 
     Raises:
         OSError: the files cannot be written.
     """
-    rows = aggregate(read_results(out / RESULTS))
+    from agent_kv.harness.trace_view import TraceError, write_trace_html
+
+    records = read_results(out / RESULTS)
+    for record in records:
+        trace = Path(record.get("trace_dir") or "")
+        if record.get("trace_dir") and trace.is_dir() and not (trace / "trace.html").exists():
+            with contextlib.suppress(TraceError):
+                write_trace_html(trace)
+    rows = aggregate(records)
     table = format_table(rows)
     text = (
         "# Sweep summary\n\n"
-        f"{len(read_results(out / RESULTS))} episodes from `{RESULTS}`. "
+        f"{len(records)} episodes from `{RESULTS}`. "
         "Success counts errors as failures; *vs full* is the success rate relative to full "
-        "KV on the same tasks; *reduction vs full* is full KV's mean peak KV bytes over this "
-        "row's, on the same tasks; *ref. action acc.* is the share of reference steps whose "
-        "action is the model's greedy choice under the policy (teacher-forced); *ref. NLL* is "
-        "the reference actions' mean negative log-likelihood per token (nats; lower is "
+        "KV on the same tasks; *peak KV* is the mean peak of the bytes the store's buffers "
+        "held (allocated), *live KV* the mean peak of the live bytes; *reduction vs full* is "
+        "full KV's mean peak allocated bytes over this row's, on the same tasks; *agreement* "
+        "is the share of steps of full KV's trajectory, replayed teacher-forced under the "
+        "policy, whose greedy constrained action equals full KV's; *KL vs full* the mean "
+        "KL(full || policy) of the next-token distributions over those actions' tokens "
+        "(nats); *ref. action acc.* is the share of reference steps whose action is the "
+        "model's greedy choice under the policy (teacher-forced); *ref. NLL* is the "
+        "reference actions' mean negative log-likelihood per token (nats; lower is "
         "better).\n\n"
-        f"{table}\n\n![success vs memory]({PLOT})\n"
+        f"{table}\n\n![success vs memory]({PLOT})\n![agreement vs memory]({AGREEMENT_PLOT})\n\n"
+        f"## Per task\n\nEach cell links the episode's trace.\n\n{per_task_table(records, out)}\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
-    plot_success_vs_memory(rows, out / PLOT)
+    plot_vs_memory(rows, out / PLOT, "success_rate", "success rate")
+    plot_vs_memory(rows, out / AGREEMENT_PLOT, "agreement", "action agreement with full KV")
     return table
 
 
@@ -627,9 +1043,9 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
 
 
 class EpisodeRunner:
-    """The default `Runner`: the sites the jobs' tasks need, one headless Chromium and the
-    model, started on the first job and reused (a browser that died is restarted for the next
-    job).
+    """The real `Runner`: the sites the jobs' tasks need, one headless Chromium and the
+    model, started by `start` (or the first job) and reused (a browser that died is restarted
+    for the next job). On Ray each actor builds its own from the sweep's settings.
 
     Args:
         settings: episode settings.
@@ -641,12 +1057,6 @@ class EpisodeRunner:
         self._env = None
         self._loaded = None
         self._sites: set[str] = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self.settings}  # workers start their own browser and model
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["settings"])
 
     def start(self, sites: Iterable[str] = ()):
         """Start what is not running yet, serving at least `sites` (the sites already served
@@ -683,8 +1093,11 @@ class EpisodeRunner:
                 pass
             self._env = None
 
-    def __call__(self, task: Task, job: Job, trace_dir: Path) -> dict[str, Any]:
-        """Run the episode (and the reference replay) of `job`; return the record fields.
+    def __call__(
+        self, task: Task, job: Job, trace_dir: Path, on_step: Callable[[int], None]
+    ) -> dict[str, Any]:
+        """Run the episode (and the reference replay) of `job`, telling `on_step` each agent
+        step as it ends; return the record fields.
 
         Raises:
             AgentKVError, ChromiumNotFoundError, and whatever the episode raises.
@@ -697,15 +1110,21 @@ class EpisodeRunner:
         env, loaded = self.start(task.sites)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, self.settings.prefill_chunk)
         config = AgentConfig(
-            max_steps=self.settings.max_steps, max_obs_tokens=self.settings.max_obs_tokens
+            max_steps=self.settings.max_steps,
+            max_obs_tokens=self.settings.max_obs_tokens,
+            constrain=self.settings.constrain,
         )
         try:
-            summary = run_episode(task, engine, env, trace_dir, loaded.name, config).summary()
+            summary = run_episode(
+                task, engine, env, trace_dir, loaded.name, config, lambda r: on_step(r["step"])
+            ).summary()
         except BaseException:
             self._drop_browser()
             raise
         if summary["end_reason"] == "error" and "browser" in (summary["error"] or ""):
             self._drop_browser()
+        if self.settings.agreement and job.policy != "full":
+            summary.update(self._agreement(task, engine, config, trace_dir.parent))
         if self.settings.reference_accuracy and task.reference_actions:
             try:
                 env, _ = self.start(task.sites)
@@ -714,6 +1133,24 @@ class EpisodeRunner:
                 summary["reference_error"] = traceback.format_exception_only(err)[-1].strip()
                 self._drop_browser()
         return summary
+
+    def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
+        """The agreement fields of `agreement_summary` for `engine` against the task's
+        full-KV trace under `traces`, or `agreement_error` when there is none to replay."""
+        from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
+        from agent_kv.kv.policies import make_policy
+        from agent_kv.runtime.engine import Engine
+
+        reference = traces / full_job(task.task_id).name
+        try:
+            trajectory = read_trajectory(reference)
+            model, tokenizer = engine.model, engine.tokenizer
+            full = Engine(model, tokenizer, make_policy("full"), self.settings.prefill_chunk)
+            return agreement_summary(
+                replay_agreement(task.intent, trajectory, engine, full, config)
+            )
+        except Exception as err:  # noqa: BLE001 - recorded, the episode stands
+            return {"agreement_error": traceback.format_exception_only(err)[-1].strip()}
 
     def close(self) -> None:
         """Close the browser and stop the sites (the model is left to the garbage collector)."""

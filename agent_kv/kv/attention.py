@@ -7,7 +7,8 @@
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
   CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks as
   `SCORED_QUERIES` says — and hands the attention mass back to the store (and in prefill
-  calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`);
+  calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`,
+  and the mass from the last `kv_store.observation_window` queries: `KVStore.record_window`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -92,6 +93,11 @@ def store_attention(
     group = query.shape[1] // key.shape[1]
     scored = min(query_len, SCORED_QUERIES)
     kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)
+    if query_len > 1 and kv_store.observation_window:
+        observed = min(query_len, kv_store.observation_window)
+        if observed != scored:  # otherwise the scored queries are the window
+            _, masses = segmented_attention(query[:, :, -observed:], segments, scale)
+        kv_store.record_window(module.layer_idx, masses, observed)
     if query_len > 1 and kv_store.profile_prefill:
         window = query[:, :, -SCORED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole)

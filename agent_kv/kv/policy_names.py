@@ -7,7 +7,7 @@ from __future__ import annotations
 from agent_kv.errors import ConfigError
 
 POLICY_NAMES = (
-    "full", "window", "h2o", "random", "conf-kv", "conf-kv-l",
+    "full", "window", "h2o", "snapkv", "random", "conf-kv", "conf-kv-l",
     "arkv", "base-quant", "base-origin", "conf-kv+arkv",
 )  # fmt: skip
 """The names of `agent_kv.kv.policies.POLICIES`, in its order."""

@@ -38,8 +38,13 @@ from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
 from kernels.int8 import SCALE_DTYPE
 from kernels.reference import Segment
 
-CAPACITY_STEP = 256  # tokens; capacities are multiples of this, grown by doubling
+CAPACITY_STEP = 256  # tokens; buffers grow to multiples of this, by doubling
 SCALE_CAPACITY_STEP = 16  # scale groups; the quantized segment's scales grow in these
+SHRINK_GRAIN = 8
+"""A buffer shrinks to whole grains of `step // SHRINK_GRAIN` slots (32 tokens, 2 scale
+groups), keeping at least one grain free: finer than growth, so a shrunk buffer holds close to
+its live bytes, and a free grain is one default INT8 group, so the decode sawtooth of mixed
+precision (up to a group waiting in FP, then moving to INT8) fits without growing again."""
 ALLOCATED_BUFFERS = ("keys", "values", "q_keys", "q_values", "key_scales", "value_scales")
 """The buffers of `LayerStore` that hold keys, values and scales (what `allocated_nbytes`
 counts)."""
@@ -49,7 +54,7 @@ SEGMENT_OF_BUFFER = {
 }  # fmt: skip
 """Each buffer of `LayerStore` (besides the metadata): the segment whose slots it holds and
 the dimension of those slots."""
-META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2")
+META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2", "window_mass")
 """Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
 
 
@@ -67,14 +72,32 @@ def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return out
 
 
+def _grown_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
+    """The capacity to grow to when `needed` slots exceed `current` (None otherwise): twice
+    `current`'s whole steps, at least `needed`, rounded up to a multiple of `step`."""
+    if needed <= current:
+        return None
+    return _round_up(max(needed, 2 * (current - current % step)), step)
+
+
 def _new_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
-    """The capacity to reallocate to, or None to keep `current`: grow by doubling when
-    `needed` exceeds it, shrink to twice `needed` when under a quarter of it is needed."""
-    if needed > current:
-        return _round_up(max(needed, 2 * current), step)
-    if current > step and needed < current // 4:
-        return _round_up(2 * needed, step)
-    return None
+    """The capacity to reallocate to, or None to keep `current`: grow as `_grown_capacity`
+    when `needed` exceeds it; shrink to `needed` plus one grain of `step // SHRINK_GRAIN`,
+    rounded up to whole grains, when `current` is larger than what one growth from that
+    shrunk capacity would give.
+
+    So growth's own slack is never shrunk: a length that swings across a capacity (a decode
+    sawtooth of quantized groups or of evictions) grows once and then keeps that capacity
+    instead of reallocating back and forth, whatever the swing; a buffer of one `step` or less
+    never shrinks. The price: a buffer may keep up to about twice its live slots, as growth
+    leaves them (512 slots stay for 193 to 512 live: their fitted 256 or more grows to 512).
+    """
+    grown = _grown_capacity(current, needed, step)
+    if grown is not None:
+        return grown
+    grain = step // SHRINK_GRAIN
+    fitted = _round_up(needed + grain, grain)
+    return fitted if current > _grown_capacity(fitted, fitted + 1, step) else None
 
 
 def _live_bytes(
@@ -88,9 +111,9 @@ def _live_bytes(
 def _capacity_bound(current: int, most: int, step: int) -> int:
     """The largest capacity `_new_capacity` can reach from `current` while never more than
     `most` slots are needed. A growth from a capacity `c < n <= most` goes to
-    `max(round_up(n), 2c)`; `c` is a multiple of `step` below `most`, so at most
-    `round_up(most) - step`; a shrink only lowers the capacity (and a later growth starts
-    from lower)."""
+    `max(round_up(n), 2f)`, `f` the whole steps of `c`: a multiple of `step` below `most`, so
+    at most `round_up(most) - step`; a shrink only lowers the capacity (and a later growth
+    starts from lower)."""
     top = _round_up(most, step)
     return max(current, top, 2 * (top - step))
 
@@ -237,6 +260,9 @@ class LayerStore:
         hit_mean, hit_m2: `[B, kv_heads, meta_capacity]` float32, Welford's running mean and
             sum of squared deviations of the relative attention each token received per call
             (ARKV's heavy-hitter statistics, see `KVStore.record_attention`).
+        window_mass: `[B, kv_heads, meta_capacity]` float32, the attention each token received
+            from the last observation window (SnapKV, see `KVStore.record_window`); 0 for
+            tokens that arrived after it.
         appended: tokens ever appended per row (the next original position).
     """
 
@@ -266,6 +292,7 @@ class LayerStore:
         self.hits = torch.zeros(batch, 0, device=device)
         self.hit_mean = torch.zeros_like(self.scores)
         self.hit_m2 = torch.zeros_like(self.scores)
+        self.window_mass = torch.zeros_like(self.scores)
         self._fit_fp(CAPACITY_STEP)
         self._fit_meta(CAPACITY_STEP)
 
@@ -278,13 +305,16 @@ class LayerStore:
         """FP slots allocated per row."""
         return self.keys.shape[2]
 
-    def _fit_fp(self, needed: int) -> None:
-        size = _new_capacity(self.keys.shape[2], needed)
+    def _fit_fp(self, needed: int, shrink: bool = False) -> None:
+        """Grow the FP segment to hold `needed` slots per row; with `shrink`, also shrink it
+        (`_new_capacity`)."""
+        size = (_new_capacity if shrink else _grown_capacity)(self.keys.shape[2], needed)
         if size is not None:
             self.keys, self.values = (_resized(t, 2, size) for t in (self.keys, self.values))
 
-    def _fit_meta(self, needed: int) -> None:
-        size = _new_capacity(self.positions.shape[1], needed)
+    def _fit_meta(self, needed: int, shrink: bool = False) -> None:
+        """`_fit_fp` for the per-token metadata."""
+        size = (_new_capacity if shrink else _grown_capacity)(self.positions.shape[1], needed)
         if size is not None:
             for name in META_FIELDS:
                 tensor = getattr(self, name)
@@ -298,14 +328,16 @@ class LayerStore:
             tensor = getattr(self, name)[row]
             tensor[..., :k] = tensor[..., order]
 
-    def _fit_quantized(self, needed: int, groups: int) -> None:
-        size = _new_capacity(self.q_keys.shape[2], needed)
+    def _fit_quantized(self, needed: int, groups: int, shrink: bool = False) -> None:
+        """`_fit_fp` for the quantized segment (`needed` slots) and its scales (`groups`)."""
+        rule = _new_capacity if shrink else _grown_capacity
+        size = rule(self.q_keys.shape[2], needed)
         if size is not None:
             self.q_keys, self.q_values = (
                 _resized(t, 2, size) for t in (self.q_keys, self.q_values)
             )
             self.q_group = _resized(self.q_group, 1, size)
-        size = _new_capacity(self.key_scales.shape[2], groups, step=SCALE_CAPACITY_STEP)
+        size = rule(self.key_scales.shape[2], groups, step=SCALE_CAPACITY_STEP)
         if size is not None:
             self.key_scales, self.value_scales = (
                 _resized(t, 2, size) for t in (self.key_scales, self.value_scales)
@@ -338,8 +370,8 @@ class LayerStore:
         """Keep only the logical slots `keep` (int64 `[k]`, increasing) of `row`.
 
         Quantized tokens move with their group index; scale rows no kept token uses are
-        dropped. Buffers shrink when fewer than a quarter of their capacity stays live in
-        every row.
+        dropped. Buffers then shrink to the longest row's live slots by `_new_capacity`'s
+        rule.
         """
         q_len = self.q_len[row]
         kept_q, kept_fp = keep[keep < q_len], keep[keep >= q_len] - q_len
@@ -358,9 +390,9 @@ class LayerStore:
         self.value_scales[row, :, : used.numel()] = self.value_scales[row, :, used]
         self.q_len[row] = nq
         self.n_groups[row] = used.numel()
-        self._fit_fp(max(self.fp_len))
-        self._fit_meta(max(self.length(r) for r in range(self.batch)))
-        self._fit_quantized(max(self.q_len), max(self.n_groups))
+        self._fit_fp(max(self.fp_len), shrink=True)
+        self._fit_meta(max(self.length(r) for r in range(self.batch)), shrink=True)
+        self._fit_quantized(max(self.q_len), max(self.n_groups), shrink=True)
 
     def stale_slots(self, row: int, pinned: torch.Tensor, config: Int8Config) -> torch.Tensor:
         """FP slots (int64, indices into the FP segment, oldest first) that left the FP
@@ -379,7 +411,9 @@ class LayerStore:
         """Move the FP slots `moving` (int64 `[m]`, increasing indices into the FP segment,
         `m` a multiple of `group`) of `row` into the quantized segment, `group` consecutive
         ones sharing a scale; they go to the end of the quantized segment, so logical order
-        becomes (old quantized, moved, remaining FP).
+        becomes (old quantized, moved, remaining FP). The FP segment shrinks by
+        `_new_capacity`'s rule before the quantized one grows, so the two are never held at
+        their larger sizes together.
 
         Raises:
             ValueError: `m` is not a multiple of `group`.
@@ -405,6 +439,10 @@ class LayerStore:
         q_keys, k_scales = dispatch.quantize_groups(self.keys[row, :, moving], group, fmt)
         q_values, v_scales = dispatch.quantize_groups(self.values[row, :, moving], group, fmt)
         groups, new_groups = self.n_groups[row], m // group
+        for buffer in (self.keys, self.values):
+            dispatch.compact(buffer, row, staying)
+        self.fp_len[row] = fp_len - m
+        self._fit_fp(max(self.fp_len), shrink=True)
         others = [r for r in range(self.batch) if r != row]
         self._fit_quantized(
             max([q_len + m, *(self.q_len[r] for r in others)]),
@@ -422,10 +460,7 @@ class LayerStore:
             row,
             torch.cat([torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]),
         )
-        for buffer in (self.keys, self.values):
-            dispatch.compact(buffer, row, staying)
         self.q_len[row] = q_len + m
-        self.fp_len[row] = fp_len - m
 
     def nbytes(self, row: int | None = None) -> int:
         """Bytes of live tokens: FP keys and values, INT8 keys and values, and the scales
@@ -499,7 +534,14 @@ class KVStore:
         self._query_positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.max_positions = max_positions
         self.peak_bytes = 0
+        """The most live bytes (`nbytes`) the store has held, after any forward call's append."""
         self.row_peak_bytes = [0] * batch
+        self.peak_allocated_bytes = self.allocated_nbytes()
+        """The most bytes its buffers have held (`allocated_nbytes`): taken after every append
+        and every quantization, the only operations that grow them."""
+        self.call_allocated_bytes = self.peak_allocated_bytes
+        """The most bytes its buffers have held since the last `begin_forward`: over one
+        forward call and the policy step after it."""
         self.evicted_tokens = 0
         self.quantized_tokens = 0
         self.changed_at = [0] * batch
@@ -511,6 +553,13 @@ class KVStore:
         (`record_profile`); a policy that plans from it turns it on (`Policy.prepare`)."""
         self.profile: torch.Tensor | None = None
         """`[num_layers, 4]`: sums of the three prefill statistics and the calls counted."""
+        self.observation_window = 0
+        """How many of a multi-token forward call's last queries `record_window` measures
+        (SnapKV's observation window; 0: none); a policy that ranks by it sets it
+        (`Policy.prepare`)."""
+        self.observed_from = [0] * batch
+        """Per row, the position of the first query of the last observation window: tokens
+        from there on (the window and what came after it) have no `window_mass` of their own."""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
@@ -573,6 +622,7 @@ class KVStore:
         self.check_context(max(starts) + n)
         device = self.layers[0].device
         self._rows = rows
+        self.call_allocated_bytes = 0  # appends only grow buffers: `_note_peak` takes the most
         self._query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(
             n, device=device
         )
@@ -710,10 +760,7 @@ class KVStore:
         layer = self.layers[layer_idx]
         scored = query_len if scored_queries is None else scored_queries
         for i, row in enumerate(self._rows):
-            parts = [masses[-1][i, :, : layer.fp_len[row]]]
-            if len(masses) == 2:
-                parts.insert(0, masses[0][i, :, : layer.q_len[row]])
-            mass = torch.cat(parts, dim=1)  # [kv_heads, length], logical order
+            mass = _logical_mass(layer, masses, i, row)  # [kv_heads, length]
             n = mass.shape[1]
             first_new = n - query_len
             visible = torch.full((n,), float(scored), device=mass.device)
@@ -728,6 +775,23 @@ class KVStore:
             scores[:, first_new:] = step[:, first_new:]
             layer.accumulated[row, :, :n] += mass
             _welford(layer, row, step * n, first_new)
+
+    def record_window(self, layer_idx: int, masses: list[torch.Tensor], observed: int) -> None:
+        """Keep one forward call's observation-window attention as the layer's `window_mass`
+        (SnapKV, Li et al. 2024, §4.1), for the current rows; the call's last `observed`
+        tokens are the window (`observed_from`).
+
+        Args:
+            masses: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
+                attention probability each slot received from the call's last `observed`
+                queries, summed over them and the query heads of its KV head.
+            observed: the window's queries, at most the call's.
+        """
+        layer = self.layers[layer_idx]
+        for i, row in enumerate(self._rows):
+            mass = _logical_mass(layer, masses, i, row)
+            layer.window_mass[row, :, : mass.shape[1]] = mass
+            self.observed_from[row] = self.seen(row) - observed
 
     def pin(self, start: int, end: int, row: int = 0) -> None:
         """Pin positions `[start, end)` of a row: exempt from eviction and quantization until
@@ -822,6 +886,7 @@ class KVStore:
         if fp_slots.numel() == 0:
             return 0
         self.layers[layer_idx].quantize(row, fp_slots, group, fmt)
+        self._note_allocated()
         self.quantized_tokens += fp_slots.numel()
         self.changed_at[row] = self.seen(row)
         return fp_slots.numel()
@@ -850,6 +915,7 @@ class KVStore:
             keep = (layer.live_positions(row) < end).nonzero().squeeze(1)
             layer.compact(row, keep)
             layer.appended[row] = end
+        self.observed_from[row] = min(self.observed_from[row], end)
         self._grow_pins(end)
         self._pinned[row, end:] = False
 
@@ -874,9 +940,15 @@ class KVStore:
             "max_positions": self.max_positions,
             "rerotate": self.rotary is not None,
             "pinned": self._pinned,
-            "counters": [self.peak_bytes, self.evicted_tokens, self.quantized_tokens],
+            "counters": [
+                self.peak_bytes,
+                self.evicted_tokens,
+                self.quantized_tokens,
+                self.peak_allocated_bytes,
+            ],
             "row_counters": [self.row_peak_bytes, self.changed_at],
             "profile": self.profile,
+            "observed_from": self.observed_from,
         }
 
     @classmethod
@@ -910,8 +982,11 @@ class KVStore:
                     like = layer.positions if name == "hits" else layer.scores
                     setattr(layer, name, torch.zeros_like(like, dtype=torch.float32))
         store.profile = state.get("profile")
+        store.observed_from = list(state.get("observed_from", store.observed_from))
         store._pinned = state["pinned"]
-        store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"]
+        store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"][:3]
+        saved_peak = state["counters"][3:]  # states saved before the allocated peak existed
+        store.peak_allocated_bytes = max([*saved_peak, store.allocated_nbytes()])
         store.row_peak_bytes, store.changed_at = (list(v) for v in state["row_counters"])
         return store
 
@@ -923,21 +998,52 @@ class KVStore:
         """Live INT8 tokens per layer for a row."""
         return [layer.q_len[row] for layer in self.layers]
 
+    def precision_counts(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position the row has seen (`[seen]` int64 each): in how many layers it is live
+        at full precision, and in how many quantized; the other layers evicted it."""
+        seen = self.seen(row)
+        fp = torch.zeros(seen, dtype=torch.long, device=self.layers[0].device)
+        quantized = torch.zeros_like(fp)
+        for layer in self.layers:
+            live = layer.live_positions(row)  # quantized slots first, then FP (logical order)
+            quantized[live[: layer.q_len[row]]] += 1
+            fp[live[layer.q_len[row] :]] += 1
+        return fp, quantized
+
+    def pinned_positions(self, row: int = 0) -> torch.Tensor:
+        """`[seen]` bool: which positions the row has seen are pinned now."""
+        self._grow_pins(self.seen(row))
+        return self._pinned[row, : self.seen(row)]
+
     def nbytes(self, row: int | None = None) -> int:
         """Exact bytes of live keys, values and scales over all layers, for one row or all."""
         return sum(layer.nbytes(row) for layer in self.layers)
 
-    def allocated_nbytes(self) -> int:
-        """Bytes of all key/value/scale buffers including spare capacity."""
-        return sum(layer.allocated_nbytes() for layer in self.layers)
+    def allocated_nbytes(self, row: int | None = None) -> int:
+        """Bytes of all key/value/scale buffers including spare capacity, for all rows or
+        (`row`) one row's share: the buffers are `[batch, ...]`, every row the same slots."""
+        total = sum(layer.allocated_nbytes() for layer in self.layers)
+        return total if row is None else total // self.batch
 
     def footprint(self) -> StoreFootprint:
         """What the store holds and has allocated (`StoreFootprint`)."""
         return StoreFootprint.of_state(self.state())
 
     def full_kv_nbytes(self, row: int = 0) -> int:
-        """Bytes a full KV cache would hold for a row's tokens seen so far, at the FP dtype."""
+        """Live bytes a full KV cache would hold for a row's tokens seen so far, at the FP
+        dtype: the tokens alone, no spare capacity."""
         return self.seen(row) * self.bytes_per_token()
+
+    def full_kv_allocated_nbytes(self, row: int = 0) -> int:
+        """Bytes a full KV cache's buffers would be allocated for a row's tokens seen so far,
+        at the FP dtype, under this store's growth rule: the FP capacity doubled from one
+        `CAPACITY_STEP` until it holds them (256, 512, 1,024, ... slots), which a store that
+        never evicts follows while no forward call needs more than twice the slots it holds
+        (512-token prefill chunks do not)."""
+        capacity = CAPACITY_STEP
+        while capacity < self.seen(row):
+            capacity = _grown_capacity(capacity, capacity + 1)
+        return capacity * self.bytes_per_token()
 
     def record_profile(self, layer_idx: int, stats: torch.Tensor) -> None:
         """Add one prefill call's attention shape statistics to the layer's running means.
@@ -963,6 +1069,12 @@ class KVStore:
         for row in self._rows:
             self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self._note_allocated()
+
+    def _note_allocated(self) -> None:
+        allocated = self.allocated_nbytes()
+        self.call_allocated_bytes = max(self.call_allocated_bytes, allocated)
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, allocated)
 
 
 def _buffers(layer: LayerStore) -> dict:
@@ -1005,6 +1117,16 @@ def _capacities(layer_state: dict) -> dict[str, int]:
         "q": layer_state["q_keys"].shape[2],
         "scales": layer_state["key_scales"].shape[2],
     }
+
+
+def _logical_mass(layer: LayerStore, masses: list[torch.Tensor], i: int, row: int) -> torch.Tensor:
+    """`[kv_heads, length]`: the attention mass `masses` (per segment, `[rows, kv_heads,
+    width]`) gives row `row` (the call's `i`-th) of `layer`, over its live slots in logical
+    order (quantized, then FP)."""
+    parts = [masses[-1][i, :, : layer.fp_len[row]]]
+    if len(masses) == 2:
+        parts.insert(0, masses[0][i, :, : layer.q_len[row]])
+    return torch.cat(parts, dim=1)
 
 
 def _welford(layer: LayerStore, row: int, observed: torch.Tensor, first_new: int) -> None:

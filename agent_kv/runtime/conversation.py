@@ -7,7 +7,8 @@ flagged `pin` have their tokens pinned in the store (exempt from eviction).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,10 +32,13 @@ class ForcedReply:
     Attributes:
         hits: whether each token was the most likely next token.
         logprobs: each token's log probability under the model and the policy's cache (nats).
+        distributions: with `keep_distributions`, the next-token log-probabilities before
+            each token, `[tokens, vocab]` float32 (nats); else None.
     """
 
     hits: list[bool]
     logprobs: list[float]
+    distributions: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +116,23 @@ class Conversation:
         self._pending.clear()
         return prompt
 
+    def prefill(self) -> torch.Tensor:
+        """Prefill the queued messages and the assistant header now, as `reply` would first;
+        returns the logits for the reply's first token, `[vocab]` float32. A `reply`,
+        `force_reply` or `fork` after it starts from there."""
+        prompt = self._take_prompt()
+        return self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
+
+    def fork(self) -> Conversation:
+        """An independent copy of this conversation: the sequence (store, pins, logits) is
+        deep-copied, the engine shared. What one copy replies does not reach the other."""
+        twin = Conversation(self.engine, copy.deepcopy(self.sequence))
+        twin.messages = copy.deepcopy(self.messages)
+        twin.spans = dict(self.spans)
+        twin._rendered = self._rendered
+        twin._pending = list(self._pending)
+        return twin
+
     def reply(self, params: SamplingParams) -> Generation:
         """Prefill the queued messages and the assistant header, then generate the reply.
 
@@ -132,7 +153,7 @@ class Conversation:
         self._rendered += generation.raw_text
         return generation
 
-    def force_reply(self, text: str) -> ForcedReply:
+    def force_reply(self, text: str, keep_distributions: bool = False) -> ForcedReply:
         """Teacher-force `text` as the next assistant reply: whether greedy decoding would
         have produced it, and how likely the model found it.
 
@@ -144,6 +165,7 @@ class Conversation:
 
         Args:
             text: the reply (e.g. a reference action, "click [12]").
+            keep_distributions: also return each step's next-token log-probabilities.
 
         Returns:
             Per token of `text`: whether it was the most likely next token, and its log
@@ -160,10 +182,16 @@ class Conversation:
         reply_start = store.seen_tokens + len(prompt)
         logits = self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
         forced = ForcedReply([], [])
+        distributions = []
         for token in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
             forced.hits.append(int(logits.argmax()) == token)
-            forced.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            forced.logprobs.append(float(log_probs[token]))
+            if keep_distributions:
+                distributions.append(log_probs)
             logits = self.engine.feed(self.sequence, [token])
+        if keep_distributions:
+            forced.distributions = torch.stack(distributions)
         self.messages.append({"role": "assistant", "content": text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += text

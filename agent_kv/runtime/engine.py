@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -25,6 +26,7 @@ from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.sampling import SamplingParams, sample_next
 from agent_kv.runtime.sequence import Sequence, StepRecord
 
@@ -37,7 +39,8 @@ class Generation:
         text: generated text up to (not including) the first stop string or end-of-turn token.
         raw_text: everything generated and fed to the cache (stop strings included, EOS not).
         token_ids: generated token ids (EOS included when it ended the reply).
-        finish_reason: "stop" (EOS or stop string) or "length" (max_new_tokens reached).
+        finish_reason: "stop" (EOS, stop string or a complete grammar) or "length"
+            (max_new_tokens reached).
         prompt_tokens: tokens prefilled for this reply.
         ttft_s: seconds from the start of the prefill to the first sampled token.
         decode_s: seconds spent after the first token.
@@ -102,6 +105,17 @@ class Engine:
             *_as_list(getattr(generation_config, "eos_token_id", None)),
         ]
         self.eos_ids = {int(e) for e in candidates if e is not None}
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Builds `SamplingParams.grammar`s against this engine's tokenizer (made on first
+        use; the tokenizer's EOS, or else the lowest end-of-turn id, ends a reply)."""
+        eos = self.tokenizer.eos_token_id
+        eos = min(self.eos_ids) if eos is None else eos
+        return GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos)
+
+    def _matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        return None if params.grammar is None else self.grammars.matcher(params.grammar)
 
     @classmethod
     def from_spec(
@@ -198,6 +212,7 @@ class Engine:
                     seen_tokens=store.seen(row),
                     appended_kv_bytes=appended[i],
                     kv_bytes=store.nbytes(row),
+                    allocated_kv_bytes=store.call_allocated_bytes // store.batch,
                     confidence=confs[i],
                     gated=gated[i],
                     budget=self.policy.budget(gates[i]),
@@ -216,8 +231,11 @@ class Engine:
         done; its reply is fixed when it finishes. With a `seed`, every row samples from its
         own generator seeded alike, so a batch equals its prompts run one by one.
 
+        With a grammar, each row has its own matcher and finishes when its grammar is complete.
+
         Raises:
-            ConfigError: invalid sampling parameters.
+            ConfigError: invalid sampling parameters; `GrammarError` (a `ConfigError`): a
+                grammar that cannot be built.
             ValueError: no prompts, or an empty prompt.
         """
         params.validate()
@@ -225,6 +243,7 @@ class Engine:
             raise ValueError("generate_batch needs at least one prompt, none of them empty")
         start = time.perf_counter()
         batch = len(prompts)
+        matchers = [self._matcher(params) for _ in range(batch)]
         store = KVStore.for_model(self.model, batch=batch, **self.store_options)
         cache = StoreCache(store)
         steps: list[list[StepRecord]] = [[] for _ in range(batch)]
@@ -245,11 +264,16 @@ class Engine:
                 if done_at[row]:
                     feed.append(generated[row][-1])
                     continue
-                token = sample_next(logits[row], params, generators[row])
+                matcher = matchers[row]
+                row_logits = logits[row] if matcher is None else matcher.constrain(logits[row])
+                token = sample_next(row_logits, params, generators[row])
                 generated[row].append(token)
                 feed.append(token)
+                if matcher is not None and token not in self.eos_ids:
+                    matcher.advance(token)
                 text = self.tokenizer.decode(generated[row], skip_special_tokens=False)
-                if token in self.eos_ids or any(s in text for s in params.stop):
+                complete = matcher is not None and matcher.done
+                if token in self.eos_ids or complete or any(s in text for s in params.stop):
                     finish[row] = "stop"
                     done_at[row] = time.perf_counter()
             first_token_at = first_token_at or time.perf_counter()
@@ -338,13 +362,19 @@ class Engine:
         it grows, in pieces that concatenate to `text`: a piece is held back while it could
         still be the start of a stop string or ends in an incomplete character.
 
+        With `params.grammar`, each token is drawn from those the grammar allows and the
+        reply ends once the grammar is complete (`finish_reason` "stop"); the grammar is
+        built before anything is prefilled.
+
         Raises:
-            ConfigError: invalid sampling parameters.
+            ConfigError: invalid sampling parameters; `GrammarError` (a `ConfigError`): a
+                grammar that cannot be built (nothing was prefilled).
             ValueError: empty prompt on an empty sequence.
             TurnCancelled: `cancel` was set before a prefill chunk or a decode step; the
                 sequence keeps every token fed before it.
         """
         params.validate()
+        matcher = self._matcher(params)
         start = time.perf_counter()
         if prompt_ids:
             self.feed(sequence, prompt_ids, cancel)
@@ -360,16 +390,21 @@ class Engine:
         hold = max((len(s) for s in params.stop), default=1) - 1
         for _ in range(params.max_new_tokens):
             _check_cancel(cancel)
-            token = sample_next(sequence.last_logits, params, generator)
+            logits = sequence.last_logits
+            token = sample_next(
+                logits if matcher is None else matcher.constrain(logits), params, generator
+            )
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             generated.append(token)
             if token in self.eos_ids:
                 finish = "stop"
                 break
+            if matcher is not None:
+                matcher.advance(token)
             self.feed(sequence, [token])
             text = self.tokenizer.decode(generated, skip_special_tokens=False)
-            if any(s in text for s in params.stop):
+            if any(s in text for s in params.stop) or (matcher is not None and matcher.done):
                 finish = "stop"
                 break
             if on_text is not None:

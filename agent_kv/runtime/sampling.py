@@ -1,4 +1,5 @@
-"""Next-token sampling: greedy, or temperature with nucleus (top-p) filtering, seeded."""
+"""Next-token sampling: greedy, or temperature with nucleus (top-p) filtering, seeded; a
+`Grammar` in the parameters constrains the reply (see `agent_kv.runtime.grammar`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.runtime.grammar import Grammar
 
 
 @dataclass
@@ -19,6 +21,8 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; the smallest set of tokens whose probability reaches it.
         seed: seeds the sampler's generator, for reproducible sampling.
         stop: strings that end the reply; the returned text stops before the first one.
+        grammar: when set, every token is drawn from those the grammar allows next, and the
+            reply ends when the grammar is complete (`agent_kv.runtime.grammar`).
     """
 
     max_new_tokens: int = 128
@@ -26,9 +30,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
-        """Raise `ConfigError` for out-of-range values."""
+        """Raise `ConfigError` for out-of-range values (`GrammarError`, a `ConfigError`, for
+        a grammar of unknown kind or empty source)."""
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -39,6 +45,8 @@ class SamplingParams:
             raise ConfigError("stop strings must be non-empty")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
+        if self.grammar is not None:
+            self.grammar.validate()
 
 
 GREEDY_BELOW = 1e-5

@@ -32,6 +32,10 @@ class StepRecord:
             last, which get the policy's no-signal budget).
         budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
         evicted: tokens evicted this step, summed over layers.
+        allocated_kv_bytes: the most bytes the store's buffers held during this call, spare
+            capacity included (`KVStore.call_allocated_bytes`: after its append or any
+            quantization of its policy step), this row's share of a batch; the most over
+            all calls is `KVStore.peak_allocated_bytes`. 0 in records saved before it existed.
     """
 
     seen_tokens: int
@@ -41,6 +45,7 @@ class StepRecord:
     gated: bool
     budget: int | None
     evicted: int
+    allocated_kv_bytes: int = 0
 
 
 @dataclass

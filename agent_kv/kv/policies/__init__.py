@@ -14,6 +14,7 @@ from agent_kv.kv.policies.conf_kv_l import ConfKVL
 from agent_kv.kv.policies.full import FullKV
 from agent_kv.kv.policies.h2o import H2O
 from agent_kv.kv.policies.random_eviction import RandomEviction
+from agent_kv.kv.policies.snapkv import SnapKV
 from agent_kv.kv.policies.window import SlidingWindow
 from agent_kv.kv.policy_names import check_policy_name
 from agent_kv.kv.store import Int8Config, KVStore
@@ -21,7 +22,7 @@ from agent_kv.kv.store import Int8Config, KVStore
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
-        FullKV, SlidingWindow, H2O, RandomEviction, ConfKV, ConfKVL,
+        FullKV, SlidingWindow, H2O, SnapKV, RandomEviction, ConfKV, ConfKVL,
         Arkv, BaseQuant, BaseOrigin, ConfKVArkv,
     )
 }  # fmt: skip
@@ -31,10 +32,11 @@ def make_policy(name: str, budget: int | None = None, **params) -> Policy:
     """Build and validate a policy by name.
 
     Args:
-        name: one of `POLICIES` (`full`, `window`, `h2o`, `random`, `conf-kv`, `conf-kv-l`,
-            `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`).
+        name: one of `POLICIES` (`full`, `window`, `h2o`, `snapkv`, `random`, `conf-kv`,
+            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`).
         budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
-            for `window`; the budget (half of it recent) for `h2o`; the budget for `random`;
+            for `window`; the budget (half of it recent) for `h2o`; the budget for `snapkv`
+            and `random`;
             `n_low`, with `n_high = budget // 2`, for `conf-kv`, `conf-kv-l` and
             `conf-kv+arkv`; for `arkv` and `base-origin` the mean bytes per layer, counted in
             full-precision tokens. `full` and `base-quant` take none.
@@ -111,6 +113,7 @@ __all__ = [
     "Policy",
     "RandomEviction",
     "SlidingWindow",
+    "SnapKV",
     "check_policy_precision",
     "make_policy",
 ]

@@ -127,6 +127,7 @@ class TriState(Policy):
 
     def prepare(self, store: KVStore) -> None:
         """Turn on the store's prefill attention statistics (the per-layer plan's input)."""
+        super().prepare(store)
         store.profile_prefill = True
 
     def layer_plan(self, store: KVStore, budgets: list[int]) -> list[LayerPlan]:

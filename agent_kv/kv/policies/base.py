@@ -67,8 +67,10 @@ class Policy(ABC):
 
     def prepare(self, store: KVStore) -> None:
         """Called before every forward call on `store`: say what the call should measure
-        besides the attention mass. Default: no prefill attention statistics."""
+        besides the attention mass. Default: no prefill attention statistics (no profile, no
+        observation window)."""
         store.profile_prefill = False
+        store.observation_window = 0
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:

@@ -1,7 +1,9 @@
-"""Sliding window (StreamingLLM-style): keep the most recent tokens, optionally the first few.
+"""Sliding window with attention sinks (StreamingLLM): keep the first few and the most recent
+tokens.
 
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (2023), §3: the first
-tokens absorb attention mass ("attention sinks"); keeping them stabilises a windowed cache.
+tokens absorb attention mass ("attention sinks"); keeping them stabilises a windowed cache, and
+§3.2 keeps 4 of them, the default here. `sinks=0` gives the plain window that drops them.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ class SlidingWindow(Policy):
 
     Parameters:
         window (int, default 512): tokens kept per layer.
-        sinks (int, default 0): the first `sinks` positions are kept as attention sinks.
+        sinks (int, default 4): the first `sinks` positions are kept as attention sinks
+            (StreamingLLM §3.2's four); 0 keeps the newest `window` tokens only.
     """
 
     name = "window"
+    sinks: int = 4
     window: int = 512
 
     @classmethod
