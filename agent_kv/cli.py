@@ -278,6 +278,15 @@ def bench_command(
         ),
     ] = True,
     constrain: ConstrainOption = True,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="free (the agent navigates: every step its own action) or scripted "
+            "(scripted navigation, free answer: a recall task's reference actions are "
+            "replayed into the cache and the model gives only the final stop [answer])."
+        ),
+    ] = "free",
+    positions: PositionsOption = "original",
     agreement: Annotated[
         bool,
         typer.Option(
@@ -311,11 +320,15 @@ def bench_command(
             raise ConfigError(
                 f"--budgets must be comma-separated integers, got {budgets!r}"
             ) from None
+        if mode not in bench.MODES:
+            raise ConfigError(f"--mode must be free or scripted, got {mode!r}")
         if ray_address is not None:
             bench.check_ray_address(ray_address)
         jobs = bench.make_jobs(task_list, names, sizes, int8)  # imports torch
         for job in {(j.policy, j.budget, j.precision): j for j in jobs}.values():
-            PolicySpec.parse(job.policy, job.budget, None, int8=job.precision == "int8")
+            PolicySpec.parse(
+                job.policy, job.budget, None, int8=job.precision == "int8", positions=positions
+            )
         find_chromium()
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
@@ -325,10 +338,12 @@ def bench_command(
         max_obs_tokens,
         prefill_chunk,
         model,
-        reference_accuracy,
+        reference_accuracy and mode == "free",
         observation,
         constrain,
-        agreement and "full" in names,
+        agreement and "full" in names and mode == "free",
+        mode,
+        positions,
     )
     actors = bench.RayActors(workers, ray_address)
     try:  # a missing model or broken Chromium fails as the actors start, once

@@ -17,6 +17,9 @@ text both stay). On top of that: InlineTextBox and ListMarker nodes and unnamed
 main/form/article/region/status nodes are dropped, and properties that repeat the URL, point at
 other nodes or describe live regions are left out.
 The whole page is rendered, not only the viewport (the bundled sites keep pages short).
+`main_content(text)` cuts an observation text down to the page's main content (no tab and URL
+lines, menus or forms): an observation format the recall runner offers
+(`agent_kv.harness.recall`).
 
 Set-of-marks (SoM): `interactive_elements(tree)` picks the tree's interactive elements (roles in
 INTERACTIVE_ROLES), `draw_marks(png, marks)` draws a numbered box per element on a screenshot
@@ -206,6 +209,39 @@ def tab_line(titles: Sequence[str], current: int) -> str:
 def observation_text(titles: Sequence[str], current: int, url: str, tree: AXTree) -> str:
     """The full text observation: tab list line, URL line, then the tree."""
     return f"{tab_line(titles, current)}\nURL: {url}\n{tree.text}"
+
+
+CHROME_ROLES = frozenset({"navigation", "form", "search", "banner", "contentinfo"})
+"""Roles whose subtree `main_content` drops: site menus and forms (search, comment, cart)."""
+_TREE_LINE = re.compile(r"^(\t*)\[\d+\] (\S+) ")
+
+
+def main_content(text: str) -> str:
+    """The page's main content of an observation text (`observation_text`'s format): the tab
+    and URL lines, the RootWebArea line and every subtree whose root has a role in
+    CHROME_ROLES are dropped, and the lines under the root move up one level. An error line
+    ("ERROR: ...") stays first. Element ids are kept, so actions still name the elements
+    shown; the dropped ones (menu links, form fields) stay actionable by id or reference.
+    """
+    kept: list[str] = []
+    dropping_below: int | None = None  # depth of the chrome subtree being dropped
+    for line in text.split("\n"):
+        if line.startswith(("Tab ", "URL: ")):
+            continue
+        match = _TREE_LINE.match(line)
+        if match is None:
+            if dropping_below is None:
+                kept.append(line)  # an error line, or a wrapped line of the one before
+            continue
+        depth, role = len(match.group(1)), match.group(2)
+        if dropping_below is not None and depth > dropping_below:
+            continue
+        dropping_below = None
+        if role in CHROME_ROLES:
+            dropping_below = depth
+        elif role != "RootWebArea":
+            kept.append(line[1:] if depth else line)
+    return "\n".join(kept)
 
 
 INTERACTIVE_ROLES = frozenset(

@@ -600,3 +600,26 @@ def test_aggregate_reports_the_live_peak_beside_the_allocated_one():
     assert window["peak_kv_mb"] == pytest.approx(60.0)  # allocated: the headline
     assert window["peak_kv_live_mb"] == pytest.approx(50.0)
     assert window["reduction_vs_full"] == pytest.approx(200 / 60)  # allocated over allocated
+
+
+def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
+    records = [
+        {**_record(401, "full", None, True, 9e6), "k": 1},
+        {**_record(402, "full", None, False, 9e6), "k": 4},
+        {**_record(401, "h2o", 256, False, 3e6), "k": 1},
+        {**_record(402, "h2o", 256, False, 3e6), "k": 4},
+        {**_record(403, "h2o", 256, True, 3e6), "k": 1},
+    ]
+    assert bench.recall_table(records).splitlines() == [
+        "| policy | k=1 | k=4 |",
+        "| --- | --- | --- |",
+        "| full | 1/1 | 0/1 |",
+        "| h2o 256 | 1/2 | 0/1 |",
+    ]
+    assert bench.recall_table([_record(1, "full", None, True, 1e6)]) == ""
+    _write(tmp_path / "results.jsonl", records)
+    (tmp_path / "settings.json").write_text(json.dumps({"mode": "scripted"}))
+    bench.write_report(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
+    assert "## Success per k" in summary and "| h2o 256 | 1/2 | 0/1 |" in summary

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,12 +145,14 @@ def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
     return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_NOTE
 
 
-def open_conversation(engine: Engine, intent: str) -> Conversation:
-    """An episode's conversation: the system prompt with the goal, and the example turns,
-    all pinned."""
+def open_conversation(
+    engine: Engine, intent: str, few_shot: Sequence[tuple[str, str]] = FEW_SHOT
+) -> Conversation:
+    """An episode's conversation: the system prompt with the goal, and the example turns
+    (user text, assistant reply; the agent's FEW_SHOT unless given), all pinned."""
     chat = Conversation(engine)
     chat.add("system", SYSTEM_PROMPT.format(intent=intent), pin=True)
-    for example, action in FEW_SHOT:
+    for example, action in few_shot:
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
     return chat

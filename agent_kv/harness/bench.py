@@ -140,6 +140,10 @@ class BenchSettings:
         agreement: also replay the task's full-KV episode under each other policy and
             compare its decisions with full KV's (`agent_kv.harness.agreement`); needs `full`
             among the sweep's policies.
+        mode: "free" (free navigation: the agent acts at every step, `run_episode`) or
+            "scripted" (scripted navigation, free answer: the recall suite's runner,
+            `agent_kv.harness.recall`).
+        positions: "original" or "rerotate" (`PolicySpec`), for every policy of the sweep.
     """
 
     max_steps: int = 6
@@ -150,6 +154,8 @@ class BenchSettings:
     observation: str = "accessibility_tree"
     constrain: bool = True
     agreement: bool = True
+    mode: str = "free"
+    positions: str = "original"
 
 
 class Runner(Protocol):
@@ -911,6 +917,21 @@ def _outcome(record: dict[str, Any]) -> str:
     return "✓" if record.get("success") else f"✗ {record.get('end_reason', '')}".strip()
 
 
+MODES = {
+    "free": "free navigation",
+    "scripted": "scripted navigation, free answer",
+}
+"""`BenchSettings.mode` -> the name every table of its sweep carries."""
+
+
+def _recorded_mode(out: Path) -> str:
+    """The mode of the sweep in `out` (its settings.json; "free" when none is recorded)."""
+    path = out / SETTINGS
+    if not path.exists():
+        return "free"
+    return json.loads(path.read_text(encoding="utf-8")).get("mode", "free")
+
+
 def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
     """Markdown: one row per task, one column per policy setting; each cell the episode's
     outcome (✓, ✗ and its end reason, or error), linked to its rendered trace when there is
@@ -938,6 +959,39 @@ def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
     return "\n".join(lines)
 
 
+def recall_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: recall-suite success per policy setting (rows) and k, the pages between the
+    fact and the question (columns), each cell `solved/tasks`; empty when no record has a
+    `k` (a free-navigation sweep)."""
+    recall = [r for r in records if r.get("k") is not None]
+    if not recall:
+        return ""
+    ks = sorted({r["k"] for r in recall})
+    rows: dict[tuple, dict[int, list[int]]] = {}
+    for record in recall:
+        task_id, policy, budget, precision = record_key(record)
+        cell = rows.setdefault((policy, budget, precision), {}).setdefault(record["k"], [0, 0])
+        cell[0] += bool(record.get("success"))
+        cell[1] += 1
+    lines = [
+        "| policy | " + " | ".join(f"k={k}" for k in ks) + " |",
+        "|" + "|".join([" --- "] * (len(ks) + 1)) + "|",
+    ]
+    order = {row_label(r): i for i, r in enumerate(aggregate(recall))}
+    labelled = {
+        row_label({"policy": p, "budget": b, "precision": c}): cells
+        for (p, b, c), cells in rows.items()
+    }
+    for label in sorted(labelled, key=order.get):
+        cells = labelled[label]
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{cells[k][0]}/{cells[k][1]}" if k in cells else "" for k in ks)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def write_report(out: Path) -> str:
     """Aggregate `out/results.jsonl` into `out/summary.md` (the policy table, then the
     per-task table linking each episode's rendered trace, written here where missing),
@@ -956,8 +1010,11 @@ def write_report(out: Path) -> str:
                 write_trace_html(trace)
     rows = aggregate(records)
     table = format_table(rows)
+    mode = _recorded_mode(out)
+    by_k = recall_table(records)
+    by_k = f"## Success per k\n\n{by_k}\n\n" if by_k else ""
     text = (
-        "# Sweep summary\n\n"
+        f"# Sweep summary ({MODES[mode]})\n\n"
         f"{len(records)} episodes from `{RESULTS}`. "
         "Success counts errors as failures; *vs full* is the success rate relative to full "
         "KV on the same tasks; *peak KV* is the mean peak of the bytes the store's buffers "
@@ -971,7 +1028,8 @@ def write_report(out: Path) -> str:
         "reference actions' mean negative log-likelihood per token (nats; lower is "
         "better).\n\n"
         f"{table}\n\n![success vs memory]({PLOT})\n![agreement vs memory]({AGREEMENT_PLOT})\n\n"
-        f"## Per task\n\nEach cell links the episode's trace.\n\n{per_task_table(records, out)}\n"
+        f"{by_k}## Per task\n\nEach cell links the episode's trace.\n\n"
+        f"{per_task_table(records, out)}\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
     plot_vs_memory(rows, out / PLOT, "success_rate", "success rate")
@@ -1106,9 +1164,17 @@ class EpisodeRunner:
         from agent_kv.kv.policy_spec import PolicySpec
         from agent_kv.runtime.engine import Engine
 
-        spec = PolicySpec.parse(job.policy, job.budget, None, int8=job.precision == "int8")
+        spec = PolicySpec.parse(
+            job.policy,
+            job.budget,
+            None,
+            int8=job.precision == "int8",
+            positions=self.settings.positions,
+        )
         env, loaded = self.start(task.sites)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, self.settings.prefill_chunk)
+        if self.settings.mode == "scripted":
+            return self._recall(task, engine, env, trace_dir, loaded.name, on_step)
         config = AgentConfig(
             max_steps=self.settings.max_steps,
             max_obs_tokens=self.settings.max_obs_tokens,
@@ -1133,6 +1199,21 @@ class EpisodeRunner:
                 summary["reference_error"] = traceback.format_exception_only(err)[-1].strip()
                 self._drop_browser()
         return summary
+
+    def _recall(self, task: Task, engine, env, trace_dir: Path, model: str, on_step):
+        """A recall task's record: scripted navigation, free answer (`run_recall_task`),
+        in the episode records' terms (`end_reason` "stop", or "error" with the error)."""
+        from agent_kv.harness.recall import DEFAULT_FORMAT, run_recall_task
+
+        fmt = dataclasses.replace(DEFAULT_FORMAT, max_obs_tokens=self.settings.max_obs_tokens)
+        try:
+            record = dataclasses.asdict(run_recall_task(task, engine, env, trace_dir, model, fmt))
+        except BaseException:
+            self._drop_browser()
+            raise
+        on_step(1)
+        failed = record["error"] is not None
+        return {**record, "end_reason": "error" if failed else "stop", "steps": 1}
 
     def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
         """The agreement fields of `agreement_summary` for `engine` against the task's

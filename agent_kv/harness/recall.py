@@ -1,0 +1,377 @@
+"""The recall suite's runner: scripted navigation, one free answer.
+
+A recall task (`tasks/recall/`) names a fact on one page and then has the agent go on through
+`k = task.horizon` more pages before it answers. The runner replays the task's
+`reference_actions` up to the last in the real browser env and builds the agent's
+conversation exactly as a free episode does: the pinned system prompt and example turns, each
+page as an observation turn in the agent's template (pinned while it is the latest, released
+when the next one comes), each scripted action teacher-forced as the assistant's reply
+(`Conversation.force_reply`, one decode step per token, so the policy evicts as it would while
+decoding). The model's one free decision is the final reply, decoded by a `Decoder` (by
+default `stop [` is forced and the answer decoded greedily up to `]`), and scored with the
+task's evaluator.
+
+    records = run_recall(load_suite("recall"), engine, env, Path("runs/recall"), "smollm2")
+    print(format_by_k(records))
+
+What the model sees and writes is set by a `RecallFormat` (`FORMATS`). The default, "notes",
+keeps the note the reference trajectory writes where it finds the fact (`note [Blue road
+bike: $120] click [...]`, forced as the assistant's turn) and shows example episodes that
+answer from such a note: the bundled 135M model answers from its own note k pages back, while
+it cannot find the fact in an earlier page's text (the "agent" format, without notes: no task
+solved at any k; tasks/README.md has the calibration). Tasks whose history outgrows the
+model's context need rerotate positions and a budgeted policy; under full KV they end with
+`error` set and score 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from agent_kv.errors import ContextOverflowError
+from agent_kv.harness.agent import FEW_SHOT, AgentConfig, add_observation, open_conversation
+from agent_kv.runtime.conversation import Conversation
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
+from envs.browser_env import ActionError, BrowserEnv
+from envs.evaluators import evaluate
+from envs.observation import main_content
+from envs.tasks import Task
+
+SUITE = "recall"
+TRACE_JSON = "recall.json"
+RESULTS = "results.jsonl"
+STOP_PREFIX = "stop ["
+
+
+NOTE = re.compile(r"^note \[(?P<note>[^\]]*)\]\s*")
+"""A reference action may begin with the agent's note, `note [Blue road bike: $120] click
+[...]` (the env's parser skips the prose before the action)."""
+
+_GOALS = (
+    "Find the price of the Red chair, then open the Furniture and Phones categories. "
+    "Answer with the Red chair's price.",
+    "Find out who sells the Green lamp, then open the Phones and Books categories. "
+    "Answer with the Green lamp's seller.",
+)
+NOTE_FEW_SHOT = (
+    (
+        "Page:\n[5] heading 'Red chair'\n[8] StaticText 'Price: $45'\n[9] link 'Furniture'\n"
+        f"Goal: {_GOALS[0]}",
+        "note [Red chair: $45]\nclick [9]",
+    ),
+    (
+        "Page:\n[2] heading 'Furniture'\n[4] link 'Oak table - $90'\n"
+        f"[6] link 'Blue sofa - $300'\n[7] link 'Phones'\nGoal: {_GOALS[0]}",
+        "click [7]",
+    ),
+    (
+        "Page:\n[3] heading 'Phones'\n[8] link 'Black phone - $150'\n"
+        f"[9] link 'Grey phone - $95'\nGoal: {_GOALS[0]}",
+        "stop [Red chair: $45]",
+    ),
+    (
+        "Page:\n[4] heading 'Green lamp'\n[6] StaticText 'Seller: '\n[7] link 'Ann Lee'\n"
+        f"[12] link 'Phones'\nGoal: {_GOALS[1]}",
+        "note [Green lamp seller: Ann Lee]\nclick [12]",
+    ),
+    (
+        "Page:\n[3] heading 'Phones'\n[8] link 'Black phone - $150'\n[10] link 'Books'\n"
+        f"Goal: {_GOALS[1]}",
+        "click [10]",
+    ),
+    (
+        "Page:\n[2] heading 'Books'\n[5] link 'Old atlas - $12'\n"
+        f"[6] StaticText 'Seller: Bo Park'\nGoal: {_GOALS[1]}",
+        "stop [Green lamp seller: Ann Lee]",
+    ),
+)
+"""Example episodes of the note convention: the agent notes the fact where it finds it, goes
+on two pages, and answers with the note (two examples: a price, a seller)."""
+
+
+@dataclass(frozen=True)
+class RecallFormat:
+    """What the agent sees and writes.
+
+    Attributes:
+        name: a label for reports.
+        main_only: show `envs.observation.main_content` of each page (no tab and URL lines,
+            no menus or forms) instead of the whole observation text.
+        notes: teacher-force the reference actions' notes (`note [fact]` on its own line
+            before the action); without, the notes are dropped and only the action is forced.
+        few_shot: the pinned example turns (user text, assistant reply).
+        max_obs_tokens: each page is truncated to this many tokens (the agent's default).
+    """
+
+    name: str
+    main_only: bool = False
+    notes: bool = False
+    few_shot: tuple[tuple[str, str], ...] = tuple(FEW_SHOT)
+    max_obs_tokens: int = AgentConfig.max_obs_tokens
+
+    def page_text(self, observation_text: str) -> str:
+        """The page as this format shows it (before truncation)."""
+        return main_content(observation_text) if self.main_only else observation_text
+
+    def reply(self, reference: str, concrete: str) -> str:
+        """The assistant turn forced for reference action `reference` whose resolved action
+        is `concrete`: the action, after the reference's note when this format keeps it."""
+        note = NOTE.match(reference)
+        return f"note [{note['note']}]\n{concrete}" if self.notes and note else concrete
+
+
+FORMATS = {
+    "agent": RecallFormat("agent"),
+    "main": RecallFormat("main", main_only=True),
+    "notes": RecallFormat("notes", notes=True, few_shot=NOTE_FEW_SHOT),
+}
+"""The formats compared in calibration (tasks/README.md, "The recall suite"): the agent's
+own prompt and pages; main content only; the agent's prompt with the note convention."""
+DEFAULT_FORMAT = FORMATS["notes"]
+
+
+@dataclass
+class Decoded:
+    """The final reply.
+
+    Attributes:
+        reply: the reply's text as decoded (with a forced prefix, the prefix included).
+        answer: the stop answer, or None when the reply is not a stop action.
+    """
+
+    reply: str
+    answer: str | None
+
+
+Decoder = Callable[[Conversation], Decoded]
+"""Decodes the final reply of a conversation whose prompt is prefilled (the last observation
+and the assistant header are in the cache)."""
+
+
+def forced_stop(max_new_tokens: int = 32) -> Decoder:
+    """A decoder that teacher-forces `stop [` and decodes the answer greedily until `]`, a
+    newline or `max_new_tokens` tokens (the answer is then what was decoded, stripped)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=["]", "\n"])
+
+    def decode(chat: Conversation) -> Decoded:
+        chat.force_reply(STOP_PREFIX)
+        generation = chat.engine.generate(chat.sequence, [], params)
+        return Decoded(STOP_PREFIX + generation.raw_text, generation.text.strip())
+
+    return decode
+
+
+@dataclass
+class RecallRecord:
+    """One recall task's outcome; `asdict` of it is a line of `results.jsonl`.
+
+    Attributes:
+        task_id: the task.
+        sites: its sites.
+        k: pages between the fact and the answer (`task.horizon`).
+        success: score == 1.0.
+        score: the evaluator's score (0.0 on an error).
+        answer: the stop answer decoded (None when the reply was not a stop action, or on
+            an error).
+        reply: the final reply's text.
+        history_tokens: tokens in the cache when the answer is decoded: system prompt,
+            examples, every page and scripted action, the last page and the assistant
+            header (on an error, the tokens fed before it).
+        reference_hits: scripted actions that were the model's greedy choice.
+        peak_kv_bytes: the most bytes the KV store's buffers held (`peak_allocated_bytes`).
+        peak_kv_live_bytes: the most live KV bytes (`KVStore.peak_bytes`).
+        full_kv_bytes: what a full KV cache of the tokens seen would allocate.
+        policy: the policy's name; policy_params its settings.
+        positions: "original" or "rerotate".
+        model: the model's name.
+        format: the `RecallFormat` name.
+        error: why the task could not be answered (e.g. the context overflowed), or None.
+        wall_s: seconds for the task.
+        trace_dir: where its trace is.
+    """
+
+    task_id: int
+    sites: list[str]
+    k: int
+    success: bool
+    score: float
+    answer: str | None
+    reply: str
+    history_tokens: int
+    reference_hits: int
+    peak_kv_bytes: int
+    peak_kv_live_bytes: int
+    full_kv_bytes: int
+    policy: str
+    policy_params: dict[str, Any]
+    positions: str
+    model: str
+    format: str
+    error: str | None
+    wall_s: float
+    trace_dir: str
+
+
+def run_recall_task(
+    task: Task,
+    engine: Engine,
+    env: BrowserEnv,
+    trace_dir: Path,
+    model_name: str = "",
+    fmt: RecallFormat = DEFAULT_FORMAT,
+    decode: Decoder | None = None,
+) -> RecallRecord:
+    """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
+    answer with `decode` (default `forced_stop()`), score it, and write the trace
+    `trace_dir/recall.json` (each page as shown with its forced action and whether it was the
+    greedy choice, the final prompt's length, the reply and the record).
+
+    Raises:
+        envs.browser_env.ActionError: a scripted action fails on its page (a broken task,
+            not a model failure).
+        playwright Error: the browser failed.
+    """
+    decode = decode or forced_stop()
+    started = time.perf_counter()
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
+    chat = open_conversation(engine, task.intent, fmt.few_shot)
+    store = chat.sequence.store
+    pages: list[dict[str, Any]] = []
+    decoded, error, hits, history = Decoded("", None), None, 0, 0
+    observation = env.reset(task)
+    previous: int | None = None
+    try:
+        for number, action in enumerate([*task.reference_actions[:-1], None], start=1):
+            shown = add_observation(
+                chat, fmt.page_text(observation["text"]), task.intent, config, previous
+            )
+            previous = len(chat.messages) - 1
+            page = {"step": number, "url": observation["url"], "observation": shown}
+            pages.append(page)
+            if action is None:
+                break
+            concrete = env.concrete_action(action)
+            reply = fmt.reply(action, concrete)
+            forced = chat.force_reply(reply)
+            hits += forced.greedy
+            page.update(action=reply, greedy=forced.greedy, tokens_seen=store.seen_tokens)
+            observation = env.step(concrete).observation
+            if observation["error"] is not None:
+                raise ActionError(
+                    f"task {task.task_id} step {number} {action}: {observation['error']}"
+                )
+        chat.prefill()
+        history = store.seen_tokens
+        decoded = decode(chat)
+    except ContextOverflowError as err:
+        error, history = str(err), store.seen_tokens
+    if error is None:
+        verdict = evaluate(task, decoded.answer, env.url, env.servers, env.read_page)
+        score = verdict.score
+    else:
+        score = 0.0
+    record = RecallRecord(
+        task_id=task.task_id,
+        sites=task.sites,
+        k=task.horizon,
+        success=score == 1.0,
+        score=score,
+        answer=decoded.answer,
+        reply=decoded.reply,
+        history_tokens=history,
+        reference_hits=hits,
+        peak_kv_bytes=store.peak_allocated_bytes,
+        peak_kv_live_bytes=store.peak_bytes,
+        full_kv_bytes=store.full_kv_allocated_nbytes(),
+        policy=engine.policy.name,
+        policy_params=asdict(engine.policy),
+        positions=store.positions_mode,
+        model=model_name,
+        format=fmt.name,
+        error=error,
+        wall_s=round(time.perf_counter() - started, 2),
+        trace_dir=str(trace_dir),
+    )
+    trace = {"intent": task.intent, "pages": pages, "record": asdict(record)}
+    (trace_dir / TRACE_JSON).write_text(json.dumps(trace, indent=2, default=str))
+    return record
+
+
+def run_recall(
+    tasks: Iterable[Task],
+    engine: Engine | Callable[[], Engine],
+    env: BrowserEnv,
+    out_dir: Path,
+    model_name: str = "",
+    fmt: RecallFormat = DEFAULT_FORMAT,
+    decode: Decoder | None = None,
+    on_record: Callable[[RecallRecord], None] | None = None,
+) -> list[RecallRecord]:
+    """Run recall tasks one after another, each in a fresh conversation.
+
+    Args:
+        tasks: e.g. `envs.tasks.load_suite("recall")`.
+        engine: the engine (one conversation per task on it), or a zero-argument factory
+            called once per task (a new policy object per task).
+        env: a browser env whose servers serve every site of the tasks.
+        out_dir: created; each task's trace goes to `out_dir/task<id>/`, and each record is
+            appended to `out_dir/results.jsonl` as it is done.
+        model_name: the model's name for the records.
+        fmt: what the agent sees of each page (`FORMATS`).
+        decode: how the final reply is decoded (default `forced_stop()`).
+        on_record: called with each record as it is done (progress output).
+
+    Returns:
+        One record per task, in order.
+
+    Raises:
+        What `run_recall_task` raises; OSError when `out_dir` cannot be written.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    with (out_dir / RESULTS).open("a", encoding="utf-8") as results:
+        for task in tasks:
+            current = engine if isinstance(engine, Engine) else engine()
+            trace = out_dir / f"task{task.task_id}"
+            record = run_recall_task(task, current, env, trace, model_name, fmt, decode)
+            results.write(json.dumps(asdict(record)) + "\n")
+            results.flush()
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+    return records
+
+
+def success_by_k(records: Iterable[RecallRecord]) -> dict[int, dict[str, int]]:
+    """Per k (ascending): `tasks`, `solved`, and `errors` (tasks that could not run to an
+    answer, e.g. past the context under full KV)."""
+    table: dict[int, dict[str, int]] = {}
+    for record in records:
+        row = table.setdefault(record.k, {"tasks": 0, "solved": 0, "errors": 0})
+        row["tasks"] += 1
+        row["solved"] += record.success
+        row["errors"] += record.error is not None
+    return dict(sorted(table.items()))
+
+
+def format_by_k(records: Iterable[RecallRecord]) -> str:
+    """`success_by_k` as a markdown table, with the mean history length (tokens) of the
+    tasks answered ("–" when every task of a k ended in an error)."""
+    records = list(records)
+    lines = [
+        "| k | tasks | solved | errors | mean history tokens (answered) |",
+        "|---|---|---|---|---|",
+    ]
+    for k, row in success_by_k(records).items():
+        tokens = [r.history_tokens for r in records if r.k == k and r.error is None]
+        mean = str(round(sum(tokens) / len(tokens))) if tokens else "–"
+        lines.append(f"| {k} | {row['tasks']} | {row['solved']} | {row['errors']} | {mean} |")
+    return "\n".join(lines)
