@@ -238,7 +238,7 @@ def bench_command(
     out: Annotated[Path, typer.Option(help="Sweep directory (results, summary, traces).")],
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies; full runs once, without a budget.")
-    ] = "full,window,h2o,conf-kv,conf-kv-l",
+    ] = "full,window,h2o,snapkv,conf-kv,conf-kv-l,arkv",
     budgets: Annotated[
         str, typer.Option(help="Comma-separated budgets (unpinned tokens per layer).")
     ] = "512,1024",

@@ -616,6 +616,13 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
         "| full | 1/1 | 0/1 |",
         "| h2o 256 | 1/2 | 0/1 |",
     ]
+    # the reduction is against a full cache of each task's own history
+    histories = {401: 9e6, 402: 12e6, 403: 6e6}
+    sized = [{**r, "full_kv_bytes": histories[r["task_id"]]} for r in records]
+    assert bench.recall_table(sized).splitlines()[2:] == [
+        "| full | 1/1 (1.0x) | 0/1 (1.3x) |",
+        "| h2o 256 | 1/2 (2.5x) | 0/1 (4.0x) |",
+    ]
     assert bench.recall_table([_record(1, "full", None, True, 1e6)]) == ""
     _write(tmp_path / "results.jsonl", records)
     (tmp_path / "settings.json").write_text(json.dumps({"mode": "scripted"}))

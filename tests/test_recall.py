@@ -18,6 +18,7 @@ from agent_kv.harness.recall import (
     Decoded,
     format_by_k,
     run_recall,
+    run_recall_task,
     success_by_k,
 )
 from agent_kv.kv.policies import make_policy
@@ -165,9 +166,18 @@ def test_the_decoder_is_a_parameter_and_the_agent_format_drops_the_notes(smollm,
         seen.append(chat.sequence.store.seen_tokens)
         return Decoded("stop [N/A]", "N/A")
 
-    (record,) = run_recall(
-        [load_task(414)], engine, env, tmp_path, "smollm", FORMATS["agent"], decode
+    pages = []
+    record = run_recall_task(
+        load_task(414),
+        engine,
+        env,
+        tmp_path / "task414",
+        "smollm",
+        FORMATS["agent"],
+        decode,
+        on_page=lambda number, total: pages.append((number, total)),
     )
+    assert pages == [(1, 2), (2, 2)]
     assert (record.answer, record.reply, record.success, record.score) == (
         "N/A",
         "stop [N/A]",

@@ -961,18 +961,20 @@ def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
 
 def recall_table(records: list[dict[str, Any]]) -> str:
     """Markdown: recall-suite success per policy setting (rows) and k, the pages between the
-    fact and the question (columns), each cell `solved/tasks`; empty when no record has a
-    `k` (a free-navigation sweep)."""
+    fact and the question (columns), each cell `solved/tasks`, followed, where the records
+    carry `full_kv_bytes`, by the mean KV reduction of those tasks against a full cache of
+    the same history (`full_kv_bytes / peak_kv_bytes`, allocated bytes: a full-KV row past
+    the model's context stops at the overflow, so the reduction is taken against the history
+    itself, not against full KV's record); empty when no record has a `k` (a
+    free-navigation sweep)."""
     recall = [r for r in records if r.get("k") is not None]
     if not recall:
         return ""
     ks = sorted({r["k"] for r in recall})
-    rows: dict[tuple, dict[int, list[int]]] = {}
+    rows: dict[tuple, dict[int, list[dict[str, Any]]]] = {}
     for record in recall:
-        task_id, policy, budget, precision = record_key(record)
-        cell = rows.setdefault((policy, budget, precision), {}).setdefault(record["k"], [0, 0])
-        cell[0] += bool(record.get("success"))
-        cell[1] += 1
+        _, policy, budget, precision = record_key(record)
+        rows.setdefault((policy, budget, precision), {}).setdefault(record["k"], []).append(record)
     lines = [
         "| policy | " + " | ".join(f"k={k}" for k in ks) + " |",
         "|" + "|".join([" --- "] * (len(ks) + 1)) + "|",
@@ -985,11 +987,23 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     for label in sorted(labelled, key=order.get):
         cells = labelled[label]
         lines.append(
-            f"| {label} | "
-            + " | ".join(f"{cells[k][0]}/{cells[k][1]}" if k in cells else "" for k in ks)
-            + " |"
+            f"| {label} | " + " | ".join(_recall_cell(cells.get(k, [])) for k in ks) + " |"
         )
     return "\n".join(lines)
+
+
+def _recall_cell(records: list[dict[str, Any]]) -> str:
+    """`solved/tasks`, and ` (N.Nx)`: the mean reduction vs a full cache of the same history
+    over the records that report both byte counts (see `recall_table`)."""
+    if not records:
+        return ""
+    cell = f"{sum(bool(r.get('success')) for r in records)}/{len(records)}"
+    ratios = [
+        r["full_kv_bytes"] / r["peak_kv_bytes"]
+        for r in records
+        if r.get("full_kv_bytes") and r.get("peak_kv_bytes")
+    ]
+    return f"{cell} ({_mean(ratios):.1f}x)" if ratios else cell
 
 
 def write_report(out: Path) -> str:
@@ -1206,12 +1220,17 @@ class EpisodeRunner:
         from agent_kv.harness.recall import DEFAULT_FORMAT, run_recall_task
 
         fmt = dataclasses.replace(DEFAULT_FORMAT, max_obs_tokens=self.settings.max_obs_tokens)
+        steps = self.settings.max_steps
+
+        def on_page(number: int, pages: int) -> None:
+            on_step(math.ceil(number * steps / pages))
+
         try:
-            record = dataclasses.asdict(run_recall_task(task, engine, env, trace_dir, model, fmt))
+            record = run_recall_task(task, engine, env, trace_dir, model, fmt, on_page=on_page)
         except BaseException:
             self._drop_browser()
             raise
-        on_step(1)
+        record = dataclasses.asdict(record)
         failed = record["error"] is not None
         return {**record, "end_reason": "error" if failed else "stop", "steps": 1}
 

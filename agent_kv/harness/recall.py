@@ -227,11 +227,13 @@ def run_recall_task(
     model_name: str = "",
     fmt: RecallFormat = DEFAULT_FORMAT,
     decode: Decoder | None = None,
+    on_page: Callable[[int, int], None] | None = None,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop()`), score it, and write the trace
     `trace_dir/recall.json` (each page as shown with its forced action and whether it was the
-    greedy choice, the final prompt's length, the reply and the record).
+    greedy choice, the final prompt's length, the reply and the record). `on_page(n, pages)`,
+    if given, is called as page n of the task's `pages` enters the conversation (progress).
 
     Raises:
         envs.browser_env.ActionError: a scripted action fails on its page (a broken task,
@@ -248,8 +250,11 @@ def run_recall_task(
     decoded, error, hits, history = Decoded("", None), None, 0, 0
     observation = env.reset(task)
     previous: int | None = None
+    script = [*task.reference_actions[:-1], None]
     try:
-        for number, action in enumerate([*task.reference_actions[:-1], None], start=1):
+        for number, action in enumerate(script, start=1):
+            if on_page is not None:
+                on_page(number, len(script))
             shown = add_observation(
                 chat, fmt.page_text(observation["text"]), task.intent, config, previous
             )
