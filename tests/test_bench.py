@@ -610,18 +610,19 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
         {**_record(402, "h2o", 256, False, 3e6), "k": 4},
         {**_record(403, "h2o", 256, True, 3e6), "k": 1},
     ]
+    # full KV solved task 401 (k=1) only; h2o lost it, and solved 403, which full did not run
     assert bench.recall_table(records).splitlines() == [
-        "| policy | k=1 | k=4 |",
-        "| --- | --- | --- |",
-        "| full | 1/1 | 0/1 |",
-        "| h2o 256 | 1/2 | 0/1 |",
+        "| policy | k=1 | k=4 | of full KV's solved | first k lost |",
+        "| --- | --- | --- | --- | --- |",
+        "| full | 1/1 | 0/1 | 1/1 | – |",
+        "| h2o 256 | 1/2 | 0/1 | 0/1 | 1 |",
     ]
     # the reduction is against a full cache of each task's own history
     histories = {401: 9e6, 402: 12e6, 403: 6e6}
     sized = [{**r, "full_kv_bytes": histories[r["task_id"]]} for r in records]
     assert bench.recall_table(sized).splitlines()[2:] == [
-        "| full | 1/1 (1.0x) | 0/1 (1.3x) |",
-        "| h2o 256 | 1/2 (2.5x) | 0/1 (4.0x) |",
+        "| full | 1/1 (1.0x) | 0/1 (1.3x) | 1/1 | – |",
+        "| h2o 256 | 1/2 (2.5x) | 0/1 (4.0x) | 0/1 | 1 |",
     ]
     assert bench.recall_table([_record(1, "full", None, True, 1e6)]) == ""
     _write(tmp_path / "results.jsonl", records)
@@ -629,4 +630,4 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
     bench.write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
-    assert "## Success per k" in summary and "| h2o 256 | 1/2 | 0/1 |" in summary
+    assert "## Success per k" in summary and "| h2o 256 | 1/2 | 0/1 | 0/1 | 1 |" in summary

@@ -965,8 +965,10 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     carry `full_kv_bytes`, by the mean KV reduction of those tasks against a full cache of
     the same history (`full_kv_bytes / peak_kv_bytes`, allocated bytes: a full-KV row past
     the model's context stops at the overflow, so the reduction is taken against the history
-    itself, not against full KV's record); empty when no record has a `k` (a
-    free-navigation sweep)."""
+    itself, not against full KV's record). Two last columns compare each row with full KV on
+    the tasks full KV solved: how many of them the row solved too, and the smallest k among
+    those it lost ("–" when it lost none, or when there is no full-KV row). Empty when no
+    record has a `k` (a free-navigation sweep)."""
     recall = [r for r in records if r.get("k") is not None]
     if not recall:
         return ""
@@ -975,9 +977,12 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     for record in recall:
         _, policy, budget, precision = record_key(record)
         rows.setdefault((policy, budget, precision), {}).setdefault(record["k"], []).append(record)
+    solved_by_full = {r["task_id"] for r in recall if r["policy"] == "full" and r.get("success")}
     lines = [
-        "| policy | " + " | ".join(f"k={k}" for k in ks) + " |",
-        "|" + "|".join([" --- "] * (len(ks) + 1)) + "|",
+        "| policy | "
+        + " | ".join(f"k={k}" for k in ks)
+        + " | of full KV's solved | first k lost |",
+        "|" + "|".join([" --- "] * (len(ks) + 3)) + "|",
     ]
     order = {row_label(r): i for i, r in enumerate(aggregate(recall))}
     labelled = {
@@ -986,8 +991,13 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     }
     for label in sorted(labelled, key=order.get):
         cells = labelled[label]
+        done = [r for group in cells.values() for r in group if r["task_id"] in solved_by_full]
+        lost = sorted(r["k"] for r in done if not r.get("success"))
+        kept = f"{len(done) - len(lost)}/{len(done)}" if done else "–"
         lines.append(
-            f"| {label} | " + " | ".join(_recall_cell(cells.get(k, [])) for k in ks) + " |"
+            f"| {label} | "
+            + " | ".join(_recall_cell(cells.get(k, [])) for k in ks)
+            + f" | {kept} | {lost[0] if lost else '–'} |"
         )
     return "\n".join(lines)
 
@@ -1026,7 +1036,14 @@ def write_report(out: Path) -> str:
     table = format_table(rows)
     mode = _recorded_mode(out)
     by_k = recall_table(records)
-    by_k = f"## Success per k\n\n{by_k}\n\n" if by_k else ""
+    by_k = (
+        "## Success per k\n\nk is the pages between the fact and the question. Each cell is "
+        "solved/tasks, with the mean reduction of peak allocated KV against a full cache of "
+        "the same history; the last columns count the tasks full KV solved that the row "
+        f"solved too, and the smallest k among those it lost.\n\n{by_k}\n\n"
+        if by_k
+        else ""
+    )
     text = (
         f"# Sweep summary ({MODES[mode]})\n\n"
         f"{len(records)} episodes from `{RESULTS}`. "
