@@ -630,4 +630,7 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
     bench.write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
+    assert "agreement vs memory" not in summary
+    assert (tmp_path / "success_vs_memory.png").exists()
+    assert not (tmp_path / "agreement_vs_memory.png").exists()
     assert "## Success per k" in summary and "| h2o 256 | 1/2 | 0/1 | 0/1 | 1 |" in summary

@@ -1018,8 +1018,9 @@ def _recall_cell(records: list[dict[str, Any]]) -> str:
 
 def write_report(out: Path) -> str:
     """Aggregate `out/results.jsonl` into `out/summary.md` (the policy table, then the
-    per-task table linking each episode's rendered trace, written here where missing),
-    `out/success_vs_memory.png` and `out/agreement_vs_memory.png`; return the policy table.
+    per-task table linking each episode's rendered trace, written here where missing; for a
+    scripted sweep, success per k), `out/success_vs_memory.png` and, for a free-navigation
+    sweep, `out/agreement_vs_memory.png`; return the policy table.
 
     Raises:
         OSError: the files cannot be written.
@@ -1044,6 +1045,9 @@ def write_report(out: Path) -> str:
         if by_k
         else ""
     )
+    plots = f"![success vs memory]({PLOT})"
+    if mode == "free":  # a scripted sweep has no agreement to plot
+        plots += f"\n![agreement vs memory]({AGREEMENT_PLOT})"
     text = (
         f"# Sweep summary ({MODES[mode]})\n\n"
         f"{len(records)} episodes from `{RESULTS}`. "
@@ -1058,13 +1062,14 @@ def write_report(out: Path) -> str:
         "model's greedy choice under the policy (teacher-forced); *ref. NLL* is the "
         "reference actions' mean negative log-likelihood per token (nats; lower is "
         "better).\n\n"
-        f"{table}\n\n![success vs memory]({PLOT})\n![agreement vs memory]({AGREEMENT_PLOT})\n\n"
+        f"{table}\n\n{plots}\n\n"
         f"{by_k}## Per task\n\nEach cell links the episode's trace.\n\n"
         f"{per_task_table(records, out)}\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
     plot_vs_memory(rows, out / PLOT, "success_rate", "success rate")
-    plot_vs_memory(rows, out / AGREEMENT_PLOT, "agreement", "action agreement with full KV")
+    if mode == "free":
+        plot_vs_memory(rows, out / AGREEMENT_PLOT, "agreement", "action agreement with full KV")
     return table
 
 
