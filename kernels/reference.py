@@ -220,7 +220,7 @@ def segmented_attention(
         # float32 keys read as they are cost no copy: one block for the whole segment
         step = block if segment.needs_conversion() else max(live, 1)
         for start in range(0, live, step):
-            end = min(start + step, segment.keys.shape[2])
+            end = min(start + step, live)
             keys, values = segment.read(start, end)
             logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, n]
             if visible is not None:
@@ -251,12 +251,21 @@ def segmented_attention(
         ],
         dim=-1,
     ).squeeze(-2)  # [B, Hkv, sum of live widths]
+    return out, _per_segment(mass, segments, widths)
+
+
+def _per_segment(
+    mass: torch.Tensor, segments: list[Segment], widths: list[int]
+) -> list[torch.Tensor]:
+    """The mass `[B, Hkv, sum of widths]` over the segments' live slots joined, split back
+    into one `[B, Hkv, L_s]` tensor per segment (zero past its live width `widths[s]`)."""
+    batch, kv_heads, _ = mass.shape
     masses = []
     for segment, part in zip(segments, mass.split(widths, dim=-1), strict=True):
         padded = part.new_zeros(batch, kv_heads, segment.keys.shape[2])
         padded[..., : part.shape[-1]] = part
         masses.append(padded)
-    return out, masses
+    return masses
 
 
 def read_whole(
@@ -309,6 +318,49 @@ def fused_attention(
         query.float(), keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
     )
     return out.to(query.dtype).transpose(1, 2)
+
+
+SAMPLE_BLOCK = 128
+"""Sampled queries scored at a time by `sampled_mass` (bounds its `[B, Hq, block, L]` float
+logits)."""
+
+
+def sampled_mass(
+    query: torch.Tensor,
+    offsets: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """The attention mass per stored token from a sample of a call's queries: the mass of
+    `segmented_attention`, summed over the queries at `offsets` only, each under its own
+    causal limit (query i of the call sees slots `j <= lengths[b] - q + i`).
+
+    Args:
+        query: `[B, Hq, q, D]`, the call's queries.
+        offsets: int64 `[S]`, ascending indices in `[0, q)` of the queries to score.
+        segments: as for `segmented_attention`.
+        scaling: softmax scale.
+        whole: `read_whole(segments, q, ...)` when the caller has it already.
+
+    Returns:
+        `[mass [B, Hkv, L_s] float32 per segment]`; masked slots get zero mass.
+    """
+    keys, _, visible = whole or read_whole(segments, query.shape[2], query.device)
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    mass = keys.new_zeros(batch, kv_heads, keys.shape[2])
+    for start in range(0, len(offsets), SAMPLE_BLOCK):
+        chosen = offsets[start : start + SAMPLE_BLOCK]
+        sample = query[:, :, chosen].float() * scaling  # [B, Hq, s, D]
+        grouped = sample.reshape(batch, kv_heads, group * len(chosen), head_dim)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*s, L]
+        seen = visible[:, :, chosen].repeat(1, 1, group, 1)  # row g*s + i is query i
+        probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+        mass += probs.sum(dim=-2)
+    widths = [max(segment.lengths, default=0) for segment in segments]
+    return _per_segment(mass, segments, widths)
 
 
 def attention_profile(

@@ -12,6 +12,7 @@ from kernels.reference import (
     apply_rotation,
     attention_with_mass,
     fused_attention,
+    sampled_mass,
     segmented_attention,
 )
 
@@ -80,6 +81,47 @@ def test_ragged_rows_are_masked_not_padded():
     torch.testing.assert_close(
         fused_attention(query, [segment, fp], 0.25), out, rtol=1e-4, atol=1e-3
     )
+
+
+def test_sampled_mass_sums_the_chosen_queries_each_under_its_causal_limit():
+    gen = torch.Generator().manual_seed(4)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q_len, lengths_q, lengths_fp = 7, [40, 12], [7, 9]
+    query = randn(2, 6, q_len, 16)
+    segment, _, _ = int8_segment(randn(2, 2, 40, 16), randn(2, 2, 40, 16), 8, lengths_q)
+    fp = Segment(randn(2, 2, 9, 16), randn(2, 2, 9, 16), lengths_fp, causal=True)
+    segments = [segment, fp]
+    # every query: the block-wise read's mass
+    _, whole = segmented_attention(query, segments, 0.25)
+    every = sampled_mass(query, torch.arange(q_len), segments, 0.25)
+    for got, want in zip(every, whole, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a sample: the sum of each chosen query's own mass (the read of that one query, whose
+    # last segment ends at its own position)
+    chosen = [1, 4, 6]
+    got = sampled_mass(query, torch.tensor(chosen), segments, 0.25)
+    for b in range(2):
+        want_q = torch.zeros(2, 40)
+        want_fp = torch.zeros(2, 9)
+        for i in chosen:
+            upto = lengths_fp[b] - q_len + i + 1
+            own = Segment(fp.keys[b : b + 1], fp.values[b : b + 1], [upto], causal=True)
+            row = Segment(
+                segment.keys[b : b + 1],
+                segment.values[b : b + 1],
+                [lengths_q[b]],
+                False,
+                segment.key_scales[b : b + 1],
+                segment.value_scales[b : b + 1],
+                segment.scale_index[b : b + 1],
+            )
+            _, (mass_q, mass_fp) = segmented_attention(
+                query[b : b + 1, :, i : i + 1], [row, own], 0.25
+            )
+            want_q += mass_q[0]
+            want_fp += mass_fp[0]
+        torch.testing.assert_close(got[0][b], want_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1][b], want_fp, atol=1e-5, rtol=1e-5)
 
 
 def test_rotation_is_applied_to_keys_at_read():

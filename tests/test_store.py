@@ -83,17 +83,19 @@ def test_scores_normalise_by_visible_queries():
     torch.testing.assert_close(store.layers[0].scores[0, 0, :4], torch.tensor(expected))
 
 
-def test_scores_from_a_window_of_queries_normalise_by_the_window():
+def test_scores_from_a_sample_of_queries_normalise_by_the_queries_that_see_each_token():
     store = filled_store(6, layers=1, heads=1)
-    # a 4-query chunk (tokens 2..5) whose mass was measured over its last 2 queries
+    # a 4-query chunk (tokens 2..5) whose mass was measured over queries 1 and 3 of the call
     mass = torch.tensor([[[0.6, 0.2, 0.4, 0.2, 0.4, 0.2]]])
     store.layers[0].scores[0, :, :2] = 1.0
-    store.record_attention(0, [mass], query_len=4, group=1, scored_queries=2)
+    store.record_attention(0, [mass], query_len=4, group=1, scored_offsets=torch.tensor([1, 3]))
     decay = store.ema_decay
     old = [decay + (1 - decay) * 0.3, decay + (1 - decay) * 0.1]
-    # tokens 2, 3 are seen by both scored queries, token 4 by both, token 5 by the last only
-    expected = [*old, 0.4 / 2, 0.2 / 2, 0.4 / 2, 0.2 / 1]
+    # tokens 2, 3 are seen by both scored queries, tokens 4, 5 by the last one only
+    expected = [*old, 0.4 / 2, 0.2 / 2, 0.4 / 1, 0.2 / 1]
     torch.testing.assert_close(store.layers[0].scores[0, 0, :6], torch.tensor(expected))
+    # H2O's accumulated mass counts each sampled query for the 4 / 2 queries it stands for
+    torch.testing.assert_close(store.layers[0].accumulated[0, 0, :6], mass[0, 0] * 2)
 
 
 def test_pins_follow_positions_through_compaction():

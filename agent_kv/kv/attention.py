@@ -5,8 +5,9 @@
   from the store given as the `kv_store` keyword of the model call (quantized segment, then
   FP segment ending with the new tokens) — decode steps and chunks of up to
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
-  CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks as
-  `SCORED_QUERIES` says — and hands the attention mass back to the store (and in prefill
+  CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks through
+  torch's fused attention with the mass from a strided sample of the chunk's queries
+  (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
   calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`,
   and the mass from the last `kv_store.observation_window` queries: `KVStore.record_window`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
@@ -26,15 +27,34 @@ from kernels.reference import (
     attention_profile,
     fused_attention,
     read_whole,
+    sampled_mass,
     segmented_attention,
 )
 
 NAME = "agent_kv"
 SCORED_QUERIES = 64
-"""A forward call's attention mass is measured over its last `SCORED_QUERIES` queries: all
-of a decode step or a short chunk; in a longer prefill chunk, a window at its end (SnapKV's
-observation window, Li et al. 2024, §4.1), whose output comes from the fused kernel
-(`fused_attention`) while the window's mass comes from the block-wise read."""
+"""A forward call of at most this many queries (a decode step, a short chunk) measures the
+attention mass over all of them, in the block-wise read that computes its output."""
+SCORE_STRIDE = 4
+"""A longer prefill chunk, whose output comes from torch's fused kernel (`fused_attention`),
+measures the mass over every `SCORE_STRIDE`-th query counted back from its last one
+(`scored_offsets`), so that every part of the chunk is scored and the kept set does not
+depend on where chunk boundaries fall (`benchmarks/chunk_scoring.py` measures the cost)."""
+PROFILED_QUERIES = 64
+"""ARKV's attention profile of a prefill call is taken over its last `PROFILED_QUERIES`
+queries."""
+
+
+def scored_offsets(query_len: int, device: torch.device) -> torch.Tensor:
+    """int64 `[S]`, ascending: the queries of a call of `query_len` whose attention mass is
+    measured — all of them up to `SCORED_QUERIES`, otherwise every `SCORE_STRIDE`-th counted
+    back from the last (`query_len - 1`, `query_len - 1 - SCORE_STRIDE`, ...). Counted from
+    the end, a chunk size that is a multiple of the stride samples the same absolute
+    positions however a prompt is chunked."""
+    stride = 1 if query_len <= SCORED_QUERIES else SCORE_STRIDE
+    return torch.arange(query_len - 1, -1, -stride, device=device).flip(0)
+
+
 UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
 """Attention keywords of some model families this function does not implement."""
 
@@ -83,23 +103,23 @@ def store_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     segments = kv_store.segments(module.layer_idx)
     query_len = query.shape[2]
-    whole = None  # the segments read whole, shared by the fused read and the profile
+    whole = None  # the segments read whole, shared by the fused read, the mass and the profile
+    offsets = scored_offsets(query_len, query.device)
     if query_len > SCORED_QUERIES:
         whole = read_whole(segments, query_len, query.device)
         out = fused_attention(query, segments, scale, whole)
-        _, masses = segmented_attention(query[:, :, -SCORED_QUERIES:], segments, scale)
+        masses = sampled_mass(query, offsets, segments, scale, whole)
     else:
         out, masses = decode_attention(query, segments, scale)
     group = query.shape[1] // key.shape[1]
-    scored = min(query_len, SCORED_QUERIES)
-    kv_store.record_attention(module.layer_idx, masses, query_len, group, scored)
+    kv_store.record_attention(module.layer_idx, masses, query_len, group, offsets)
     if query_len > 1 and kv_store.observation_window:
         observed = min(query_len, kv_store.observation_window)
-        if observed != scored:  # otherwise the scored queries are the window
+        if observed != query_len or query_len > SCORED_QUERIES:
             _, masses = segmented_attention(query[:, :, -observed:], segments, scale)
         kv_store.record_window(module.layer_idx, masses, observed)
     if query_len > 1 and kv_store.profile_prefill:
-        window = query[:, :, -SCORED_QUERIES:]
+        window = query[:, :, -PROFILED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole)
         kv_store.record_profile(module.layer_idx, stats)
     return out, None

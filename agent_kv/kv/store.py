@@ -733,7 +733,7 @@ class KVStore:
         masses: list[torch.Tensor],
         query_len: int,
         group: int,
-        scored_queries: int | None = None,
+        scored_offsets: torch.Tensor | None = None,
     ) -> None:
         """Fold one forward call's attention into the layer's scores, for the current rows.
 
@@ -743,14 +743,16 @@ class KVStore:
                 and the `group` query heads of its KV head.
             query_len: queries per row in this call (1 in decode, the chunk size in prefill).
             group: query heads per KV head.
-            scored_queries: how many of the call's last queries the mass sums over (default
-                all `query_len`).
+            scored_offsets: int64 `[S]`, ascending: which of the call's queries (0-based) the
+                mass sums over (`agent_kv.kv.attention.scored_offsets`); default all
+                `query_len`.
 
         The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
         the scored queries that could see token j under the causal mask, removes the bias
         toward old tokens (docs/methods.md, "Attention-mass statistics"). Tokens already
         scored update as `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The
-        raw mass is also added to `accumulated` (H2O's score).
+        mass is also added to `accumulated` (H2O's score), scaled by `query_len / S` so that a
+        sample stands for the whole call's queries.
 
         ARKV's heavy-hitter statistics (`hits`, `hit_mean`, `hit_m2`) take one observation per
         call, the relative attention `x_j = a_j * L` (L the row's live tokens: 1.0 is a uniform
@@ -758,22 +760,28 @@ class KVStore:
         m2 += d * (x - mean)`), so mean and variance do not drift as the context grows.
         """
         layer = self.layers[layer_idx]
-        scored = query_len if scored_queries is None else scored_queries
+        device = masses[0].device
+        if scored_offsets is None:
+            scored_offsets = torch.arange(query_len, device=device)
+        scored = len(scored_offsets)
+        # n_j for the new tokens: the scored queries at or after token j's offset in the call
+        seen_by = scored - torch.searchsorted(
+            scored_offsets.to(device), torch.arange(query_len, device=device)
+        )
+        weight = query_len / scored
         for i, row in enumerate(self._rows):
             mass = _logical_mass(layer, masses, i, row)  # [kv_heads, length]
             n = mass.shape[1]
             first_new = n - query_len
             visible = torch.full((n,), float(scored), device=mass.device)
-            visible[n - scored :] = torch.arange(
-                scored, 0, -1, device=mass.device, dtype=torch.float32
-            )
+            visible[first_new:] = seen_by
             step = mass / (visible * group)
             scores = layer.scores[row, :, :n]
             scores[:, :first_new].mul_(self.ema_decay).add_(
                 step[:, :first_new], alpha=1 - self.ema_decay
             )
             scores[:, first_new:] = step[:, first_new:]
-            layer.accumulated[row, :, :n] += mass
+            layer.accumulated[row, :, :n].add_(mass, alpha=weight)
             _welford(layer, row, step * n, first_new)
 
     def record_window(self, layer_idx: int, masses: list[torch.Tensor], observed: int) -> None:
