@@ -92,6 +92,24 @@ PositionsOption = Annotated[
         "positions, for episodes past the model's context)."
     ),
 ]
+RecallOption = Annotated[
+    bool,
+    typer.Option(
+        "--recall/--no-recall",
+        help="Keep evicted tokens in a cold tier (host memory, INT8 pages) and recall the "
+        "pages a new message's queries attend back into the cache (also: a policy name ending "
+        "in +recall).",
+    ),
+]
+RecallParamOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--recall-param",
+        help="A cold-tier setting as KEY=VALUE, repeatable: page_tokens (16), pages recalled "
+        "per layer (8), queries that score them (32), every N decode tokens (0: off), "
+        "cap_bytes (256MiB, e.g. 64MB), fmt (int8 or fp8), score (exact or digest).",
+    ),
+]
 ModelOption = Annotated[
     str | None,
     typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
@@ -140,6 +158,8 @@ def run_episode_command(
         int | None, typer.Option(help="Newest tokens never evicted (conf-kv's P).")
     ] = None,
     param: ParamOption = None,
+    recall: RecallOption = False,
+    recall_param: RecallParamOption = None,
     max_steps: MaxStepsOption = 6,
     max_obs_tokens: MaxObsTokensOption = 1200,
     prefill_chunk: PrefillChunkOption = 512,
@@ -162,8 +182,9 @@ def run_episode_command(
         check_observation_mode(observation)
         find_chromium()
         spec = PolicySpec.parse(
-            policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions, param
-        )
+            policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions, param,
+            recall, recall_param,
+        )  # fmt: skip
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
@@ -429,6 +450,8 @@ def serve_command(
     budget: BudgetOption = None,
     budget_bytes: BudgetBytesOption = None,
     param: ParamOption = None,
+    recall: RecallOption = False,
+    recall_param: RecallParamOption = None,
     int8: Int8Option = False,
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
@@ -494,6 +517,8 @@ def serve_command(
             fp_window=fp_window,
             positions=positions,
             extra=param,
+            recall=recall,
+            recall_params=recall_param,
         )
         if spill_dir is not None:
             _writable_dir(spill_dir)

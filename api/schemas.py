@@ -212,6 +212,9 @@ class KVStats(BaseModel):
     kv_bytes: int
     peak_kv_bytes: int
     full_kv_bytes: int
+    cold_kv_bytes: int = Field(
+        0, description="Bytes of the session's cold tier (evicted tokens kept for recall)."
+    )
     evicted_tokens: int
     quantized_tokens: int
     pinned_tokens: int

@@ -17,7 +17,9 @@ live tokens held quantized (same moments, all layers); decode tokens/s and its r
 `full`'s. `budget` is in full-precision tokens per layer: ARKV and `base-origin` hold at most
 those bytes, `window` those tokens (the newest, without attention sinks: `POLICY_PARAMS`),
 `conf-kv+arkv` those bytes when uncertain and half when confident; `full` and `base-quant`
-(every token FP8) take none.
+(every token FP8) take none. A `+recall` row is its policy with a cold tier: what it evicts
+moves to host memory, and each question brings back the pages its queries attend; the cold
+tier's bytes are reported apart from the hot ones.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from dataclasses import dataclass, field
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import POLICIES, make_policy
+from agent_kv.kv.policy_names import split_recall
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "grey"]
 THINGS = ["door", "box", "car", "lamp", "chair", "boat", "clock", "bag", "gate", "cup"]
-BUDGETED = ["window", "arkv", "base-origin", "conf-kv+arkv"]
+BUDGETED = ["window", "arkv", "base-origin", "conf-kv+arkv", "window+recall", "arkv+recall"]
+"""`+recall`: the same policy at the same hot budget, its evictions kept in a cold tier and
+recalled by each question's queries (`agent_kv.kv.policies.cold_recall`)."""
 UNBUDGETED = ["full", "base-quant"]
 POLICY_PARAMS = {"window": {"sinks": 0}}
 """Parameters besides the budget: the window row is the plain sliding window, no sinks."""
@@ -101,6 +106,8 @@ class Tally:
     """The most bytes the KV buffers held (spare capacity included)."""
     peak_live: int = 0
     """The most live KV bytes."""
+    peak_cold: int = 0
+    """The most bytes of the cold tier (0 without one)."""
     held: list[int] = field(default_factory=list)
     shares: list[float] = field(default_factory=list)
     decoded: int = 0
@@ -139,6 +146,7 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
         tally.answers.append({"name": name, "code": code, "reply": reply.text, "right": right})
     tally.peak = max(tally.peak, session.store.peak_allocated_bytes)
     tally.peak_live = max(tally.peak_live, session.store.peak_bytes)
+    tally.peak_cold = max(tally.peak_cold, session.store.peak_cold_bytes)
 
 
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:
@@ -160,8 +168,8 @@ def run(ctx: EvalContext) -> Report:
             loaded.tokenizer,
             make_policy(
                 name,
-                budget=budget if POLICIES[name].takes_budget else None,
-                **POLICY_PARAMS.get(name, {}),
+                budget=budget if POLICIES[split_recall(name)[0]].takes_budget else None,
+                **POLICY_PARAMS.get(split_recall(name)[0], {}),
             ),
             prefill_chunk=PREFILL_CHUNK,
         )
@@ -194,6 +202,7 @@ def run(ctx: EvalContext) -> Report:
                 "vs full",
                 "peak KV MB allocated (live)",
                 "vs full",
+                "cold tier peak MB",
                 "quantized share",
                 "decode tok/s",
                 "vs full",
@@ -213,6 +222,7 @@ def run(ctx: EvalContext) -> Report:
                 f"{full.mean_held / t.mean_held:.2f}x",
                 f"{t.peak / 1e6:.1f} ({t.peak_live / 1e6:.1f})",
                 f"{full.peak / t.peak:.2f}x",
+                f"{t.peak_cold / 1e6:.1f}" if t.peak_cold else "-",
                 f"{sum(t.shares) / len(t.shares):.1%}",
                 f"{t.tokens_per_s:.1f}",
                 f"{t.tokens_per_s / full.tokens_per_s:.2f}x",
@@ -269,6 +279,7 @@ def run(ctx: EvalContext) -> Report:
                     "mean_held_bytes": t.mean_held,
                     "peak_bytes": t.peak,
                     "peak_live_bytes": t.peak_live,
+                    "peak_cold_bytes": t.peak_cold,
                     "quantized_share": sum(t.shares) / len(t.shares),
                     "decode_tokens_per_s": t.tokens_per_s,
                     "answers": t.answers,

@@ -33,10 +33,13 @@ from dataclasses import dataclass
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import make_policy
+from agent_kv.kv.policy_names import split_recall
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
-POLICIES = ["full", "window", "h2o", "conf-kv"]
+POLICIES = ["full", "window", "h2o", "conf-kv", "window+recall", "h2o+recall", "conf-kv+recall"]
+"""Each policy with and without its cold tier and recall (`+recall`, at the same hot budget:
+`agent_kv.kv.policies.cold_recall`), side by side on the same contexts."""
 # StreamingLLM's window keeps 4 attention sinks (within its budget). Without them SmolLM2 loses
 # the thread even with the needle inside the window: at depth 100% the window without sinks
 # answered 1 of 4 probes (512 and 2K tokens), with 4 sinks 4 of 4.
@@ -117,7 +120,9 @@ def run(ctx: EvalContext) -> Report:
             model,
             tokenizer,
             make_policy(
-                name, budget=None if name == "full" else size.budget, **POLICY_PARAMS.get(name, {})
+                name,
+                budget=None if name == "full" else size.budget,
+                **POLICY_PARAMS.get(split_recall(name)[0], {}),
             ),
             prefill_chunk=size.prefill_chunk,
             rerotate=rerotate,
@@ -165,6 +170,8 @@ def run(ctx: EvalContext) -> Report:
                             "right": right,
                             "peak_kv_bytes": session.store.peak_allocated_bytes,
                             "peak_kv_live_bytes": session.store.peak_bytes,
+                            "peak_cold_kv_bytes": session.store.peak_cold_bytes,
+                            "recall_s": round(_recall_s(session.store), 3),
                             "prefill_s": round(reply.ttft_s, 2),
                         }
                     )
@@ -176,6 +183,11 @@ def run(ctx: EvalContext) -> Report:
     return _report(ctx, size, labels, trials)
 
 
+def _recall_s(store) -> float:
+    """Seconds the store spent recalling cold pages (0 without a cold tier)."""
+    return 0.0 if store.cold is None else store.cold.recall_s
+
+
 def _accuracy(trials: list[dict]) -> float | None:
     return sum(t["right"] for t in trials) / len(trials) if trials else None
 
@@ -185,12 +197,24 @@ def _percent(value: float | None) -> str:
 
 
 def _peak_mb(trials: list[dict]) -> str:
-    """The trials' largest peak KV in MB: allocated, live in parentheses."""
+    """The trials' largest peak hot KV in MB: allocated, live in parentheses, and the cold
+    tier's peak after a `+` when there is one."""
     if not trials:
         return "n/a"
     allocated = max(t["peak_kv_bytes"] for t in trials)
     live = max(t["peak_kv_live_bytes"] for t in trials)
-    return f"{allocated / 1e6:.1f} ({live / 1e6:.1f})"
+    cold = max(t["peak_cold_kv_bytes"] for t in trials)
+    text = f"{allocated / 1e6:.1f} ({live / 1e6:.1f})"
+    return text + (f" + {cold / 1e6:.1f} cold" if cold else "")
+
+
+def _recall_share(trials: list[dict]) -> str:
+    """Recall's seconds over the prefill's, summed over the trials (a turn's prefill includes
+    its recalls)."""
+    prefill = sum(t["prefill_s"] for t in trials)
+    if not trials or not prefill or not any(t["recall_s"] for t in trials):
+        return "-"
+    return f"{sum(t['recall_s'] for t in trials) / prefill:.1%}"
 
 
 def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict]) -> Report:
@@ -215,7 +239,12 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         ["policy", *labels, "overall", "paper (up to 32K)"],
     )
     peaks = Table(
-        "Peak KV MB allocated (live), largest over a length's trials", ["policy", *labels]
+        "Peak hot KV MB allocated (live), and the cold tier's peak, largest over a length's "
+        "trials",
+        ["policy", *labels],
+    )
+    recall_cost = Table(
+        "Recall's share of the prefill time (all trials of a length)", ["policy", *labels]
     )
     overall = {}
     for name in POLICIES:
@@ -225,6 +254,10 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
             name, *map(_percent, per_length), _percent(overall[name]), PAPER.get(name, "-")
         )
         peaks.add(name, *(_peak_mb(picked(policy=name, length=label)) for label in labels))
+        if split_recall(name)[1]:
+            recall_cost.add(
+                name, *(_recall_share(picked(policy=name, length=label)) for label in labels)
+            )
     figure = _heatmap(ctx, size, labels, cells)
     per_cell = f"{size.seeds} trial{'s' if size.seeds > 1 else ''}"
     setup = (
@@ -253,13 +286,18 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         "heavy hitters), conf-kv B when uncertain and B/2 when confident; full keeps "
         "everything. The question comes after the context, so no policy knows which tokens it "
         "will need when it evicts.",
+        "`+recall` is the same policy at the same hot budget with its evictions kept in a "
+        "cold tier (host memory, INT8 pages; `agent_kv.kv.policies.cold_recall`, default "
+        "settings): at every prefill chunk the chunk's last queries score each layer's cold "
+        "pages and the best return to the cache, ranked first within the budget until the "
+        "next recall. The cold tier's bytes are shown apart from the hot ones.",
         "Overall accuracy is over every cell a policy ran; full KV's excludes the rerotate rows.",
     ]
     return Report(
         experiment="needle",
         title="Needle in a haystack: pass-key retrieval at equal KV budget",
         setup=setup,
-        tables=[accuracy, peaks],
+        tables=[accuracy, peaks, recall_cost],
         figures=[figure],
         notes=notes,
         data={

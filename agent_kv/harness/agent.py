@@ -95,6 +95,8 @@ class EpisodeResult:
             allocated reference `peak_kv_bytes` is compared with.
         full_kv_live_bytes: the live bytes of those tokens alone, at full precision
             (`KVStore.full_kv_nbytes`): the live-equivalent reference.
+        peak_cold_kv_bytes: the most bytes the cold tier held (evicted tokens kept for
+            recall, `ColdTier.peak_bytes`; 0 without one), apart from the hot figures above.
     """
 
     task_id: int
@@ -122,6 +124,7 @@ class EpisodeResult:
     step_s: list[float]
     wall_s: float
     trace_dir: str
+    peak_cold_kv_bytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The result as a JSON-ready dict, with the KV reduction vs full KV added, like with
@@ -251,7 +254,7 @@ def run_episode(
     episode = EpisodeResult(
         task_id=task.task_id,
         policy=engine.policy.name,
-        policy_params=asdict(engine.policy),
+        policy_params=engine.policy.params(),
         model=model_name,
         success=score == 1.0,
         score=score,
@@ -265,6 +268,7 @@ def run_episode(
         peak_kv_live_bytes=store.peak_bytes,
         full_kv_bytes=store.full_kv_allocated_nbytes(),
         full_kv_live_bytes=store.full_kv_nbytes(),
+        peak_cold_kv_bytes=store.peak_cold_bytes,
         evicted_tokens=store.evicted_tokens,
         int8=None if store.int8 is None else asdict(store.int8),
         quantized_tokens=store.quantized_tokens,
@@ -314,6 +318,7 @@ def _write_step(
         "kv_live_bytes": store.nbytes(),
         "peak_kv_bytes": store.peak_allocated_bytes,
         "peak_kv_live_bytes": store.peak_bytes,
+        "cold_kv_bytes": store.cold_nbytes(),
         "kv_lengths": store.lengths(),
         "tokens_seen": store.seen_tokens,
         "step_s": round(step_s, 3),

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
-from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.kv.policy_names import check_policy_name, split_recall
 from agent_kv.runtime import threads as thread_setting
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
@@ -283,7 +283,7 @@ def make_jobs(
     jobs = []
     for task in tasks:
         for policy in dict.fromkeys(policies):
-            cls = POLICIES[policy]
+            cls = POLICIES[split_recall(policy)[0]]
             if cls.manages_precision:
                 precision = cls.quantized
             else:
@@ -799,7 +799,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows.sort(
         key=lambda r: (
             r["policy"] != "full",
-            order.get(r["policy"], len(order)),
+            order.get(split_recall(r["policy"])[0], len(order)),
             r["policy"],
             r["budget"] or 0,
             r["precision"],

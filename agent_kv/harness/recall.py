@@ -188,6 +188,7 @@ class RecallRecord:
         peak_kv_bytes: the most bytes the KV store's buffers held (`peak_allocated_bytes`).
         peak_kv_live_bytes: the most live KV bytes (`KVStore.peak_bytes`).
         full_kv_bytes: what a full KV cache of the tokens seen would allocate.
+        peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
         policy: the policy's name; policy_params its settings.
         positions: "original" or "rerotate".
         model: the model's name.
@@ -209,6 +210,7 @@ class RecallRecord:
     peak_kv_bytes: int
     peak_kv_live_bytes: int
     full_kv_bytes: int
+    peak_cold_kv_bytes: int
     policy: str
     policy_params: dict[str, Any]
     positions: str
@@ -296,8 +298,9 @@ def run_recall_task(
         peak_kv_bytes=store.peak_allocated_bytes,
         peak_kv_live_bytes=store.peak_bytes,
         full_kv_bytes=store.full_kv_allocated_nbytes(),
+        peak_cold_kv_bytes=store.peak_cold_bytes,
         policy=engine.policy.name,
-        policy_params=asdict(engine.policy),
+        policy_params=engine.policy.params(),
         positions=store.positions_mode,
         model=model_name,
         format=fmt.name,

@@ -10,6 +10,8 @@
   (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
   calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`,
   and the mass from the last `kv_store.observation_window` queries: `KVStore.record_window`);
+- before reading, when the store recalls in this call (`KVStore.recall_due`), the best cold
+  pages of the layer back into the hot store (`KVStore.recall`, `agent_kv.kv.policies.cold_recall`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -101,8 +103,10 @@ def store_attention(
             "(sliding-window layers, logit soft-capping, attention sinks)"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    segments = kv_store.segments(module.layer_idx)
     query_len = query.shape[2]
+    if kv_store.recall_due(query_len):
+        kv_store.recall(module.layer_idx, query, scale)
+    segments = kv_store.segments(module.layer_idx)
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
     offsets = scored_offsets(query_len, query.device)
     if query_len > SCORED_QUERIES:

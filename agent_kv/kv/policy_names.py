@@ -11,9 +11,23 @@ POLICY_NAMES = (
     "arkv", "base-quant", "base-origin", "conf-kv+arkv",
 )  # fmt: skip
 """The names of `agent_kv.kv.policies.POLICIES`, in its order."""
+RECALL_SUFFIX = "+recall"
+"""A policy name ending in it runs that policy with a cold tier and query-aware recall
+(`agent_kv.kv.policies.cold_recall`), e.g. `h2o+recall`."""
+
+
+def split_recall(name: str) -> tuple[str, bool]:
+    """`("h2o", True)` for `"h2o+recall"`, `("h2o", False)` for `"h2o"`."""
+    if name.endswith(RECALL_SUFFIX):
+        return name[: -len(RECALL_SUFFIX)], True
+    return name, False
 
 
 def check_policy_name(name: str) -> None:
-    """Raise ConfigError (naming the choices) unless `name` is one of `POLICY_NAMES`."""
-    if name not in POLICY_NAMES:
-        raise ConfigError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")
+    """Raise ConfigError (naming the choices) unless `name` is one of `POLICY_NAMES`, with or
+    without `RECALL_SUFFIX`."""
+    if split_recall(name)[0] not in POLICY_NAMES:
+        raise ConfigError(
+            f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)} (add "
+            f"{RECALL_SUFFIX} to keep evicted tokens in a cold tier and recall them)"
+        )

@@ -1,6 +1,6 @@
 """The settings of a policy as a user gives them (command line, a sweep's job): a name, a
-budget in tokens or in KV bytes, policy parameters as `KEY=VALUE` text, mixed precision and
-the positions mode, checked before the model loads (`PolicySpec.parse`) and turned into a
+budget in tokens or in KV bytes, policy parameters as `KEY=VALUE` text, mixed precision, the
+positions mode and the cold tier's recall settings, checked before the model loads (`PolicySpec.parse`) and turned into a
 policy once the model's bytes per token are known (`PolicySpec.build`).
 """
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.kv.policy_names import check_policy_name, split_recall
 
 if TYPE_CHECKING:  # the store imports torch: this module must not, so options fail fast
+    from agent_kv.kv.cold_tier import ColdConfig
     from agent_kv.kv.store import Int8Config
 
 UNCHECKED_BUDGET = 2**40
@@ -30,6 +31,7 @@ class PolicySpec:
     params: dict
     int8: Int8Config | None
     rerotate: bool
+    recall: ColdConfig | None = None
 
     @classmethod
     def parse(
@@ -43,15 +45,21 @@ class PolicySpec:
         fp_window: int | None = None,
         positions: str = "original",
         extra: list[str] | None = None,
+        recall: bool = False,
+        recall_params: list[str] | None = None,
     ) -> PolicySpec:
         """Check everything that can be checked before the model loads; `extra` holds
-        `--param KEY=VALUE` items.
+        `--param KEY=VALUE` items. `recall` (or a `+recall` name) keeps evicted tokens in a
+        cold tier and recalls them (`agent_kv.kv.policies.cold_recall`), with
+        `recall_params` as `KEY=VALUE` fields of `ColdConfig` (`cap_bytes` may be a size
+        such as `64MB`).
 
         Raises:
             ConfigError: both budgets given, an unreadable size, unknown positions mode,
                 `fp_window` without `int8`, a malformed `--param`, an unknown policy (these
-                before torch is imported), invalid policy or INT8 settings, or `int8` with a
-                policy that quantizes by its own rule.
+                before torch is imported), invalid policy, INT8 or recall settings, recall
+                parameters without recall, or `int8` with a policy that quantizes by its own
+                rule.
         """
         from agent_kv.kv.budgets import parse_bytes
 
@@ -64,20 +72,41 @@ class PolicySpec:
         if fp_window is not None and not int8:
             raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
         check_policy_name(name)
+        name, named_recall = split_recall(name)
+        recall_items = parse_params(recall_params or [])
+        if recall_items and not (recall or named_recall):
+            raise ConfigError("--recall-param sets the cold tier: it needs --recall")
+        if isinstance(recall_items.get("cap_bytes"), str):
+            recall_items["cap_bytes"] = parse_bytes(recall_items["cap_bytes"])
         size = None if budget_bytes is None else parse_bytes(budget_bytes)
 
+        from agent_kv.kv.cold_tier import ColdConfig
         from agent_kv.kv.policies import check_policy_precision, make_policy
         from agent_kv.kv.store import Int8Config
+
+        cold = None
+        if recall or named_recall:
+            fields = set(ColdConfig.__dataclass_fields__)
+            unknown = sorted(set(recall_items) - fields)
+            if unknown:
+                raise ConfigError(
+                    f"recall has no parameter {unknown[0]!r} (its parameters: "
+                    f"{', '.join(sorted(fields))})"
+                )
+            cold = ColdConfig(**recall_items)
+            cold.validate()
 
         int8_config = None
         if int8:
             int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
             int8_config.validate()
-        spec = cls(name, budget, size, params, int8_config, positions == "rerotate")
+        spec = cls(name, budget, size, params, int8_config, positions == "rerotate", cold)
         # a byte budget becomes tokens only once the model is known: check the rest now with
         # a budget no conversion can exceed, the real one again in `build`
         placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
-        check_policy_precision(make_policy(name, budget=placeholder, **params), int8_config)
+        check_policy_precision(
+            make_policy(name, budget=placeholder, recall=cold, **params), int8_config
+        )
         return spec
 
     def build(self, bytes_per_token: int, int8_bytes_per_token: float | None = None):
@@ -96,7 +125,7 @@ class PolicySpec:
             budget = tokens_for_bytes(
                 self.budget_bytes, bytes_per_token, int8_bytes_per_token, fp_tokens
             )
-        return make_policy(self.name, budget=budget, **self.params)
+        return make_policy(self.name, budget=budget, recall=self.recall, **self.params)
 
 
 def parse_params(items: list[str]) -> dict:

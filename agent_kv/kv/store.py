@@ -27,16 +27,18 @@ past the model's trained context.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from agent_kv.errors import ConfigError, ContextOverflowError
+from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.rope import Rotary
 from kernels import dispatch
 from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
-from kernels.int8 import SCALE_DTYPE
-from kernels.reference import Segment
+from kernels.int8 import SCALE_DTYPE, dequantize
+from kernels.reference import Segment, apply_rotation
 
 CAPACITY_STEP = 256  # tokens; buffers grow to multiples of this, by doubling
 SCALE_CAPACITY_STEP = 16  # scale groups; the quantized segment's scales grow in these
@@ -394,6 +396,47 @@ class LayerStore:
         self._fit_meta(max(self.length(r) for r in range(self.batch)), shrink=True)
         self._fit_quantized(max(self.q_len), max(self.n_groups), shrink=True)
 
+    def read_slots(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 keys and values `[H, m, D]` of the row's logical slots `slots` (int64
+        `[m]`), quantized ones dequantized with their group's scales."""
+        q_len = self.q_len[row]
+        quantized, fp = slots[slots < q_len], slots[slots >= q_len] - q_len
+        keys = [self.keys[row, :, fp].float()]
+        values = [self.values[row, :, fp].float()]
+        if quantized.numel():
+            groups = self.q_group[row, quantized]
+            keys.insert(0, dequantize(self.q_keys[row, :, quantized], self.key_scales[row][:, groups]))
+            values.insert(
+                0, dequantize(self.q_values[row, :, quantized], self.value_scales[row][:, groups])
+            )
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def insert(
+        self, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Put tokens back into the row's FP segment at their original positions (a recall):
+        the segment stays in position order, so the newest tokens stay last.
+
+        Args:
+            keys, values: `[H, m, D]`, in the store's key convention.
+            positions: `[m]` int64 original positions, all older than the newest token.
+        """
+        m = positions.numel()
+        fp, logical = self.fp_len[row], self.length(row)
+        self._fit_fp(max(max(self.fp_len), fp + m))
+        self._fit_meta(max(max(self.length(r) for r in range(self.batch)), logical + m))
+        self.keys[row, :, fp : fp + m] = keys.to(self.dtype)
+        self.values[row, :, fp : fp + m] = values.to(self.dtype)
+        self.positions[row, logical : logical + m] = positions
+        for name in META_FIELDS[1:]:
+            getattr(self, name)[row, ..., logical : logical + m] = 0.0
+        q_len = self.q_len[row]
+        order = torch.argsort(self.positions[row, q_len : logical + m])
+        for buffer in (self.keys, self.values):
+            buffer[row, :, : fp + m] = buffer[row, :, order]
+        self._reorder_meta(row, torch.cat([torch.arange(q_len, device=self.device), q_len + order]))
+        self.fp_len[row] = fp + m
+
     def stale_slots(self, row: int, pinned: torch.Tensor, config: Int8Config) -> torch.Tensor:
         """FP slots (int64, indices into the FP segment, oldest first) that left the FP
         window: unpinned FP tokens older than the newest `config.fp_window`, in whole groups
@@ -560,6 +603,12 @@ class KVStore:
         self.observed_from = [0] * batch
         """Per row, the position of the first query of the last observation window: tokens
         from there on (the window and what came after it) have no `window_mass` of their own."""
+        self.cold: ColdTier | None = None
+        """Where evicted tokens go instead of being lost (`attach_cold`), or None."""
+        self.recalling = False
+        """Whether the current forward call and policy step use the cold tier: evictions go
+        there and recalls come from it. The policy says so before every call
+        (`Policy.prepare`); a tier whose policy changed keeps its pages, unused."""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
@@ -844,12 +893,103 @@ class KVStore:
 
     def compact(self, layer_idx: int, keep: torch.Tensor, row: int = 0) -> None:
         """Evict every live slot of the row's layer not in `keep` (int64 `[k]`, increasing,
-        logical order)."""
+        logical order); with a cold tier the evicted tokens move there."""
         layer = self.layers[layer_idx]
         if keep.numel() < layer.length(row):
             self.changed_at[row] = self.seen(row)
+            if self.recalling:
+                evicted = torch.ones(layer.length(row), dtype=torch.bool, device=keep.device)
+                evicted[keep] = False
+                slots = evicted.nonzero().squeeze(1)
+                keys, values = layer.read_slots(row, slots)
+                self.cold.add(layer_idx, row, keys, values, layer.live_positions(row)[slots])
         self.evicted_tokens += layer.length(row) - keep.numel()
         layer.compact(row, keep)
+
+    def attach_cold(self, config: ColdConfig) -> ColdTier:
+        """Keep evicted tokens in a cold tier with these settings from now on (a tier already
+        attached keeps its pages and takes the new settings); returns it.
+
+        Raises:
+            ConfigError: invalid settings.
+        """
+        config.validate()
+        if self.cold is None:
+            self.cold = ColdTier(len(self.layers), self.batch, config, self.rotary)
+        else:
+            self.cold.config = config
+        self.recalling = True
+        return self.cold
+
+    def recall_due(self, query_len: int) -> bool:
+        """Whether the current forward call (of `query_len` queries per row) recalls cold
+        pages: the store is `recalling` and `ColdConfig.due` says so for the call's first
+        row."""
+        return self.recalling and self.cold.config.due(query_len, self.seen(self._rows[0]))
+
+    def recall(self, layer_idx: int, query: torch.Tensor, scale: float) -> int:
+        """Bring the best cold pages of a layer back into the hot store for the current rows,
+        before the call's attention reads it; returns the tokens recalled.
+
+        The call's last `ColdConfig.queries` queries score the pages (`ColdTier.recall`); the
+        recalled tokens go back at their original positions (`LayerStore.insert`) with fresh
+        statistics, and the policy keeps them first until the layer's next recall
+        (`held_mask`), within its budget.
+
+        Args:
+            query: `[rows, Hq, q, D]`, the call's queries as attention receives them (rotated
+                at the call's positions; in rerotate mode they are scored at their original
+                positions instead, like the digests).
+            scale: the attention's softmax scale.
+        """
+        started = time.perf_counter()
+        layer = self.layers[layer_idx]
+        n = query.shape[2]
+        window = min(n, self.cold.config.queries)
+        recalled = 0
+        for i, row in enumerate(self._rows):
+            scoring = query[i, :, n - window :]  # [Hq, S, D]
+            if self.rotary is not None:
+                scoring = self._at_original_positions(scoring, i, layer.appended[row] - window)
+            got = self.cold.recall(layer_idx, row, scoring, scale)
+            if got is None:
+                continue
+            positions, keys, values = got
+            layer.insert(row, keys, values, positions)
+            self.changed_at[row] = self.seen(row)
+            recalled += positions.numel()
+        if recalled:
+            self._note_peak()
+        self.cold.recall_s += time.perf_counter() - started
+        return recalled
+
+    def _at_original_positions(self, query: torch.Tensor, i: int, start: int) -> torch.Tensor:
+        """Queries `[Hq, S, D]` of the call's `i`-th row, rotated at their in-cache positions
+        (the call's last `S`), rotated instead at original positions `start, start + 1, ...`."""
+        window = query.shape[1]
+        in_cache = self._query_positions[i : i + 1, -window:]
+        original = start + torch.arange(window, device=query.device)[None]
+        cos, sin = self.rotary.cos_sin(in_cache)
+        unrotated = Rotary.unrotate(query[None].float(), cos, sin)
+        cos, sin = self.rotary.cos_sin(original)
+        return apply_rotation(unrotated, cos, sin)[0]
+
+    def held_mask(self, layer_idx: int, row: int = 0) -> torch.Tensor | None:
+        """`[length]` bool over the row's live slots (logical order): the tokens the layer's
+        last recall brought back, or None when not recalling or before any recall."""
+        if not self.recalling or self.cold.held[layer_idx][row] is None:
+            return None
+        return torch.isin(self.layers[layer_idx].live_positions(row), self.cold.held[layer_idx][row])
+
+    @property
+    def peak_cold_bytes(self) -> int:
+        """The most bytes the cold tier has held (0 without one)."""
+        return 0 if self.cold is None else self.cold.peak_bytes
+
+    def cold_nbytes(self, row: int | None = None) -> int:
+        """Exact bytes of the cold tier (codes, scales, digests), for one row or all; 0 without
+        one. Never part of `nbytes` or `allocated_nbytes`, which count the hot store."""
+        return 0 if self.cold is None else self.cold.nbytes(row)
 
     def quantize_stale(self, layer_idx: int, row: int = 0) -> int:
         """Move tokens that left the FP window into INT8 (no-op without `int8`); returns the
@@ -957,6 +1097,7 @@ class KVStore:
             "row_counters": [self.row_peak_bytes, self.changed_at],
             "profile": self.profile,
             "observed_from": self.observed_from,
+            "cold": None if self.cold is None else self.cold.state(),
         }
 
     @classmethod
@@ -990,6 +1131,8 @@ class KVStore:
                     like = layer.positions if name == "hits" else layer.scores
                     setattr(layer, name, torch.zeros_like(like, dtype=torch.float32))
         store.profile = state.get("profile")
+        if state.get("cold") is not None:
+            store.cold = ColdTier.from_state(state["cold"], rotary)
         store.observed_from = list(state.get("observed_from", store.observed_from))
         store._pinned = state["pinned"]
         store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"][:3]

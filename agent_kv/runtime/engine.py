@@ -213,6 +213,7 @@ class Engine:
                     appended_kv_bytes=appended[i],
                     kv_bytes=store.nbytes(row),
                     allocated_kv_bytes=store.call_allocated_bytes // store.batch,
+                    cold_kv_bytes=store.cold_nbytes(row),
                     confidence=confs[i],
                     gated=gated[i],
                     budget=self.policy.budget(gates[i]),

@@ -36,6 +36,8 @@ class StepRecord:
             capacity included (`KVStore.call_allocated_bytes`: after its append or any
             quantization of its policy step), this row's share of a batch; the most over
             all calls is `KVStore.peak_allocated_bytes`. 0 in records saved before it existed.
+        cold_kv_bytes: bytes of the store's cold tier after this call (`KVStore.cold_nbytes`,
+            codes, scales and digests; 0 without one), never part of the figures above.
     """
 
     seen_tokens: int
@@ -46,6 +48,7 @@ class StepRecord:
     budget: int | None
     evicted: int
     allocated_kv_bytes: int = 0
+    cold_kv_bytes: int = 0
 
 
 @dataclass

@@ -120,6 +120,8 @@ class KVReport:
         kv_bytes: live KV bytes now.
         peak_kv_bytes: the most live KV bytes the session's cache has held.
         full_kv_bytes: what full KV at full precision would hold for the session's tokens.
+        cold_kv_bytes: bytes of the session's cold tier (evicted tokens kept for recall, in
+            host memory; `KVStore.cold_nbytes`), 0 without one; apart from the figures above.
         evicted_tokens: tokens the session's cache has evicted, summed over layers.
         quantized_tokens: tokens moved to INT8, summed over layers.
         pinned_tokens: positions pinned now.
@@ -132,6 +134,7 @@ class KVReport:
     kv_bytes: int
     peak_kv_bytes: int
     full_kv_bytes: int
+    cold_kv_bytes: int
     evicted_tokens: int
     quantized_tokens: int
     pinned_tokens: int
@@ -353,6 +356,7 @@ class ChatService:
                 kv_bytes=store.nbytes(),
                 peak_kv_bytes=store.peak_bytes,
                 full_kv_bytes=store.full_kv_nbytes(),
+                cold_kv_bytes=store.cold_nbytes(),
                 evicted_tokens=store.evicted_tokens,
                 quantized_tokens=store.quantized_tokens,
                 pinned_tokens=store.pinned_tokens(),

@@ -8,6 +8,7 @@ from agent_kv.errors import ConfigError
 from agent_kv.kv.policies.arkv import Arkv, BaseOrigin
 from agent_kv.kv.policies.base import Policy, check_budget
 from agent_kv.kv.policies.base_quant import BaseQuant
+from agent_kv.kv.policies.cold_recall import ColdRecall
 from agent_kv.kv.policies.conf_kv import ConfKV
 from agent_kv.kv.policies.conf_kv_arkv import ConfKVArkv
 from agent_kv.kv.policies.conf_kv_l import ConfKVL
@@ -16,7 +17,8 @@ from agent_kv.kv.policies.h2o import H2O
 from agent_kv.kv.policies.random_eviction import RandomEviction
 from agent_kv.kv.policies.snapkv import SnapKV
 from agent_kv.kv.policies.window import SlidingWindow
-from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.store import Int8Config, KVStore
 
 POLICIES: dict[str, type[Policy]] = {
@@ -28,25 +30,34 @@ POLICIES: dict[str, type[Policy]] = {
 }  # fmt: skip
 
 
-def make_policy(name: str, budget: int | None = None, **params) -> Policy:
+def make_policy(
+    name: str, budget: int | None = None, recall: ColdConfig | None = None, **params
+) -> Policy:
     """Build and validate a policy by name.
 
     Args:
         name: one of `POLICIES` (`full`, `window`, `h2o`, `snapkv`, `random`, `conf-kv`,
-            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`).
+            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`), optionally
+            with the suffix `+recall`: the policy wrapped in `ColdRecall`.
         budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
             for `window`; the budget (half of it recent) for `h2o`; the budget for `snapkv`
             and `random`;
             `n_low`, with `n_high = budget // 2`, for `conf-kv`, `conf-kv-l` and
             `conf-kv+arkv`; for `arkv` and `base-origin` the mean bytes per layer, counted in
             full-precision tokens. `full` and `base-quant` take none.
+        recall: the cold tier's settings for a `+recall` name (default `ColdConfig()`); giving
+            them wraps the policy in `ColdRecall` whatever the name.
         **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`);
             they win over what `budget` implies.
 
     Raises:
-        ConfigError: unknown name, unknown parameter, or invalid values.
+        ConfigError: unknown name, unknown parameter, or invalid values (`+recall` on a
+            policy that evicts nothing).
     """
     check_policy_name(name)
+    name, with_recall = split_recall(name)
+    if with_recall or recall is not None:
+        return ColdRecall(make_policy(name, budget, **params), recall or ColdConfig())
     cls = POLICIES[name]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - fields)
@@ -108,6 +119,7 @@ __all__ = [
     "ConfKV",
     "ConfKVArkv",
     "ConfKVL",
+    "ColdRecall",
     "FullKV",
     "H2O",
     "Policy",

@@ -204,7 +204,7 @@ class TriState(Policy):
         if not (over or due):
             return 0
         protected = self.protected(store, idx, row, pinned)
-        score = self.rank(store, idx, row, ~protected)
+        score = self.keep_scores(store, idx, row, ~protected)
         is_fp = torch.arange(n, device=pinned.device) >= q_len
         # Original: the protected tokens, then the best FP candidates
         slack = min(self.evict_slack, plan.original // 2) if over else 0

@@ -12,7 +12,7 @@ and move what left the FP window into INT8 when the store keeps mixed precision.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
@@ -20,6 +20,9 @@ import torch
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
 from kernels.formats import QUANT_FORMATS
+
+HELD_RANK = torch.finfo(torch.float32).max
+"""The rank of a recalled token: above any score, below the `inf` of protected tokens."""
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Policy(ABC):
         other `params` the user chose. Raises `ConfigError` for policies without a budget."""
         raise ConfigError(f"policy {cls.name!r} keeps every token and takes no budget")
 
+    def params(self) -> dict:
+        """The policy's settings as plain values (what a record says it ran with)."""
+        return asdict(self)
+
     def validate(self) -> None:
         """Check parameters; raises `ConfigError` with a message naming the parameter."""
         if self.protect_recent < 0:
@@ -71,6 +78,7 @@ class Policy(ABC):
         observation window)."""
         store.profile_prefill = False
         store.observation_window = 0
+        store.recalling = False
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:
@@ -100,6 +108,18 @@ class Policy(ABC):
         first. Only the `candidates` (`[length]` bool: neither pinned nor protected) compete.
         Default: recency (newest highest)."""
         return store.layers[layer_idx].live_positions(row).float()
+
+    def keep_scores(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """`rank`, with the tokens the layer's last recall brought back
+        (`KVStore.held_mask`) above every other candidate: they stay first within the
+        budget until the next recall."""
+        ranks = self.rank(store, layer_idx, row, candidates).clone()
+        held = store.held_mask(layer_idx, row)
+        if held is not None:
+            ranks[held] = HELD_RANK
+        return ranks
 
     def step(
         self,
@@ -149,7 +169,7 @@ class Policy(ABC):
         if n - n_pinned <= budget:
             return 0
         protected = self.protected(store, idx, row, pinned)
-        ranks = self.rank(store, idx, row, ~protected).clone()  # [n]
+        ranks = self.keep_scores(store, idx, row, ~protected)  # [n]
         ranks[protected] = float("inf")
         slack = min(self.evict_slack, budget // 2)  # a small budget is never cut below half
         keep_count = max(n_pinned + budget - slack, int(protected.sum()))

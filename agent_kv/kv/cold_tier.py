@@ -1,0 +1,313 @@
+"""The cold tier: evicted tokens kept in host memory, quantized, in pages with key digests.
+
+Eviction moves a layer's tokens out of the hot store (what attention reads); with a cold tier
+they are not lost. Each eviction of a layer's row is sorted by position and cut into pages of
+at most `ColdConfig.page_tokens` tokens (an eviction of `m` tokens makes `ceil(m / page)` pages
+of near-equal size). A page holds its tokens' keys and values quantized per channel (one
+float16 scale per KV head and channel for the page, `kernels.formats`), their original
+positions, and a digest of its keys: the per-channel min and max of the dequantized keys as
+attention reads them (`kernels.page_digest`, Quest, Tang et al. 2024, §3), so a query bounds
+`q . k` for every key of the page without reading it. In the store's rerotate mode the
+digest is taken over the keys rotated at their original positions, and queries are scored at
+their original positions too: the bound is then the logit a key would take without in-cache
+re-indexing (the rank distance differs from the original one).
+
+Recall (`ColdTier.recall`) scores every page of a layer's row against a call's queries and
+hands back the best pages' tokens, dequantized; the pages leave the tier. The tier holds at
+most `cap_bytes` over all layers and rows: past it the oldest pages are dropped first.
+
+Bytes (`nbytes`) count the codes, the scales and the digests exactly; positions are metadata
+and, as in the hot store, not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.kv.rope import Rotary
+from kernels.formats import QUANT_FORMATS
+from kernels.int8 import dequantize
+from kernels.page_digest import digest_bound, key_digest
+from kernels.reference import apply_rotation
+
+DIGEST_DTYPE = torch.float32
+"""Digests stay in float32: a float16 min or max rounded the wrong way would no longer bound."""
+
+SCORERS = ("exact", "digest")
+"""How recall can rank cold pages (`ColdTier.page_scores`)."""
+
+
+@dataclass(frozen=True)
+class ColdConfig:
+    """How evicted tokens are kept and recalled.
+
+    Attributes:
+        page_tokens: most tokens per page (16-64 is the range measured).
+        pages: pages recalled per layer and row at each recall.
+        queries: the last `queries` queries of a forward call score the pages (in a new
+            message, the question sits at its end).
+        every: also recall every `every` decode tokens (0: only at multi-token calls, i.e.
+            when a new message is fed).
+        cap_bytes: the most bytes the tier holds per session; the oldest pages go first.
+        fmt: the page format, a `kernels.formats.QUANT_FORMATS` name (`int8` or `fp8`).
+        score: how recall ranks pages, `"exact"` or `"digest"` (`ColdTier.page_scores`).
+    """
+
+    page_tokens: int = 16
+    pages: int = 8
+    queries: int = 32
+    every: int = 0
+    cap_bytes: int = 256 * 2**20
+    fmt: str = "int8"
+    score: str = "exact"
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first invalid setting."""
+        for name in ("page_tokens", "pages", "queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"recall {name} must be a whole number >= 1, got {value!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(f"recall every must be a whole number >= 0, got {self.every!r}")
+        if not isinstance(self.cap_bytes, int) or self.cap_bytes < 0:
+            raise ConfigError(f"recall cap_bytes must be bytes >= 0, got {self.cap_bytes!r}")
+        if self.score not in SCORERS:
+            raise ConfigError(
+                f"recall score must be one of {', '.join(SCORERS)}, got {self.score!r}"
+            )
+        if self.fmt not in QUANT_FORMATS:
+            raise ConfigError(
+                f"recall fmt must be one of {', '.join(QUANT_FORMATS)}, got {self.fmt!r}"
+            )
+
+    def due(self, query_len: int, seen: int) -> bool:
+        """Whether a forward call of `query_len` queries, after which its row has seen `seen`
+        tokens, recalls: every multi-token call, and every `every`-th decode token."""
+        return query_len > 1 or (self.every > 0 and seen % self.every == 0)
+
+
+@dataclass
+class ColdPage:
+    """Evicted tokens of one layer's row, quantized together.
+
+    Attributes:
+        positions: `[n]` int64, original positions, ascending.
+        keys, values: `[H, n, D]` codes (int8 or float8_e4m3fn); keys as the hot store held
+            them (rotated at their original positions, or unrotated in rerotate mode).
+        key_scales, value_scales: `[H, 1, D]` float16, one scale per KV head and channel.
+        kmin, kmax: `[H, D]` float32, the key digest.
+        serial: eviction order over the whole tier (older pages have smaller serials).
+    """
+
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor
+    value_scales: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    serial: int
+
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and digest."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales, self.kmin, self.kmax)
+        return sum(t.nbytes for t in parts)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 keys and values, `[H, n, D]` each."""
+        return dequantize(self.keys, self.key_scales), dequantize(self.values, self.value_scales)
+
+
+@dataclass
+class ColdTier:
+    """The cold pages of a store's layers and rows.
+
+    Args:
+        num_layers, batch: the store's shape.
+        config: page size, recall and cap settings.
+        rotary: the model's rotary tables when the store runs in rerotate mode (the digest is
+            taken at original positions), else None.
+
+    Attributes:
+        pages: `pages[layer][row]`, oldest first.
+        held: `held[layer][row]`, int64 positions recalled at the layer's last recall (None
+            before any): a policy keeps them first until the next recall.
+        dropped_tokens: tokens dropped past the cap.
+        recalled_tokens: tokens returned to the hot store.
+        peak_bytes: the most bytes the tier has held.
+        recall_s: seconds spent recalling (`KVStore.recall`: scoring and moving pages back).
+    """
+
+    num_layers: int
+    batch: int
+    config: ColdConfig
+    rotary: Rotary | None = None
+    pages: list[list[list[ColdPage]]] = field(init=False)
+    held: list[list[torch.Tensor | None]] = field(init=False)
+    dropped_tokens: int = 0
+    recalled_tokens: int = 0
+    peak_bytes: int = 0
+    recall_s: float = 0.0
+    _serial: int = 0
+    _bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.config.validate()
+        self.pages = [[[] for _ in range(self.batch)] for _ in range(self.num_layers)]
+        self.held = [[None] * self.batch for _ in range(self.num_layers)]
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Exact bytes of the pages of one row or (None) all rows."""
+        if row is None:
+            return self._bytes
+        return sum(page.nbytes() for layer in self.pages for page in layer[row])
+
+    def tokens(self, layer: int, row: int = 0) -> int:
+        """Tokens held in the cold pages of one layer's row."""
+        return sum(page.positions.numel() for page in self.pages[layer][row])
+
+    def add(
+        self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Page and quantize one eviction of a layer's row, then drop the oldest pages while
+        the tier is over its cap.
+
+        Args:
+            keys, values: `[H, m, D]` float, the evicted tokens as the hot store held them.
+            positions: `[m]` int64, their original positions.
+        """
+        m = positions.numel()
+        if m == 0:
+            return
+        order = torch.argsort(positions)
+        fmt = QUANT_FORMATS[self.config.fmt]
+        for part in torch.tensor_split(order, math.ceil(m / self.config.page_tokens)):
+            k_codes, k_scales = fmt.quantize(keys[:, part], part.numel())
+            v_codes, v_scales = fmt.quantize(values[:, part], part.numel())
+            page = ColdPage(
+                positions=positions[part].clone(),
+                keys=k_codes,
+                values=v_codes,
+                key_scales=k_scales,
+                value_scales=v_scales,
+                kmin=torch.empty(0),
+                kmax=torch.empty(0),
+                serial=self._serial,
+            )
+            kmin, kmax = key_digest(self._read_keys(page.dequantized()[0], page.positions))
+            page.kmin, page.kmax = kmin.to(DIGEST_DTYPE), kmax.to(DIGEST_DTYPE)
+            self._serial += 1
+            self.pages[layer][row].append(page)
+            self._bytes += page.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        self._enforce_cap()
+
+    def _read_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`keys` `[H, n, D]` as the digest sees them: as stored, or rotated at `positions`
+        in rerotate mode."""
+        if self.rotary is None:
+            return keys
+        cos, sin = self.rotary.cos_sin(positions[None])
+        return apply_rotation(keys[None].float(), cos, sin)[0]
+
+    def _enforce_cap(self) -> None:
+        while self._bytes > self.config.cap_bytes:
+            holders = [pages for layer in self.pages for pages in layer if pages]
+            oldest = min(holders, key=lambda pages: pages[0].serial)
+            page = oldest.pop(0)
+            self._bytes -= page.nbytes()
+            self.dropped_tokens += page.positions.numel()
+
+    def page_scores(self, layer: int, row: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """`[P]` float32, how strongly the queries would attend each cold page of a layer's
+        row (higher first), by `config.score`:
+
+        - `"exact"`: the largest logit `scale * q . k` over the page's dequantized keys, the
+          queries and the query heads (reads every cold key of the layer once);
+        - `"digest"`: from the digests alone (Quest's bound), per query head and query the
+          softmax over the pages of `scale * bound`, summed over query heads and queries.
+
+        Args:
+            query: `[Hq, S, D]`, rotated as the digest's keys (`ColdTier` docstring).
+            scale: the attention's softmax scale.
+        """
+        pages = self.pages[layer][row]
+        if self.config.score == "digest":
+            kmin = torch.stack([p.kmin for p in pages])
+            kmax = torch.stack([p.kmax for p in pages])
+            bound = digest_bound(query, kmin, kmax) * scale  # [Hq, S, P]
+            return torch.softmax(bound, dim=-1).sum(dim=(0, 1))
+        positions = torch.cat([p.positions for p in pages])
+        codes = torch.cat([p.keys for p in pages], dim=1)  # [H, N, D]
+        scales = torch.cat([p.key_scales.expand(-1, p.positions.numel(), -1) for p in pages], 1)
+        keys = self._read_keys(dequantize(codes, scales), positions)
+        group = query.shape[0] // keys.shape[0]
+        logits = torch.bmm(query.float(), keys.repeat_interleave(group, 0).transpose(1, 2))
+        per_token = logits.amax(dim=(0, 1)) * scale  # [N]
+        page_of = torch.repeat_interleave(
+            torch.arange(len(pages), device=per_token.device),
+            torch.tensor([p.positions.numel() for p in pages], device=per_token.device),
+        )
+        best = torch.full((len(pages),), -torch.inf, device=per_token.device)
+        return best.scatter_reduce(0, page_of, per_token, reduce="amax")
+
+    def recall(
+        self, layer: int, row: int, query: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Take the `config.pages` best-scored pages of a layer's row out of the tier.
+
+        Args:
+            query: `[Hq, S, D]`, the scoring queries (`page_scores`).
+            scale: the attention's softmax scale.
+
+        Returns:
+            `(positions [m] int64 ascending, keys [H, m, D], values [H, m, D])`, keys and
+            values dequantized to float32, or None when the row's layer has no cold page.
+            The positions become `held[layer][row]`.
+        """
+        pages = self.pages[layer][row]
+        if not pages:
+            self.held[layer][row] = None
+            return None
+        scores = self.page_scores(layer, row, query, scale)
+        picked = set(torch.topk(scores, min(self.config.pages, len(pages))).indices.tolist())
+        taken = [page for i, page in enumerate(pages) if i in picked]
+        self.pages[layer][row] = [page for i, page in enumerate(pages) if i not in picked]
+        self._bytes -= sum(page.nbytes() for page in taken)
+        positions = torch.cat([page.positions for page in taken])
+        keys, values = zip(*(page.dequantized() for page in taken), strict=True)
+        order = torch.argsort(positions)
+        self.recalled_tokens += positions.numel()
+        self.held[layer][row] = positions[order]
+        return positions[order], torch.cat(keys, dim=1)[:, order], torch.cat(values, dim=1)[:, order]
+
+    def state(self) -> dict:
+        """The tier as tensors and plain values (for `torch.save`)."""
+        return {
+            "config": vars(self.config).copy(),
+            "pages": [
+                [[{**vars(page)} for page in pages] for pages in layer] for layer in self.pages
+            ],
+            "held": self.held,
+            "counters": [
+                self.dropped_tokens, self.recalled_tokens, self.peak_bytes, self._serial,
+                self.recall_s,
+            ],  # fmt: skip
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, rotary: Rotary | None = None) -> ColdTier:
+        """The tier `state()` described."""
+        pages = state["pages"]
+        tier = cls(len(pages), len(pages[0]), ColdConfig(**state["config"]), rotary)
+        tier.pages = [[[ColdPage(**p) for p in row] for row in layer] for layer in pages]
+        tier.held = [list(row) for row in state["held"]]
+        counters = state["counters"]
+        tier.dropped_tokens, tier.recalled_tokens, tier.peak_bytes, tier._serial = counters[:4]
+        tier.recall_s = counters[4]
+        tier._bytes = sum(p.nbytes() for layer in tier.pages for row in layer for p in row)
+        return tier

@@ -1,0 +1,134 @@
+"""Recall: any policy, with its evictions kept in a cold tier and brought back on demand.
+
+A wrapper in the manner of kvpress's composed presses: `ColdRecall(inner, config)` evicts exactly
+as `inner` does, at `inner`'s budgets, with the same ranks, the same quantized tier and the
+same statistics; what it adds is that
+
+- every token `inner` evicts moves to the store's cold tier (`agent_kv.kv.cold_tier`: pages of
+  `config.page_tokens`, quantized, each with a key digest) instead of being lost;
+- at the start of every multi-token forward call (a new message: its queries carry the
+  question), and every `config.every` decode tokens if set, each layer's cold pages are
+  scored against the call's last `config.queries` queries by their digest bound, and the best
+  `config.pages` return to the hot store at their original positions before the call's
+  attention reads it (`KVStore.recall`);
+- the recalled tokens are ranked above every other candidate until the layer's next recall
+  (`Policy.keep_scores`), inside `inner`'s budget: the hot tier is bounded as without recall.
+
+The recall is query-aware, the eviction is not: an eviction made before a question is asked
+cannot know what it will need, a recall made when it is asked can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from agent_kv.errors import ConfigError
+from agent_kv.kv.cold_tier import ColdConfig
+from agent_kv.kv.policies.base import Policy
+from agent_kv.kv.store import KVStore
+
+
+class ColdRecall(Policy):
+    """`inner` with a cold tier and query-aware recall (module docstring).
+
+    Args:
+        inner: the policy that ranks, evicts and quantizes; not itself a `ColdRecall`.
+        config: the cold tier's page, recall and cap settings.
+
+    Raises:
+        ConfigError: `inner` is a `ColdRecall`, keeps every token (nothing to recall), or the
+            settings are invalid.
+    """
+
+    def __init__(self, inner: Policy, config: ColdConfig):
+        if isinstance(inner, ColdRecall):
+            raise ConfigError("recall wraps a policy once")
+        if not inner.takes_budget:
+            raise ConfigError(f"policy {inner.name!r} evicts nothing: there is nothing to recall")
+        config.validate()
+        self.inner = inner
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"ColdRecall({self.inner!r}, {self.config!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ColdRecall) and (self.inner, self.config) == (other.inner, other.config)
+        )
+
+    @property
+    def name(self) -> str:
+        """The inner policy's name with `+recall`."""
+        return f"{self.inner.name}+recall"
+
+    @property
+    def takes_budget(self) -> bool:
+        return self.inner.takes_budget
+
+    @property
+    def manages_precision(self) -> bool:
+        return self.inner.manages_precision
+
+    @property
+    def protect_recent(self) -> int:
+        return self.inner.protect_recent
+
+    @property
+    def sinks(self) -> int:
+        return self.inner.sinks
+
+    @property
+    def evict_slack(self) -> int:
+        return self.inner.evict_slack
+
+    @property
+    def quantized(self) -> str:
+        """The inner policy's quantized format (policies with their own quantized tier).
+
+        Raises:
+            AttributeError: the inner policy has none.
+        """
+        return self.inner.quantized
+
+    def params(self) -> dict:
+        """The inner policy's settings, with the cold tier's under `recall`."""
+        return {**self.inner.params(), "recall": asdict(self.config)}
+
+    def validate(self) -> None:
+        self.inner.validate()
+        self.config.validate()
+
+    def prepare(self, store: KVStore) -> None:
+        """The inner policy's preparation, then the store's cold tier on (`attach_cold`)."""
+        self.inner.prepare(store)
+        store.attach_cold(self.config)
+
+    def budget(self, confidence: float | None) -> int | None:
+        return self.inner.budget(confidence)
+
+    def layer_budgets(self, confidence: float | None, num_layers: int) -> list[int] | None:
+        return self.inner.layer_budgets(confidence, num_layers)
+
+    def max_kept_tokens(self, num_layers: int) -> list[int] | None:
+        """The inner policy's bound plus one recall (`pages * page_tokens` per layer), which
+        a call holds on top of the budget between its recall and its policy step."""
+        inner = self.inner.max_kept_tokens(num_layers)
+        extra = self.config.pages * self.config.page_tokens
+        return None if inner is None else [tokens + extra for tokens in inner]
+
+    def rank(
+        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        return self.inner.rank(store, layer_idx, row, candidates)
+
+    def step(
+        self,
+        store: KVStore,
+        confidence: float | None | list[float | None],
+        rows: range | None = None,
+    ) -> int:
+        """The inner policy's step (its evictions go to the cold tier, `KVStore.compact`)."""
+        return self.inner.step(store, confidence, rows)
