@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from agent_kv.kv.policies import POLICIES
+from agent_kv.kv.policy_names import RECALL_SUFFIX
 from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
@@ -64,7 +65,11 @@ SessionId = Annotated[
     StringConstraints(min_length=1, max_length=SESSION_ID_CHARS),
     AfterValidator(_valid_unicode),
 ]
-PolicyName = Literal[tuple(POLICIES)]
+PolicyName = Literal[
+    tuple(POLICIES)
+    + tuple(name + RECALL_SUFFIX for name, cls in POLICIES.items() if cls.takes_budget)
+]
+"""A policy by name, or a budgeted one with its cold tier and recall (`h2o+recall`)."""
 StopText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_valid_unicode)]
 """A stop string: non-empty."""
 

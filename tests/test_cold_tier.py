@@ -161,10 +161,8 @@ def test_without_recall_evictions_are_final_even_on_a_store_with_a_tier():
 def test_with_budgets_above_the_sequence_recall_changes_nothing(smollm, rerotate):
     ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:200]
     plain = Engine(smollm.model, smollm.tokenizer, make_policy("h2o", budget=4096), 64)
-    recall = Engine(
-        smollm.model, smollm.tokenizer, ColdRecall(make_policy("h2o", budget=4096), ColdConfig()), 64,
-        rerotate=rerotate,
-    )  # fmt: skip
+    wrapped = ColdRecall(make_policy("h2o", budget=4096), ColdConfig())
+    recall = Engine(smollm.model, smollm.tokenizer, wrapped, 64, rerotate=rerotate)
     full = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 64)
     sessions = [e.new_sequence() for e in (plain, recall, full)]
     logits = [e.feed(s, ids) for e, s in zip((plain, recall, full), sessions, strict=True)]

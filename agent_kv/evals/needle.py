@@ -239,8 +239,7 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         ["policy", *labels, "overall", "paper (up to 32K)"],
     )
     peaks = Table(
-        "Peak hot KV MB allocated (live), and the cold tier's peak, largest over a length's "
-        "trials",
+        "Peak hot KV MB allocated (live), and the cold tier's peak, largest over a length's trials",
         ["policy", *labels],
     )
     recall_cost = Table(

@@ -171,7 +171,12 @@ class ColdTier:
         return sum(page.positions.numel() for page in self.pages[layer][row])
 
     def add(
-        self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        row: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
         """Page and quantize one eviction of a layer's row, then drop the oldest pages while
         the tier is over its cap.
@@ -283,7 +288,11 @@ class ColdTier:
         order = torch.argsort(positions)
         self.recalled_tokens += positions.numel()
         self.held[layer][row] = positions[order]
-        return positions[order], torch.cat(keys, dim=1)[:, order], torch.cat(values, dim=1)[:, order]
+        return (
+            positions[order],
+            torch.cat(keys, dim=1)[:, order],
+            torch.cat(values, dim=1)[:, order],
+        )
 
     def state(self) -> dict:
         """The tier as tensors and plain values (for `torch.save`)."""
@@ -294,7 +303,10 @@ class ColdTier:
             ],
             "held": self.held,
             "counters": [
-                self.dropped_tokens, self.recalled_tokens, self.peak_bytes, self._serial,
+                self.dropped_tokens,
+                self.recalled_tokens,
+                self.peak_bytes,
+                self._serial,
                 self.recall_s,
             ],  # fmt: skip
         }

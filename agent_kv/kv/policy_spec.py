@@ -1,7 +1,8 @@
 """The settings of a policy as a user gives them (command line, a sweep's job): a name, a
 budget in tokens or in KV bytes, policy parameters as `KEY=VALUE` text, mixed precision, the
-positions mode and the cold tier's recall settings, checked before the model loads (`PolicySpec.parse`) and turned into a
-policy once the model's bytes per token are known (`PolicySpec.build`).
+positions mode and the cold tier's recall settings, checked before the model loads
+(`PolicySpec.parse`) and turned into a policy once the model's bytes per token are known
+(`PolicySpec.build`).
 """
 
 from __future__ import annotations

@@ -405,7 +405,9 @@ class LayerStore:
         values = [self.values[row, :, fp].float()]
         if quantized.numel():
             groups = self.q_group[row, quantized]
-            keys.insert(0, dequantize(self.q_keys[row, :, quantized], self.key_scales[row][:, groups]))
+            keys.insert(
+                0, dequantize(self.q_keys[row, :, quantized], self.key_scales[row][:, groups])
+            )
             values.insert(
                 0, dequantize(self.q_values[row, :, quantized], self.value_scales[row][:, groups])
             )
@@ -979,7 +981,9 @@ class KVStore:
         last recall brought back, or None when not recalling or before any recall."""
         if not self.recalling or self.cold.held[layer_idx][row] is None:
             return None
-        return torch.isin(self.layers[layer_idx].live_positions(row), self.cold.held[layer_idx][row])
+        return torch.isin(
+            self.layers[layer_idx].live_positions(row), self.cold.held[layer_idx][row]
+        )
 
     @property
     def peak_cold_bytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies.arkv import Arkv, BaseOrigin
 from agent_kv.kv.policies.base import Policy, check_budget
 from agent_kv.kv.policies.base_quant import BaseQuant
@@ -18,7 +19,6 @@ from agent_kv.kv.policies.random_eviction import RandomEviction
 from agent_kv.kv.policies.snapkv import SnapKV
 from agent_kv.kv.policies.window import SlidingWindow
 from agent_kv.kv.policy_names import check_policy_name, split_recall
-from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.store import Int8Config, KVStore
 
 POLICIES: dict[str, type[Policy]] = {

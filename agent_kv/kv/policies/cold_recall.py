@@ -55,8 +55,9 @@ class ColdRecall(Policy):
         return f"ColdRecall({self.inner!r}, {self.config!r})"
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, ColdRecall) and (self.inner, self.config) == (other.inner, other.config)
+        return isinstance(other, ColdRecall) and (self.inner, self.config) == (
+            other.inner,
+            other.config,
         )
 
     @property
