@@ -396,6 +396,28 @@ def trace_command(
     typer.echo(str(path))
 
 
+def _eval_policies(text: str, experiments: list[str]) -> list[str]:
+    """The policy names of `eval --policies`, checked without torch.
+
+    Raises:
+        ConfigError: an empty list, an unknown name, or an experiment without a policy list.
+    """
+    from agent_kv.evals import POLICY_EXPERIMENTS
+    from agent_kv.kv.policy_names import check_policy_name
+
+    others = [name for name in experiments if name not in POLICY_EXPERIMENTS]
+    if others:
+        raise ConfigError(
+            f"--policies applies to {' and '.join(POLICY_EXPERIMENTS)}, not {', '.join(others)}"
+        )
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--policies needs at least one policy name")
+    for name in names:
+        check_policy_name(name)
+    return names
+
+
 @app.command("eval")
 def eval_command(
     experiment: Annotated[
@@ -412,6 +434,13 @@ def eval_command(
         Path | None,
         typer.Option(help="A long text file instead of the Debian licence texts."),
     ] = None,
+    policies: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated policies for needle or arkv instead of their own list (e.g. "
+            "kvzip,h2o+recall; arkv keeps full, its reference)."
+        ),
+    ] = None,
     model: ModelOption = None,
     threads: ThreadsOption = None,
 ) -> None:
@@ -424,6 +453,9 @@ def eval_command(
     try:
         thread_setting.choose(threads)
         names = experiment_names(experiment)
+        chosen = None
+        if policies is not None:
+            chosen = _eval_policies(policies, names)
         body = licence_text(text)
         _writable_dir(out)
     except (ValueError, AgentKVError) as err:
@@ -433,7 +465,7 @@ def eval_command(
     try:
         loaded = load_model(model)
         text_ids = loaded.tokenizer(body, add_special_tokens=False)["input_ids"]
-        reports = run_experiments(names, loaded, text_ids, out, quick)
+        reports = run_experiments(names, loaded, text_ids, out, quick, policies=chosen)
     except AgentKVError as err:
         fail(str(err))
     except OSError as err:

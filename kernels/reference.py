@@ -331,10 +331,13 @@ def sampled_mass(
     segments: list[Segment],
     scaling: float,
     whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    reduce: str = "sum",
 ) -> list[torch.Tensor]:
     """The attention mass per stored token from a sample of a call's queries: the mass of
     `segmented_attention`, summed over the queries at `offsets` only, each under its own
-    causal limit (query i of the call sees slots `j <= lengths[b] - q + i`).
+    causal limit (query i of the call sees slots `j <= lengths[b] - q + i`); with
+    `reduce="max"`, the largest probability any of those queries and query heads gave the
+    token instead (KVzip's importance, Kim et al. 2025, §3.2).
 
     Args:
         query: `[B, Hq, q, D]`, the call's queries.
@@ -342,6 +345,7 @@ def sampled_mass(
         segments: as for `segmented_attention`.
         scaling: softmax scale.
         whole: `read_whole(segments, q, ...)` when the caller has it already.
+        reduce: `"sum"` or `"max"` over the queries and the query heads of a KV head.
 
     Returns:
         `[mass [B, Hkv, L_s] float32 per segment]`; masked slots get zero mass.
@@ -358,7 +362,10 @@ def sampled_mass(
         logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*s, L]
         seen = visible[:, :, chosen].repeat(1, 1, group, 1)  # row g*s + i is query i
         probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
-        mass += probs.sum(dim=-2)
+        if reduce == "max":
+            mass = torch.maximum(mass, probs.amax(dim=-2))
+        else:
+            mass += probs.sum(dim=-2)
     widths = [max(segment.lengths, default=0) for segment in segments]
     return _per_segment(mass, segments, widths)
 

@@ -11,12 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent_kv.errors import ConfigError
+from agent_kv.harness.bench import make_jobs
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policies.cold_recall import ColdRecall
+from agent_kv.kv.policy_names import check_policy_name
+from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sequence import Sequence
+from envs.tasks import load_task
 from kernels.int8 import quantize_groups
 from kernels.page_digest import digest_bound, key_digest
 
@@ -195,3 +199,25 @@ def test_a_session_with_a_cold_tier_saves_restores_and_continues_identically(
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
     assert restored.store.cold.recalled_tokens == session.store.cold.recalled_tokens
+
+
+def test_recall_settings_come_from_the_command_line_and_policy_names():
+    spec = PolicySpec.parse(
+        "h2o", 256, None, recall=True, recall_params=["pages=2", "cap_bytes=1MB", "score=digest"]
+    )
+    assert spec.recall == ColdConfig(pages=2, cap_bytes=1_000_000, score="digest")
+    policy = spec.build(bytes_per_token=1)
+    assert isinstance(policy, ColdRecall) and policy.inner.budget_tokens == 256
+    assert policy.params()["recall"]["pages"] == 2
+    named = PolicySpec.parse("conf-kv+recall", 512, None)
+    assert named.name == "conf-kv" and named.recall == ColdConfig()
+    with pytest.raises(ConfigError, match="needs --recall"):
+        PolicySpec.parse("h2o", 256, None, recall_params=["pages=2"])
+    with pytest.raises(ConfigError, match="no parameter 'page'"):
+        PolicySpec.parse("h2o", 256, None, recall=True, recall_params=["page=2"])
+    with pytest.raises(ConfigError, match="nothing to recall"):
+        PolicySpec.parse("full+recall", None, None)
+    with pytest.raises(ConfigError, match=r"\+recall"):
+        check_policy_name("h2o+recal")
+    jobs = make_jobs([load_task("401")], ["full", "h2o+recall"], [256])
+    assert [(j.policy, j.budget) for j in jobs] == [("full", None), ("h2o+recall", 256)]

@@ -13,7 +13,8 @@ Each experiment is a module with `run(ctx: EvalContext) -> Report`:
 - `latency`: decode step time and throughput against context length and batch size.
 - `arkv`: ARKV and its baselines on long-context key-value retrieval.
 
-`--quick` sizes run in minutes on two CPU cores; the tests run them.
+`--quick` sizes run in minutes on two CPU cores; the tests run them. `--policies` runs
+`needle` or `arkv` on other policies (any name `make_policy` takes, `+recall` included).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from agent_kv.evals.report import SUMMARY, EvalContext, Report
 from agent_kv.runtime.model_loading import LoadedModel
 
 EXPERIMENTS = ["perplexity", "ablations", "needle", "mechanistic", "latency", "arkv"]
+POLICY_EXPERIMENTS = ("needle", "arkv")
+"""The experiments whose policy list `--policies` replaces (arkv keeps `full`, its
+reference)."""
 
 
 def experiment_names(name: str) -> list[str]:
@@ -51,9 +55,11 @@ def run_experiments(
     out: Path,
     quick: bool = False,
     log: Callable[[str], None] | None = None,
+    policies: list[str] | None = None,
 ) -> list[Report]:
     """Run `names` in turn, writing each under `out/NAME`; with more than one, also write
     `out/summary.md` gathering them (rewritten after each, so finished ones stay written).
+    `policies` replaces the policy list of the experiments in `POLICY_EXPERIMENTS`.
 
     Raises:
         OSError: `out` cannot be written.
@@ -65,7 +71,7 @@ def run_experiments(
         directory.mkdir(parents=True, exist_ok=True)
         module = importlib.import_module(f"agent_kv.evals.{name}")
         log(f"eval {name}{' (quick)' if quick else ''}: writing under {directory}")
-        report = module.run(EvalContext(loaded, text_ids, quick, directory, log))
+        report = module.run(EvalContext(loaded, text_ids, quick, directory, log, policies))
         report.write(directory)
         reports.append(report)
         if len(names) > 1:

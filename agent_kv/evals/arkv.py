@@ -36,7 +36,9 @@ from agent_kv.runtime.sampling import SamplingParams
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "grey"]
 THINGS = ["door", "box", "car", "lamp", "chair", "boat", "clock", "bag", "gate", "cup"]
-BUDGETED = ["window", "arkv", "base-origin", "conf-kv+arkv", "window+recall", "arkv+recall"]
+BUDGETED = [
+    "window", "arkv", "base-origin", "conf-kv+arkv", "kvzip", "window+recall", "arkv+recall",
+]  # fmt: skip
 """`+recall`: the same policy at the same hot budget, its evictions kept in a cold tier and
 recalled by each question's queries (`agent_kv.kv.policies.cold_recall`)."""
 UNBUDGETED = ["full", "base-quant"]
@@ -162,6 +164,11 @@ def run(ctx: EvalContext) -> Report:
     sizes = QUICK if ctx.quick else FULL
     loaded = ctx.loaded
     rows = labels(sizes)
+    if ctx.policies:
+        rows = {k: v for k, v in rows.items() if v[0] == "full" or v[0] in ctx.policies}
+        for name in ctx.policies:
+            budgets = [None] if not POLICIES[split_recall(name)[0]].takes_budget else sizes.budgets
+            rows |= {f"{name} {b}" if b else name: (name, b) for b in budgets}
     engines = {
         label: Engine(
             loaded.model,

@@ -37,9 +37,14 @@ from agent_kv.kv.policy_names import split_recall
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
-POLICIES = ["full", "window", "h2o", "conf-kv", "window+recall", "h2o+recall", "conf-kv+recall"]
-"""Each policy with and without its cold tier and recall (`+recall`, at the same hot budget:
-`agent_kv.kv.policies.cold_recall`), side by side on the same contexts."""
+POLICIES = [
+    "full", "window", "h2o", "conf-kv", "kvzip",
+    "window+recall", "h2o+recall", "conf-kv+recall",
+]  # fmt: skip
+"""The default policies (`agent-kv eval needle --policies` picks others): each with and without
+its cold tier and recall (`+recall`, at the same hot budget:
+`agent_kv.kv.policies.cold_recall`), and KVzip's query-agnostic reconstruction score, side
+by side on the same contexts."""
 # StreamingLLM's window keeps 4 attention sinks (within its budget). Without them SmolLM2 loses
 # the thread even with the needle inside the window: at depth 100% the window without sinks
 # answered 1 of 4 probes (512 and 2K tokens), with 4 sinks 4 of 4.
@@ -112,6 +117,7 @@ def run(ctx: EvalContext) -> Report:
         ValueError: the text is shorter than the longest context.
     """
     size = QUICK if ctx.quick else FULL
+    policies = ctx.policies or POLICIES
     model, tokenizer = ctx.loaded.model, ctx.loaded.tokenizer
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     rows = [(n, False) for n in size.lengths] + [(n, True) for n in size.rerotate_lengths]
@@ -127,7 +133,7 @@ def run(ctx: EvalContext) -> Report:
             prefill_chunk=size.prefill_chunk,
             rerotate=rerotate,
         )
-        for name in POLICIES
+        for name in policies
         for rerotate in sorted({r for _, r in rows})
         if not (name == "full" and rerotate)
     }
@@ -149,7 +155,7 @@ def run(ctx: EvalContext) -> Report:
             breaks = line_breaks(haystack, tokenizer)
             for depth in size.depths:
                 context, at = insert_needle(haystack, needle, depth, breaks)
-                for name in POLICIES:
+                for name in policies:
                     if name == "full" and rerotate:
                         continue
                     engine = engines[(name, rerotate)]
@@ -180,7 +186,7 @@ def run(ctx: EvalContext) -> Report:
                         f"{reply.text!r} {'right' if right else 'wrong'} ({reply.ttft_s:.1f} s)"
                     )
     labels = [_label(n, r) for n, r in rows]
-    return _report(ctx, size, labels, trials)
+    return _report(ctx, size, labels, trials, policies)
 
 
 def _recall_s(store) -> float:
@@ -217,7 +223,9 @@ def _recall_share(trials: list[dict]) -> str:
     return f"{sum(t['recall_s'] for t in trials) / prefill:.1%}"
 
 
-def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict]) -> Report:
+def _report(
+    ctx: EvalContext, size: Size, labels: list[str], trials: list[dict], policies: list[str]
+) -> Report:
     def picked(**match) -> list[dict]:
         return [t for t in trials if all(t[k] == v for k, v in match.items())]
 
@@ -230,7 +238,7 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
             "right": sum(t["right"] for t in hits),
             "accuracy": _accuracy(hits),
         }
-        for name in POLICIES
+        for name in policies
         for label in labels
         for depth in size.depths
     ]
@@ -246,7 +254,7 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
         "Recall's share of the prefill time (all trials of a length)", ["policy", *labels]
     )
     overall = {}
-    for name in POLICIES:
+    for name in policies:
         per_length = [_accuracy(picked(policy=name, length=label)) for label in labels]
         overall[name] = _accuracy(picked(policy=name))
         accuracy.add(
@@ -257,7 +265,7 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
             recall_cost.add(
                 name, *(_recall_share(picked(policy=name, length=label)) for label in labels)
             )
-    figure = _heatmap(ctx, size, labels, cells)
+    figure = _heatmap(ctx, size, labels, cells, policies)
     per_cell = f"{size.seeds} trial{'s' if size.seeds > 1 else ''}"
     setup = (
         f"{ctx.loaded.name}, greedy. Each trial hides a 5-digit pass key "
@@ -311,14 +319,16 @@ def _report(ctx: EvalContext, size: Size, labels: list[str], trials: list[dict])
     )
 
 
-def _heatmap(ctx: EvalContext, size: Size, labels: list[str], cells: list[dict]) -> str:
+def _heatmap(
+    ctx: EvalContext, size: Size, labels: list[str], cells: list[dict], policies: list[str]
+) -> str:
     """One panel per policy: depth (rows) x length (columns), colour = accuracy."""
     import matplotlib
     import numpy as np
 
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")  # grey: n/a
-    fig, axes = new_figure(ncols=len(POLICIES), width=3.2 * len(POLICIES), height=3.6)
-    for ax, name in zip(axes, POLICIES, strict=True):
+    fig, axes = new_figure(ncols=len(policies), width=3.2 * len(policies), height=3.6)
+    for ax, name in zip(axes, policies, strict=True):
         grid = np.full((len(size.depths), len(labels)), np.nan)
         for cell in cells:
             if cell["policy"] == name and cell["accuracy"] is not None:

@@ -110,6 +110,8 @@ class EvalContext:
         quick: run the minutes-long size (the one CI tests) instead of the full one.
         out: the experiment's output directory (exists).
         log: prints one progress line (to stderr).
+        policies: the policies an experiment that compares a list of them runs (needle,
+            arkv; `POLICY_EXPERIMENTS`), None for its own list.
     """
 
     loaded: LoadedModel
@@ -117,6 +119,7 @@ class EvalContext:
     quick: bool
     out: Path
     log: Callable[[str], None]
+    policies: list[str] | None = None
 
 
 def save_figure(fig, path: Path) -> str:

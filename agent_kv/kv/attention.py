@@ -104,6 +104,8 @@ def store_attention(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_len = query.shape[2]
+    if kv_store.reconstructing:
+        return _reconstruction_attention(module, query, kv_store, scale), None
     if kv_store.recall_due(query_len):
         kv_store.recall(module.layer_idx, query, scale)
     segments = kv_store.segments(module.layer_idx)
@@ -127,6 +129,23 @@ def store_attention(
         stats = attention_profile(window, segments, scale, whole)
         kv_store.record_profile(module.layer_idx, stats)
     return out, None
+
+
+def _reconstruction_attention(
+    module: torch.nn.Module, query: torch.Tensor, kv_store, scale: float
+) -> torch.Tensor:
+    """A reconstruction call's attention (`KVStore.reconstructing`, KVzip): the output, and
+    for the store every cached token's largest attention probability over all the call's
+    queries and query heads (`KVStore.record_reconstruction`); no other statistic, no
+    recall."""
+    segments = kv_store.segments(module.layer_idx)
+    query_len = query.shape[2]
+    whole = read_whole(segments, query_len, query.device)
+    out = fused_attention(query, segments, scale, whole)
+    offsets = torch.arange(query_len, device=query.device)
+    maxes = sampled_mass(query, offsets, segments, scale, whole, reduce="max")
+    kv_store.record_reconstruction(module.layer_idx, maxes, query_len)
+    return out
 
 
 def no_mask(*args, **kwargs) -> None:

@@ -8,7 +8,7 @@ from agent_kv.errors import ConfigError
 
 POLICY_NAMES = (
     "full", "window", "h2o", "snapkv", "random", "conf-kv", "conf-kv-l",
-    "arkv", "base-quant", "base-origin", "conf-kv+arkv",
+    "arkv", "base-quant", "base-origin", "conf-kv+arkv", "kvzip",
 )  # fmt: skip
 """The names of `agent_kv.kv.policies.POLICIES`, in its order."""
 RECALL_SUFFIX = "+recall"

@@ -56,7 +56,10 @@ SEGMENT_OF_BUFFER = {
 }  # fmt: skip
 """Each buffer of `LayerStore` (besides the metadata): the segment whose slots it holds and
 the dimension of those slots."""
-META_FIELDS = ("positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2", "window_mass")
+META_FIELDS = (
+    "positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2", "window_mass",
+    "reconstruction",
+)  # fmt: skip
 """Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
 
 
@@ -265,6 +268,9 @@ class LayerStore:
         window_mass: `[B, kv_heads, meta_capacity]` float32, the attention each token received
             from the last observation window (SnapKV, see `KVStore.record_window`); 0 for
             tokens that arrived after it.
+        reconstruction: same shape, the largest attention probability each token received
+            from a reconstruction pass (KVzip, `KVStore.record_reconstruction`); 0 for
+            tokens no pass has seen.
         appended: tokens ever appended per row (the next original position).
     """
 
@@ -295,6 +301,7 @@ class LayerStore:
         self.hit_mean = torch.zeros_like(self.scores)
         self.hit_m2 = torch.zeros_like(self.scores)
         self.window_mass = torch.zeros_like(self.scores)
+        self.reconstruction = torch.zeros_like(self.scores)
         self._fit_fp(CAPACITY_STEP)
         self._fit_meta(CAPACITY_STEP)
 
@@ -607,6 +614,9 @@ class KVStore:
         from there on (the window and what came after it) have no `window_mass` of their own."""
         self.cold: ColdTier | None = None
         """Where evicted tokens go instead of being lost (`attach_cold`), or None."""
+        self.reconstructing = False
+        """Whether the current forward call is a reconstruction pass (KVzip): its attention
+        only records `reconstruction` maxima, and its tokens are truncated away after it."""
         self.recalling = False
         """Whether the current forward call and policy step use the cold tier: evictions go
         there and recalls come from it. The policy says so before every call
@@ -653,8 +663,12 @@ class KVStore:
         per_channel = 1 + layer.key_scales.element_size() / group
         return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * per_channel
 
-    def begin_forward(self, rows: range, n: int) -> torch.Tensor:
+    def begin_forward(self, rows: range, n: int, start: int | None = None) -> torch.Tensor:
         """Declare the next model call: `n` new tokens for each of the contiguous `rows`.
+
+        Args:
+            start: the first rotary position of the call for every row, instead of the
+                default (a reconstruction pass that must stay inside the trained context).
 
         Returns:
             `position_ids` `[len(rows), n]` for the call: tokens seen onward (original
@@ -666,7 +680,9 @@ class KVStore:
         """
         if not rows or rows.step != 1 or rows.start < 0 or rows.stop > self.batch or n < 1:
             raise ValueError(f"rows must be a non-empty ascending range within {self.batch}")
-        if self.rotary is None:
+        if start is not None:
+            starts = [start] * len(rows)
+        elif self.rotary is None:
             starts = [self.seen(r) for r in rows]
         else:
             starts = [max(layer.length(r) for layer in self.layers) for r in rows]
@@ -834,6 +850,27 @@ class KVStore:
             scores[:, first_new:] = step[:, first_new:]
             layer.accumulated[row, :, :n].add_(mass, alpha=weight)
             _welford(layer, row, step * n, first_new)
+
+    def record_reconstruction(
+        self, layer_idx: int, maxes: list[torch.Tensor], query_len: int
+    ) -> None:
+        """Fold a reconstruction pass's attention into the layer's `reconstruction` scores,
+        for the current rows: each token the pass did not add keeps the larger of its score
+        and the pass's (KVzip, Kim et al. 2025, §3.2: a token matters as much as the most any
+        reconstruction query attends to it).
+
+        Args:
+            maxes: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
+                largest attention probability each slot received from the pass's queries and
+                the query heads of its KV head (`kernels.reference.sampled_mass`).
+            query_len: the pass's tokens, the last `query_len` of each row (not scored).
+        """
+        layer = self.layers[layer_idx]
+        for i, row in enumerate(self._rows):
+            best = _logical_mass(layer, maxes, i, row)  # [kv_heads, length]
+            old = best.shape[1] - query_len
+            kept = layer.reconstruction[row, :, :old]
+            torch.maximum(kept, best[:, :old], out=kept)
 
     def record_window(self, layer_idx: int, masses: list[torch.Tensor], observed: int) -> None:
         """Keep one forward call's observation-window attention as the layer's `window_mass`

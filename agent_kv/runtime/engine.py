@@ -23,6 +23,7 @@ from agent_kv.errors import ConfigError, TurnCancelled
 from agent_kv.kv.cache import StoreCache
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
@@ -96,6 +97,7 @@ class Engine:
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.store_options = {"int8": int8, "rerotate": rerotate}
+        self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
         if rerotate:
             Rotary.from_model(model)  # fail at configuration time for models without RoPE
         generation_config = getattr(model, "generation_config", None)
@@ -185,12 +187,43 @@ class Engine:
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
             logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
+            if self.policy.reconstructs and len(chunk) > 1:  # a decoded token: none
+                self._reconstruct(cache.store, cache, row, chunk)
             # Inside a prompt the logits after a chunk boundary say nothing about the reply:
             # only the last chunk's confidence gates the budget (None = no signal).
             self._apply_policy(cache.store, range(row, row + 1), logits, [last_chunk], [records])
             if fed is not None:
                 fed(chunk, logits[0])
         return logits[0]
+
+    def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
+        """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
+        the repeat prompt and the chunk fed once more, every cached token's largest attention
+        from them recorded (`KVStore.record_reconstruction`), then the pass's tokens
+        truncated away, so the cache is as before but for those scores. The pass's rotary
+        positions follow the row's, moved back as far as needed to stay inside the model's
+        trained context (only at its very end do they overlap the chunk's)."""
+        if self._repeat_ids is None:
+            self._repeat_ids = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+        tokens = self._repeat_ids + chunk
+        seen = store.seen(row)
+        start = seen if store.rotary is None else max(lay.length(row) for lay in store.layers)
+        if store.max_positions:
+            start = max(min(start, store.max_positions - len(tokens)), 0)
+        position_ids = store.begin_forward(range(row, row + 1), len(tokens), start=start)
+        store.reconstructing = True
+        try:
+            self.model(
+                input_ids=torch.tensor([tokens], device=position_ids.device),
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                kv_store=store,
+            )
+        finally:
+            store.reconstructing = False
+            store.truncate(seen, row)
 
     def _apply_policy(
         self,

@@ -15,6 +15,7 @@ from agent_kv.kv.policies.conf_kv_arkv import ConfKVArkv
 from agent_kv.kv.policies.conf_kv_l import ConfKVL
 from agent_kv.kv.policies.full import FullKV
 from agent_kv.kv.policies.h2o import H2O
+from agent_kv.kv.policies.kvzip import KVzip
 from agent_kv.kv.policies.random_eviction import RandomEviction
 from agent_kv.kv.policies.snapkv import SnapKV
 from agent_kv.kv.policies.window import SlidingWindow
@@ -25,7 +26,7 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         FullKV, SlidingWindow, H2O, SnapKV, RandomEviction, ConfKV, ConfKVL,
-        Arkv, BaseQuant, BaseOrigin, ConfKVArkv,
+        Arkv, BaseQuant, BaseOrigin, ConfKVArkv, KVzip,
     )
 }  # fmt: skip
 
@@ -37,7 +38,7 @@ def make_policy(
 
     Args:
         name: one of `POLICIES` (`full`, `window`, `h2o`, `snapkv`, `random`, `conf-kv`,
-            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`), optionally
+            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`, `kvzip`), optionally
             with the suffix `+recall`: the policy wrapped in `ColdRecall`.
         budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
             for `window`; the budget (half of it recent) for `h2o`; the budget for `snapkv`
@@ -122,6 +123,7 @@ __all__ = [
     "ColdRecall",
     "FullKV",
     "H2O",
+    "KVzip",
     "Policy",
     "RandomEviction",
     "SlidingWindow",

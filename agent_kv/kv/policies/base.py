@@ -47,6 +47,9 @@ class Policy(ABC):
     manages_precision: ClassVar[bool] = False
     """The policy quantizes tokens itself (ARKV's tiers): it cannot share a store with
     age-based mixed precision (`Int8Config`)."""
+    reconstructs: ClassVar[bool] = False
+    """The engine runs a reconstruction pass after each prefill chunk, before the policy
+    steps (KVzip, `agent_kv.kv.policies.kvzip`)."""
     protect_recent: int = 0
     sinks: int = 0
     evict_slack: int = 32

@@ -74,6 +74,10 @@ class ColdRecall(Policy):
         return self.inner.manages_precision
 
     @property
+    def reconstructs(self) -> bool:
+        return self.inner.reconstructs
+
+    @property
     def protect_recent(self) -> int:
         return self.inner.protect_recent
 
