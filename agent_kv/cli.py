@@ -44,8 +44,9 @@ def fail(message: str) -> None:
 PolicyOption = Annotated[
     str,
     typer.Option(
-        help="KV policy: conf-kv, conf-kv-l, h2o, snapkv, window, random, full, or ARKV's arkv, "
-        "base-quant, base-origin, conf-kv+arkv."
+        help="KV policy: conf-kv, conf-kv-l, h2o, snapkv, window, random, full, ARKV's arkv, "
+        "base-quant, base-origin, conf-kv+arkv, or KVzip's kvzip; NAME+recall adds a cold tier "
+        "with recall (see --recall)."
     ),
 ]
 BudgetOption = Annotated[

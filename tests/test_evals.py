@@ -160,6 +160,9 @@ def test_arkv_quick(smollm, text_ids, tmp_path):
         "arkv 256",
         "base-origin 256",
         "conf-kv+arkv 256",
+        "kvzip 256",
+        "window+recall 256",
+        "arkv+recall 256",
     ]
     for row in policies.values():
         assert row["asked"] == 2 == len(row["answers"])
@@ -174,4 +177,16 @@ def test_arkv_quick(smollm, text_ids, tmp_path):
         assert policies[label]["mean_held_bytes"] < full_held
     # ARKV holds at most the bytes of its budget in FP tokens (46,080 bytes each, all layers)
     assert policies["arkv 256"]["mean_held_bytes"] <= 256 * 46_080
-    assert len(report.tables) == 1 and len(report.tables[0].rows) == 6
+    # with recall the hot tier holds what the policy's budget allows, the cold tier apart
+    assert policies["arkv+recall 256"]["mean_held_bytes"] <= 256 * 46_080
+    assert (
+        policies["arkv+recall 256"]["peak_cold_bytes"]
+        > 0
+        == policies["arkv 256"]["peak_cold_bytes"]
+    )
+    assert len(report.tables) == 1 and len(report.tables[0].rows) == 9
+
+
+def test_arkv_policies_replaces_the_list_and_keeps_full(smollm, text_ids, tmp_path):
+    run_experiments(["arkv"], smollm, text_ids, tmp_path, quick=True, policies=["h2o+recall"])
+    assert list(_results(tmp_path / "arkv")["policies"]) == ["full", "h2o+recall 256"]
