@@ -159,12 +159,15 @@ class ColdTier:
         self.config.validate()
         self.pages = [[[] for _ in range(self.batch)] for _ in range(self.num_layers)]
         self.held = [[None] * self.batch for _ in range(self.num_layers)]
+        self._row_bytes = [0] * self.batch
 
     def nbytes(self, row: int | None = None) -> int:
         """Exact bytes of the pages of one row or (None) all rows."""
-        if row is None:
-            return self._bytes
-        return sum(page.nbytes() for layer in self.pages for page in layer[row])
+        return self._bytes if row is None else self._row_bytes[row]
+
+    def _count(self, row: int, nbytes: int) -> None:
+        self._bytes += nbytes
+        self._row_bytes[row] += nbytes
 
     def tokens(self, layer: int, row: int = 0) -> int:
         """Tokens held in the cold pages of one layer's row."""
@@ -207,7 +210,7 @@ class ColdTier:
             page.kmin, page.kmax = kmin.to(DIGEST_DTYPE), kmax.to(DIGEST_DTYPE)
             self._serial += 1
             self.pages[layer][row].append(page)
-            self._bytes += page.nbytes()
+            self._count(row, page.nbytes())
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         self._enforce_cap()
 
@@ -221,10 +224,12 @@ class ColdTier:
 
     def _enforce_cap(self) -> None:
         while self._bytes > self.config.cap_bytes:
-            holders = [pages for layer in self.pages for pages in layer if pages]
-            oldest = min(holders, key=lambda pages: pages[0].serial)
+            holders = [
+                (pages, row) for layer in self.pages for row, pages in enumerate(layer) if pages
+            ]
+            oldest, row = min(holders, key=lambda held: held[0][0].serial)
             page = oldest.pop(0)
-            self._bytes -= page.nbytes()
+            self._count(row, -page.nbytes())
             self.dropped_tokens += page.positions.numel()
 
     def page_scores(self, layer: int, row: int, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -282,7 +287,7 @@ class ColdTier:
         picked = set(torch.topk(scores, min(self.config.pages, len(pages))).indices.tolist())
         taken = [page for i, page in enumerate(pages) if i in picked]
         self.pages[layer][row] = [page for i, page in enumerate(pages) if i not in picked]
-        self._bytes -= sum(page.nbytes() for page in taken)
+        self._count(row, -sum(page.nbytes() for page in taken))
         positions = torch.cat([page.positions for page in taken])
         keys, values = zip(*(page.dequantized() for page in taken), strict=True)
         order = torch.argsort(positions)
@@ -321,5 +326,7 @@ class ColdTier:
         counters = state["counters"]
         tier.dropped_tokens, tier.recalled_tokens, tier.peak_bytes, tier._serial = counters[:4]
         tier.recall_s = counters[4]
-        tier._bytes = sum(p.nbytes() for layer in tier.pages for row in layer for p in row)
+        for layer in tier.pages:
+            for row, pages in enumerate(layer):
+                tier._count(row, sum(page.nbytes() for page in pages))
         return tier
