@@ -236,7 +236,7 @@ def _run(task, spec: PolicySpec, model_path, config, prefill_chunk, observation,
     from envs.server import SiteServers
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    trace_dir = out / f"task{task.task_id}-{spec.name}-{stamp}"
+    trace_dir = out / f"task{task.task_id}-{spec.label}-{stamp}"
     # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers, observation=observation) as env:
         started = time.perf_counter()

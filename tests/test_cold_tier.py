@@ -94,7 +94,9 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
         store.append(idx, new, new)
     query = keys[:, :, 5:6] * 10  # [1, Hq = H, 1, D]
     assert store.recall_due(1) is False  # decode tokens recall only with `every`
+    assert store.evicted_tokens == 24
     assert store.recall(0, query, 1.0) == 4
+    assert store.evicted_tokens == 20  # recalled tokens are no longer evicted
     layer = store.layers[0]
     assert layer.live_positions().tolist() == [0, 1, 2, 3, 4, 5, 14, 15, 16]
     codes, scales = quantize_groups(keys[0, :, 2:6], 4)
@@ -144,6 +146,8 @@ def test_settings_are_checked():
         ColdConfig(score="best").validate()
     with pytest.raises(ConfigError, match="fmt"):
         ColdConfig(fmt="int4").validate()
+    with pytest.raises(ConfigError, match="holds nothing"):
+        ColdConfig(cap_bytes=0).validate()
     with pytest.raises(ConfigError, match="nothing to recall"):
         ColdRecall(make_policy("full"), ColdConfig())
     inner = make_policy("h2o", budget=64)
@@ -211,6 +215,9 @@ def test_recall_settings_come_from_the_command_line_and_policy_names():
     assert policy.params()["recall"]["pages"] == 2
     named = PolicySpec.parse("conf-kv+recall", 512, None)
     assert named.name == "conf-kv" and named.recall == ColdConfig()
+    assert named.label == "conf-kv+recall" and spec.label == "h2o+recall"
+    with pytest.raises(ConfigError, match="--recall-param takes KEY=VALUE"):
+        PolicySpec.parse("h2o", 256, None, recall=True, recall_params=["pages"])
     with pytest.raises(ConfigError, match="needs --recall"):
         PolicySpec.parse("h2o", 256, None, recall_params=["pages=2"])
     with pytest.raises(ConfigError, match="no parameter 'page'"):

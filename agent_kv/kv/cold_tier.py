@@ -73,8 +73,13 @@ class ColdConfig:
                 raise ConfigError(f"recall {name} must be a whole number >= 1, got {value!r}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ConfigError(f"recall every must be a whole number >= 0, got {self.every!r}")
-        if not isinstance(self.cap_bytes, int) or self.cap_bytes < 0:
-            raise ConfigError(f"recall cap_bytes must be bytes >= 0, got {self.cap_bytes!r}")
+        if isinstance(self.cap_bytes, bool) or not isinstance(self.cap_bytes, int):
+            raise ConfigError(f"recall cap_bytes must be a number of bytes, got {self.cap_bytes!r}")
+        if self.cap_bytes < 1:
+            raise ConfigError(
+                f"recall cap_bytes must be >= 1 (a cold tier that holds nothing recalls "
+                f"nothing), got {self.cap_bytes}"
+            )
         if self.score not in SCORERS:
             raise ConfigError(
                 f"recall score must be one of {', '.join(SCORERS)}, got {self.score!r}"

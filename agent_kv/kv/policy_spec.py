@@ -24,7 +24,8 @@ UNCHECKED_BUDGET = 2**40
 @dataclass
 class PolicySpec:
     """A policy and its store options as the command line gives them; a byte budget needs
-    the model to become tokens."""
+    the model to become tokens. `name` is the policy's own name (a `+recall` suffix becomes
+    `recall`); `label` names the whole setting."""
 
     name: str
     budget: int | None
@@ -33,6 +34,11 @@ class PolicySpec:
     int8: Int8Config | None
     rerotate: bool
     recall: ColdConfig | None = None
+
+    @property
+    def label(self) -> str:
+        """The policy's name, with `+recall` when the cold tier is on (`h2o+recall`)."""
+        return self.name + ("+recall" if self.recall is not None else "")
 
     @classmethod
     def parse(
@@ -74,7 +80,7 @@ class PolicySpec:
             raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
         check_policy_name(name)
         name, named_recall = split_recall(name)
-        recall_items = parse_params(recall_params or [])
+        recall_items = parse_params(recall_params or [], "--recall-param")
         if recall_items and not (recall or named_recall):
             raise ConfigError("--recall-param sets the cold tier: it needs --recall")
         if isinstance(recall_items.get("cap_bytes"), str):
@@ -129,9 +135,10 @@ class PolicySpec:
         return make_policy(self.name, budget=budget, recall=self.recall, **self.params)
 
 
-def parse_params(items: list[str]) -> dict:
+def parse_params(items: list[str], flag: str = "--param") -> dict:
     """`["gamma=0.5", "quantized=int8"]` -> `{"gamma": 0.5, "quantized": "int8"}`: each value
-    read as an integer, a number, true/false, or else kept as text.
+    read as an integer, a number, true/false, or else kept as text; `flag` names the option
+    in errors.
 
     Raises:
         ConfigError: an item without `=` or with an empty key.
@@ -140,7 +147,7 @@ def parse_params(items: list[str]) -> dict:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--param takes KEY=VALUE, got {item!r}")
+            raise ConfigError(f"{flag} takes KEY=VALUE, got {item!r}")
         params[key.strip()] = _param_value(text.strip())
     return params
 

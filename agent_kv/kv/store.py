@@ -971,7 +971,8 @@ class KVStore:
         before the call's attention reads it; returns the tokens recalled.
 
         The call's last `ColdConfig.queries` queries score the pages (`ColdTier.recall`); the
-        recalled tokens go back at their original positions (`LayerStore.insert`) with fresh
+        recalled tokens leave the `evicted_tokens` count (an eviction that was undone) and go
+        back at their original positions (`LayerStore.insert`) with fresh
         statistics, and the policy keeps them first until the layer's next recall
         (`held_mask`), within its budget.
 
@@ -996,6 +997,7 @@ class KVStore:
             positions, keys, values = got
             layer.insert(row, keys, values, positions)
             self.changed_at[row] = self.seen(row)
+            self.evicted_tokens -= positions.numel()  # back in the cache: no longer evicted
             recalled += positions.numel()
         if recalled:
             self._note_peak()
