@@ -110,8 +110,9 @@ def store_attention(
         kv_store.recall(module.layer_idx, query, scale)
     segments = kv_store.segments(module.layer_idx)
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
-    offsets = scored_offsets(query_len, query.device)
+    offsets = None  # every query scored (the store's default)
     if query_len > SCORED_QUERIES:
+        offsets = scored_offsets(query_len, query.device)
         whole = read_whole(segments, query_len, query.device)
         out = fused_attention(query, segments, scale, whole)
         masses = sampled_mass(query, offsets, segments, scale, whole)

@@ -201,18 +201,19 @@ class ColdTier:
         for part in torch.tensor_split(order, math.ceil(m / self.config.page_tokens)):
             k_codes, k_scales = fmt.quantize(keys[:, part], part.numel())
             v_codes, v_scales = fmt.quantize(values[:, part], part.numel())
+            page_positions = positions[part].clone()
+            read = self._read_keys(dequantize(k_codes, k_scales), page_positions)
+            kmin, kmax = key_digest(read)
             page = ColdPage(
-                positions=positions[part].clone(),
+                positions=page_positions,
                 keys=k_codes,
                 values=v_codes,
                 key_scales=k_scales,
                 value_scales=v_scales,
-                kmin=torch.empty(0),
-                kmax=torch.empty(0),
+                kmin=kmin.to(DIGEST_DTYPE),
+                kmax=kmax.to(DIGEST_DTYPE),
                 serial=self._serial,
             )
-            kmin, kmax = key_digest(self._read_keys(page.dequantized()[0], page.positions))
-            page.kmin, page.kmax = kmin.to(DIGEST_DTYPE), kmax.to(DIGEST_DTYPE)
             self._serial += 1
             self.pages[layer][row].append(page)
             self._count(row, page.nbytes())

@@ -828,13 +828,15 @@ class KVStore:
         """
         layer = self.layers[layer_idx]
         device = masses[0].device
-        if scored_offsets is None:
-            scored_offsets = torch.arange(query_len, device=device)
-        scored = len(scored_offsets)
         # n_j for the new tokens: the scored queries at or after token j's offset in the call
-        seen_by = scored - torch.searchsorted(
-            scored_offsets.to(device), torch.arange(query_len, device=device)
-        )
+        if scored_offsets is None:
+            scored = query_len
+            seen_by = torch.arange(query_len, 0, -1, device=device)
+        else:
+            scored = len(scored_offsets)
+            seen_by = scored - torch.searchsorted(
+                scored_offsets.to(device), torch.arange(query_len, device=device)
+            )
         weight = query_len / scored
         for i, row in enumerate(self._rows):
             mass = _logical_mass(layer, masses, i, row)  # [kv_heads, length]

@@ -30,6 +30,14 @@ from agent_kv.kv.policies.base import Policy
 from agent_kv.kv.store import KVStore
 
 
+def _from_inner(attribute: str) -> property:
+    """A read-only property that is the wrapped policy's `attribute`."""
+    return property(
+        lambda self: getattr(self.inner, attribute),
+        doc=f"The inner policy's `{attribute}`.",
+    )
+
+
 class ColdRecall(Policy):
     """`inner` with a cold tier and query-aware recall (module docstring).
 
@@ -65,38 +73,15 @@ class ColdRecall(Policy):
         """The inner policy's name with `+recall`."""
         return f"{self.inner.name}+recall"
 
-    @property
-    def takes_budget(self) -> bool:
-        return self.inner.takes_budget
-
-    @property
-    def manages_precision(self) -> bool:
-        return self.inner.manages_precision
-
-    @property
-    def reconstructs(self) -> bool:
-        return self.inner.reconstructs
-
-    @property
-    def protect_recent(self) -> int:
-        return self.inner.protect_recent
-
-    @property
-    def sinks(self) -> int:
-        return self.inner.sinks
-
-    @property
-    def evict_slack(self) -> int:
-        return self.inner.evict_slack
-
-    @property
-    def quantized(self) -> str:
-        """The inner policy's quantized format (policies with their own quantized tier).
-
-        Raises:
-            AttributeError: the inner policy has none.
-        """
-        return self.inner.quantized
+    takes_budget = _from_inner("takes_budget")
+    manages_precision = _from_inner("manages_precision")
+    reconstructs = _from_inner("reconstructs")
+    protect_recent = _from_inner("protect_recent")
+    sinks = _from_inner("sinks")
+    evict_slack = _from_inner("evict_slack")
+    quantized = _from_inner("quantized")
+    """The inner policy's quantized format, for policies with their own quantized tier
+    (AttributeError for the others)."""
 
     def params(self) -> dict:
         """The inner policy's settings, with the cold tier's under `recall`."""
