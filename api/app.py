@@ -45,6 +45,7 @@ from agent_kv.errors import (
     KVCapacityError,
     TurnCancelled,
 )
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import Policy, check_policy_precision, make_policy
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.serving.chat_service import (
@@ -416,7 +417,8 @@ def _policy(request: NativeChatRequest, service: ChatService) -> Policy:
     the server's store."""
     spec = request.policy
     try:
-        policy = make_policy(spec.name, spec.budget, **spec.params)
+        recall = None if spec.recall is None else ColdConfig.from_params(spec.recall)
+        policy = make_policy(spec.name, spec.budget, recall=recall, **spec.params)
         check_policy_precision(policy, service.engine.store_options["int8"])
         return policy
     except ConfigError as err:

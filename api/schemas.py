@@ -171,6 +171,10 @@ class PolicyOverride(BaseModel):
     params: dict[Text, ParamCount | Number | PolicyText] = {}
     """Numbers, or short names such as ARKV's `quantized: "int8"`; `make_policy` checks each
     against its field (a 422 names the parameter)."""
+    recall: dict[Text, ParamCount | PolicyText] | None = None
+    """The cold tier's settings (`ColdConfig`: `page_tokens`, `pages`, `queries`, `every`,
+    `cap_bytes` as bytes or a size such as `"64MB"`, `fmt`, `score`); present, even empty,
+    it wraps the policy in recall as a `+recall` name does. A 422 names a bad setting."""
 
 
 class NativeChatRequest(SamplingFields):

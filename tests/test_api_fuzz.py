@@ -67,6 +67,8 @@ NESTED_VARIANTS = [
     {"policy": {"name": "conf-kv", "budget": 2**70}},
     {"policy": {"name": "h2o", "params": {"protect_recent": 10**9}}},
     {"policy": {"name": "random", "params": {"seed": 1.5}}},
+    {"policy": {"name": "h2o", "recall": {"cap_bytes": 2**70, "score": None}}},
+    {"policy": {"name": "h2o", "recall": {"page_tokens": 10**9, "every": -1}}},
 ]
 RAW_BODIES = [b"", b"null", b"[]", b"3", b'"text"', b"\xff\xfe\x00", b"[" * 5000, b'{"messages":']
 

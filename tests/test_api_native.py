@@ -98,6 +98,19 @@ async def test_native_chat_policy_override_applies_to_that_turn_only(client, ser
     assert (await client.post("/chat", json=follow)).json()["kv"]["policy"] == "conf-kv"
 
 
+async def test_a_turn_with_recall_settings_keeps_a_cold_tier(client):
+    messages = [{"role": "user", "content": "Count the words. " + "word " * 300}]
+    recall = {"pages": 2, "page_tokens": 32, "cap_bytes": "1MB"}
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "policy": {"name": "h2o", "budget": 64, "recall": recall},
+    }
+    data = (await client.post("/chat", json=body)).json()
+    assert data["kv"]["policy"] == "h2o+recall" and data["kv"]["evicted_tokens"] > 0
+    assert 0 < data["kv"]["cold_kv_bytes"] <= 1_000_000
+
+
 async def test_an_arkv_turn_quantizes_and_a_second_format_is_refused(client, service):
     messages = [{"role": "user", "content": "Count the words. " + "word " * 400}]
     arkv = {"name": "arkv", "budget": 160, "params": {"protect_recent": 32}}
@@ -145,6 +158,11 @@ async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, ser
         ({"policy": {"name": "arkv", "params": {"quantized": "fp4"}}}, 422, "policy"),
         ({"policy": {"name": "window", "params": {"window": "big"}}}, 422, "policy"),
         ({"policy": {"name": "window", "params": {"window": [1]}}}, 400, "policy.params.window"),
+        ({"policy": {"name": "full", "recall": {}}}, 422, "policy"),
+        ({"policy": {"name": "h2o", "recall": {"pages": 0}}}, 422, "policy"),
+        ({"policy": {"name": "h2o", "recall": {"pgaes": 2}}}, 422, "policy"),
+        ({"policy": {"name": "h2o", "recall": {"cap_bytes": "lots"}}}, 422, "policy"),
+        ({"policy": {"name": "h2o", "recall": {"pages": [2]}}}, 400, "policy.recall.pages"),
         ({"pin": {"latest_observations": -1}}, 400, "pin.latest_observations"),
         ({"pin": {"roles": ["wizard"]}}, 400, "pin.roles.0"),
         ({"sesion_id": "typo"}, 400, "sesion_id"),

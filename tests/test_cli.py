@@ -207,6 +207,12 @@ def test_help_and_usage_errors_do_not_import_torch(args, needle):
     assert last.endswith("exit: 0" if "--help" in args else "exit: 2")
 
 
+def test_eval_refuses_recall_on_a_policy_that_evicts_nothing_before_writing(tmp_path):
+    proc = run_cli("eval", "needle", "--policies", "full+recall", "--out", str(tmp_path / "o"))
+    assert_one_line_error(proc, "policy 'full' evicts nothing: there is nothing to recall")
+    assert not (tmp_path / "o").exists()
+
+
 def test_agent_kv_threads_is_checked_before_the_model():
     proc = run_cli("run-episode", "--task", "1", env_extra={"AGENT_KV_THREADS": "lots"})
     assert_one_line_error(proc, "AGENT_KV_THREADS must be a whole number")

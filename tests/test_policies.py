@@ -9,7 +9,7 @@ from helpers import kept_positions, random_tokens
 from agent_kv.errors import ConfigError
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.policies import POLICIES, ConfKV, make_policy
-from agent_kv.kv.policy_names import POLICY_NAMES
+from agent_kv.kv.policy_names import POLICY_NAMES, UNBUDGETED_NAMES
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
 
@@ -256,6 +256,9 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
 
 def test_the_torch_free_name_list_is_the_registry():
     assert tuple(POLICIES) == POLICY_NAMES
+    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == set(
+        UNBUDGETED_NAMES
+    )
 
 
 def observed_store(mass: torch.Tensor, window: int) -> KVStore:

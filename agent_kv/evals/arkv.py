@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import POLICIES, make_policy
-from agent_kv.kv.policy_names import split_recall
+from agent_kv.kv.policy_names import UNBUDGETED_NAMES, split_recall
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
@@ -41,7 +41,6 @@ BUDGETED = [
 ]  # fmt: skip
 """`+recall`: the same policy at the same hot budget, its evictions kept in a cold tier and
 recalled by each question's queries (`agent_kv.kv.policies.cold_recall`)."""
-UNBUDGETED = ["full", "base-quant"]
 POLICY_PARAMS = {"window": {"sinks": 0}}
 """Parameters besides the budget: the window row is the plain sliding window, no sinks."""
 ANSWER_TOKENS = 6
@@ -153,7 +152,7 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
 
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:
     """Row label -> (policy, budget), the unbudgeted policies first."""
-    rows = {name: (name, None) for name in UNBUDGETED}
+    rows = {name: (name, None) for name in UNBUDGETED_NAMES}
     for budget in sizes.budgets:
         rows |= {f"{name} {budget}": (name, budget) for name in BUDGETED}
     return rows

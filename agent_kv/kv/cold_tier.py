@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.budgets import parse_bytes
 from agent_kv.kv.rope import Rotary
 from kernels.formats import QUANT_FORMATS
 from kernels.int8 import dequantize
@@ -64,6 +65,28 @@ class ColdConfig:
     cap_bytes: int = 256 * 2**20
     fmt: str = "int8"
     score: str = "exact"
+
+    @classmethod
+    def from_params(cls, params: dict) -> ColdConfig:
+        """The validated settings from `{name: value}` (`--recall-param`, the API's
+        `policy.recall`); `cap_bytes` may be a size such as `"64MB"` (`budgets.parse_bytes`).
+
+        Raises:
+            ConfigError: an unknown name (the message lists the known ones), or an invalid
+                value (`validate`).
+        """
+        fields = sorted(cls.__dataclass_fields__)
+        unknown = sorted(set(params) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"recall has no parameter {unknown[0]!r} (its parameters: {', '.join(fields)})"
+            )
+        params = dict(params)
+        if isinstance(params.get("cap_bytes"), str):
+            params["cap_bytes"] = parse_bytes(params["cap_bytes"])
+        config = cls(**params)
+        config.validate()
+        return config
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid setting."""

@@ -83,25 +83,13 @@ class PolicySpec:
         recall_items = parse_params(recall_params or [], "--recall-param")
         if recall_items and not (recall or named_recall):
             raise ConfigError("--recall-param sets the cold tier: it needs --recall")
-        if isinstance(recall_items.get("cap_bytes"), str):
-            recall_items["cap_bytes"] = parse_bytes(recall_items["cap_bytes"])
         size = None if budget_bytes is None else parse_bytes(budget_bytes)
 
         from agent_kv.kv.cold_tier import ColdConfig
         from agent_kv.kv.policies import check_policy_precision, make_policy
         from agent_kv.kv.store import Int8Config
 
-        cold = None
-        if recall or named_recall:
-            fields = set(ColdConfig.__dataclass_fields__)
-            unknown = sorted(set(recall_items) - fields)
-            if unknown:
-                raise ConfigError(
-                    f"recall has no parameter {unknown[0]!r} (its parameters: "
-                    f"{', '.join(sorted(fields))})"
-                )
-            cold = ColdConfig(**recall_items)
-            cold.validate()
+        cold = ColdConfig.from_params(recall_items) if recall or named_recall else None
 
         int8_config = None
         if int8:
