@@ -256,9 +256,7 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
 
 def test_the_torch_free_name_list_is_the_registry():
     assert tuple(POLICIES) == POLICY_NAMES
-    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == set(
-        UNBUDGETED_NAMES
-    )
+    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == set(UNBUDGETED_NAMES)
 
 
 def observed_store(mass: torch.Tensor, window: int) -> KVStore:
