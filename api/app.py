@@ -42,12 +42,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agent_kv.errors import (
     ConfigError,
     ContextOverflowError,
+    GrammarError,
     KVCapacityError,
     TurnCancelled,
 )
 from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import Policy, check_policy_precision, make_policy
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_calls import ToolCallStream
 from agent_kv.serving.chat_service import (
     Admission,
     ChatService,
@@ -59,8 +61,10 @@ from agent_kv.serving.protection import PinRules
 from agent_kv.serving.session_store import SessionBusyError
 from api.access import AccessControl
 from api.body_limit import BodyLimit
+from api.errors import APIError
 from api.metrics import ServerMetrics
 from api.openapi_doc import error_responses, openapi_without_validation_422
+from api.reply_spec import check_tool_results, reply_spec
 from api.schemas import (
     SESSION_ID_CHARS,
     AssistantMessage,
@@ -84,6 +88,7 @@ from api.schemas import (
     TokenizeChat,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallBody,
     Usage,
 )
 
@@ -109,16 +114,6 @@ SSE_EVENT = {
 CLIENT_CLOSED = 499
 """The status recorded (in `/metrics`) for a request whose client went away; nobody reads
 the response."""
-
-
-class APIError(Exception):
-    """A client error with its HTTP status and the offending parameter."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def error_response(
@@ -288,15 +283,19 @@ def create_app(
         """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
         _refuse_unsupported(request)
         params = _sampling(request, request.max_completion_tokens)
+        check_tool_results(request.messages)
         messages = [m.as_dict() for m in request.messages]
+        rules = None if request.pin is None else _pin_rules(request)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
         session_id = _header_text(x_session_id) or request.user
         admission = _admit(service)
+        turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
         if request.stream:
             return await _stream(
-                service, metrics, raw, admission, session_id, messages, params, request,
+                service, metrics, raw, admission, messages, params, turn_args, request,
                 model_name,
             )  # fmt: skip
-        turn = await _run_watched(raw, admission, metrics, service, messages, params, session_id)
+        turn = await _run_watched(raw, admission, metrics, service, messages, params, **turn_args)
         _set_session_header(response.headers, turn.kv.session_id)
         return _completion(model_name, turn)
 
@@ -308,17 +307,20 @@ def create_app(
     async def chat(request: NativeChatRequest, raw: Request) -> NativeChatResponse:
         """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
         params = _sampling(request)
+        check_tool_results(request.messages)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         policy = None if request.policy is None else _policy(request, service)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
         admission = _admit(service)
         turn = await _run_watched(
-            raw, admission, metrics, service, messages, params, request.session_id, rules, policy
-        )
+            raw, admission, metrics, service, messages, params, session_id=request.session_id,
+            rules=rules, policy=policy, reply=reply,
+        )  # fmt: skip
         return NativeChatResponse(
             session_id=turn.kv.session_id,
-            message=AssistantMessage(content=turn.reply.text),
-            finish_reason=turn.reply.finish_reason,
+            message=_assistant_message(turn),
+            finish_reason=turn.finish_reason,
             usage=_usage(turn),
             kv=KVStats.model_validate(asdict(turn.kv)),
             timing=Timing(
@@ -356,12 +358,17 @@ async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
             return
 
 
-async def _run_watched(raw: Request, admission: Admission, metrics, service, *args) -> ChatTurn:
-    """Run a turn in a worker thread, cancelled if the client disconnects meanwhile."""
+async def _run_watched(
+    raw: Request, admission: Admission, metrics, service, *args, **kwargs
+) -> ChatTurn:
+    """Run a turn (`ChatService.run`'s arguments) in a worker thread, cancelled if the client
+    disconnects meanwhile."""
     cancel = threading.Event()
     watcher = asyncio.create_task(_watch_disconnect(raw, cancel))
     try:
-        turn = await run_in_threadpool(_run, service, *args, cancel=cancel, admission=admission)
+        turn = await run_in_threadpool(
+            _run, service, *args, cancel=cancel, admission=admission, **kwargs
+        )
     finally:
         watcher.cancel()
         admission.release()
@@ -396,7 +403,7 @@ def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
     return tokenizer(request.content, add_special_tokens=request.add_special)["input_ids"]
 
 
-def _pin_rules(request: NativeChatRequest) -> PinRules:
+def _pin_rules(request: NativeChatRequest | ChatCompletionRequest) -> PinRules:
     """The request's pin rules; a 422 for rules that cannot be applied."""
     pin = request.pin
     rules = PinRules(
@@ -404,6 +411,8 @@ def _pin_rules(request: NativeChatRequest) -> PinRules:
         latest_observations=pin.latest_observations,
         observation_roles=frozenset(pin.observation_roles),
         patterns=tuple(pin.patterns),
+        tool_names=frozenset(pin.tool_names),
+        tool_calls=pin.tool_calls,
     )
     try:
         rules.validate()
@@ -429,6 +438,8 @@ def _run(service: ChatService, *args, **kwargs) -> ChatTurn:
     """`service.run` with its errors as API errors."""
     try:
         return service.run(*args, **kwargs)
+    except GrammarError as err:  # `reply_spec` built the grammar: only the matcher's limits
+        raise APIError(400, str(err), "tools", "invalid_value") from None
     except ContextOverflowError as err:
         raise APIError(400, str(err), "messages", "context_length_exceeded") from None
     except KVCapacityError as err:
@@ -453,6 +464,14 @@ def _usage(turn: ChatTurn) -> Usage:
     )
 
 
+def _assistant_message(turn: ChatTurn) -> AssistantMessage:
+    """The reply: its text, or its tool calls with content null."""
+    if turn.tool_calls:
+        calls = [ToolCallBody.of(call) for call in turn.tool_calls]
+        return AssistantMessage(content=None, tool_calls=calls)
+    return AssistantMessage(content=turn.content)
+
+
 def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
     """The response body of a finished `/v1/chat/completions` request."""
     return ChatCompletion(
@@ -462,8 +481,8 @@ def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
         choices=[
             ChatChoice(
                 index=0,
-                message=AssistantMessage(content=turn.reply.text),
-                finish_reason=turn.reply.finish_reason,
+                message=_assistant_message(turn),
+                finish_reason=turn.finish_reason,
             )
         ],
         usage=_usage(turn),
@@ -472,7 +491,7 @@ def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
 
 
 async def _stream(
-    service, metrics, raw, admission, session_id, messages, params, request, model_name
+    service, metrics, raw, admission, messages, params, turn_args, request, model_name
 ) -> StreamingResponse:
     """Start a streamed turn and answer once it holds the model and its session, so errors
     before that (bad text, context or KV cap, queue timeout) keep their HTTP status and the
@@ -501,8 +520,8 @@ async def _stream(
     def work() -> None:
         try:
             turn = _run(
-                service, messages, params, session_id, on_text=lambda text: put("text", text),
-                cancel=cancel, admission=admission, on_start=begin,
+                service, messages, params, on_text=lambda text: put("text", text),
+                cancel=cancel, admission=admission, on_start=begin, **turn_args,
             )  # fmt: skip
             put("done", turn)
         except Exception as err:  # before the stream began: the response; after: an event
@@ -522,14 +541,18 @@ async def _stream(
         watcher.cancel()
     headers: dict[str, str] = {}
     _set_session_header(headers, sid)
-    body = _events(queue, metrics, request, model_name, cancel, worker)
+    body = _events(queue, metrics, request, model_name, cancel, worker, turn_args["reply"])
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, worker):
+async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, worker, reply):
     """The stream's events, from the worker's queue up to the finish (or error) event and
-    `data: [DONE]`; leaving early (the client went away) cancels the turn."""
+    `data: [DONE]`; leaving early (the client went away) cancels the turn. Under a
+    `ReplySpec` offering tools, the reply's text goes through `ToolCallStream`: each call
+    is one `tool_calls` delta (index, id, type, name and the whole arguments) once its
+    closing tag is decoded, and the finish reason is then "tool_calls"."""
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    splitter = ToolCallStream(reply)
 
     def event(choices: list, **extra) -> str:
         body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created}
@@ -539,19 +562,34 @@ async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, wo
     def delta(content: dict, finish: str | None = None) -> list:
         return [{"index": 0, "delta": content, "finish_reason": finish}]
 
+    def settled(events: list[tuple]) -> list[str]:
+        out = []
+        for kind, *rest in events:
+            if kind == "text":
+                out.append(event(delta({"content": rest[0]})))
+                continue
+            index, call = rest
+            body = {"index": index, **ToolCallBody.of(call).model_dump()}
+            out.append(event(delta({"tool_calls": [body]})))
+        return out
+
     try:
         yield event(delta({"role": "assistant", "content": ""}))
         while True:
             kind, value = await queue.get()
             if kind == "text":
-                yield event(delta({"content": value}))
+                for chunk in settled(splitter.feed(value)):
+                    yield chunk
                 continue
             if kind == "error":
                 yield f"data: {json.dumps({'error': _error_detail(value).model_dump()})}\n\n"
             else:
+                for chunk in settled(splitter.finish()):
+                    yield chunk
                 metrics.observe(value)
                 kv = KVStats.model_validate(asdict(value.kv)).model_dump()
-                yield event(delta({}, value.reply.finish_reason), kv=kv)
+                finish = "tool_calls" if splitter.calls else value.reply.finish_reason
+                yield event(delta({}, finish), kv=kv)
                 if request.stream_options and request.stream_options.include_usage:
                     yield event([], usage=_usage(value).model_dump())
             break
@@ -569,21 +607,10 @@ def _error_detail(err: Exception) -> ErrorDetail:
     return ErrorDetail(message=str(err), type="server_error", param=None, code=None)
 
 
-UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-)
-"""Request fields refused with a 400 unless empty or one of `NO_OP_VALUES`."""
-NO_OP_VALUES = {
-    "tool_choice": ["none"],
-    "function_call": ["none"],
-    "response_format": [{"type": "text"}],
-}
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logprobs", "top_logprobs")
+"""Request fields refused with a 400 unless empty or one of `NO_OP_VALUES` (`functions`
+and `function_call` are OpenAI's deprecated forms of `tools` and `tool_choice`)."""
+NO_OP_VALUES = {"function_call": ["none"]}
 """Values of unsupported fields that ask for nothing beyond plain text, so are accepted."""
 
 
@@ -609,7 +636,10 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
     for field in UNSUPPORTED_FIELDS:
         value = extra.get(field)
         if value and value not in NO_OP_VALUES.get(field, []):
-            raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
+            hint = " (use tools and tool_choice)" if field.startswith("function") else ""
+            raise APIError(
+                400, f"{field} is not supported by this server{hint}", field, "unsupported"
+            )
 
 
 def _sampling(request: SamplingFields, max_tokens: int | None = None) -> SamplingParams:

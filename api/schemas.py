@@ -7,7 +7,8 @@ as a 400 naming the field. Numbers are strict: `"0.5"` is not a temperature.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Le
 from pydantic import (
@@ -20,10 +21,12 @@ from pydantic import (
     StrictBool,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 
 from agent_kv.kv.policies import POLICIES
 from agent_kv.kv.policy_names import RECALL_SUFFIX
+from agent_kv.runtime.tool_calls import ToolCall
 from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
@@ -81,32 +84,180 @@ class TextPart(BaseModel):
     text: Text
 
 
+ToolName = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""A function's name: 1-64 letters, digits, underscores or hyphens (OpenAI's rule)."""
+CallId = Annotated[
+    str, StringConstraints(strict=True, min_length=1, max_length=64), AfterValidator(_valid_unicode)
+]
+"""A tool call's id."""
+MAX_TOOLS = 128
+"""Tools one request may offer."""
+
+
+class FunctionCallBody(BaseModel):
+    """The function of a tool call: its name and its arguments as JSON text."""
+
+    name: ToolName
+    arguments: Text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError("arguments must be a JSON object (text)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object (text)")
+        return arguments
+
+
+class ToolCallBody(BaseModel):
+    """One tool call, as an assistant message carries it (OpenAI's `tool_calls` item)."""
+
+    id: CallId
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+    @classmethod
+    def of(cls, call: ToolCall) -> ToolCallBody:
+        """The body of a call the model made."""
+        return cls(id=call.id, function=FunctionCallBody(name=call.name, arguments=call.arguments))
+
+    def call(self) -> ToolCall:
+        """The call for rendering into the conversation."""
+        return ToolCall(self.id, self.function.name, self.function.arguments)
+
+
 class ChatMessage(BaseModel):
     """One message: role and text content (a string or a list of text parts, joined).
 
     The `developer` role is read as `system`. `pin: true` (an agent_kv extension) pins the
-    message's tokens: never evicted or quantized.
+    message's tokens: never evicted or quantized. An assistant message may carry the
+    `tool_calls` it made (its content then may be null); a `tool` message answers the call
+    `tool_call_id` names, which must be a call of an earlier assistant message.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None
     pin: StrictBool = False
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: CallId | None = None
 
     def as_dict(self) -> dict:
-        """`{"role", "content", "pin"}` with the content as one string."""
-        return {"role": self.role, "content": self.text, "pin": self.pin}
+        """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` with the content as one
+        string ("" for none) and the calls as `ToolCall`s
+        (`agent_kv.runtime.chat_rendering`)."""
+        calls = [call.call() for call in self.tool_calls or []]
+        return {
+            "role": self.role,
+            "content": self.text,
+            "pin": self.pin,
+            "tool_calls": calls,
+            "tool_call_id": self.tool_call_id,
+        }
 
     @field_validator("role")
     @classmethod
     def _developer_is_system(cls, role: str) -> str:
         return "system" if role == "developer" else role
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message carries tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant's tool calls)")
+        return self
+
     @property
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionBody(BaseModel):
+    """A function tool: its name, description and the JSON Schema of its arguments."""
+
+    name: ToolName
+    description: Text = ""
+    parameters: dict[str, Any] = {}
+    strict: StrictBool | None = None
+    """Accepted; calls are always decoded under the schema, as with `strict: true`."""
+
+
+class ToolBody(BaseModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(BaseModel):
+    """The function a `tool_choice` names."""
+
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: the reply calls it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaBody(BaseModel):
+    """`response_format.json_schema`: the schema the reply validates against."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: ToolName
+    description: Text = ""
+    schema_: dict[str, Any] = Field(default={}, alias="schema")
+    strict: StrictBool | None = None
+    """Accepted; the reply is always decoded under the schema, as with `strict: true`."""
+
+
+class TextFormat(BaseModel):
+    """`response_format` of plain text (the default)."""
+
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    """`response_format`: any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(BaseModel):
+    """`response_format`: JSON valid against a schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaBody
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
+]
+
+
+class ReplyFields(BaseModel):
+    """The tool and format fields both chat endpoints take (OpenAI's): what the reply may
+    be. Calls and schema'd replies are decoded under a grammar (`ReplySpec.grammar`), so
+    they always parse and validate."""
+
+    tools: list[ToolBody] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: `auto` with tools, `none` without."""
+    parallel_tool_calls: StrictBool = True
+    response_format: ResponseFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -126,20 +277,6 @@ class SamplingFields(BaseModel):
     seed: Seed | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: Text | None = None
-    max_completion_tokens: PositiveCount | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[Count, Field(json_schema_extra={"enum": [1]})] = 1
-    """Only 1: other values are a 400 saying so."""
-    user: SessionId | None = None
-
-
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -154,6 +291,26 @@ class PinRulesBody(BaseModel):
     patterns: list[Text] = []
     """RE2 patterns; more than `protection.MAX_PATTERNS`, one over
     `protection.MAX_PATTERN_CHARS` characters or one RE2 cannot compile is a 422."""
+    tool_names: list[ToolName] = Field(default=[], max_length=MAX_TOOLS)
+    """Tools whose results are always pinned."""
+    tool_calls: StrictBool = False
+    """Pin every assistant message that calls tools."""
+
+
+class ChatCompletionRequest(SamplingFields, ReplyFields):
+    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Text | None = None
+    max_completion_tokens: PositiveCount | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[Count, Field(json_schema_extra={"enum": [1]})] = 1
+    """Only 1: other values are a 400 saying so."""
+    user: SessionId | None = None
+    pin: PinRulesBody | None = None
+    """agent_kv's pin rules for this turn, as `/chat` takes them."""
 
 
 PolicyText = Annotated[
@@ -177,7 +334,7 @@ class PolicyOverride(BaseModel):
     it wraps the policy in recall as a `+recall` name does. A 422 names a bad setting."""
 
 
-class NativeChatRequest(SamplingFields):
+class NativeChatRequest(SamplingFields, ReplyFields):
     """`POST /chat` body: the conversation, sampling, and agent_kv's own controls."""
 
     model_config = ConfigDict(extra="forbid")
@@ -231,10 +388,11 @@ class KVStats(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The reply message."""
+    """The reply message: its text, or (content null) the tool calls it makes."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = None
 
 
 class ChatChoice(BaseModel):

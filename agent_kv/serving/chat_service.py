@@ -28,16 +28,18 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
 from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import SequenceOutline, StepRecord
+from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
 from agent_kv.serving.protection import PinRules, protected_spans
 from agent_kv.serving.session_store import (
     HistorySync,
@@ -154,6 +156,8 @@ class ChatTurn:
         wait_s: seconds the turn waited for the model.
         evicted_in_turn: tokens evicted during this turn, summed over layers.
         quantized_in_turn: tokens moved to INT8 during this turn, summed over layers.
+        content: the reply's text, "" when the reply is tool calls (`parse_reply`).
+        tool_calls: the tool calls the reply made (none without a `ReplySpec` offering tools).
     """
 
     reply: Generation
@@ -163,6 +167,13 @@ class ChatTurn:
     wait_s: float
     evicted_in_turn: int
     quantized_in_turn: int
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "tool_calls" for a reply of calls, else the generation's."""
+        return "tool_calls" if self.tool_calls else self.reply.finish_reason
 
     @property
     def prompt_tokens(self) -> int:
@@ -233,9 +244,10 @@ class ChatService:
             self._waiting += 1
         return Admission(self)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The tokens of `messages` (`{"role", "content"}` dicts) rendered with the chat
-        template and the generation prompt.
+    def prompt_ids(self, messages: list[dict], tools: Sequence[Tool] = ()) -> list[int]:
+        """The tokens of `messages` (`{"role", "content"}` dicts, see
+        `agent_kv.runtime.chat_rendering`) rendered with the chat template, the `tools`
+        offered, and the generation prompt.
 
         Raises:
             ConfigError: a message whose content is not a string of valid Unicode (a lone
@@ -246,9 +258,7 @@ class ChatService:
             if not isinstance(content, str):
                 raise ConfigError(f"messages[{i}].content must be a string")
             check_unicode(content, f"messages[{i}].content")
-        prompt = self.engine.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        prompt = render_chat(self.engine.tokenizer, messages, tools, generation_prompt=True)
         return self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, policy: Policy | None = None):
@@ -281,6 +291,7 @@ class ChatService:
         cancel: threading.Event | None = None,
         admission: Admission | None = None,
         on_start: Callable[[str], None] | None = None,
+        reply: ReplySpec | None = None,
     ) -> ChatTurn:
         """Run one turn.
 
@@ -296,10 +307,15 @@ class ChatService:
             admission: the turn's place from `admit` (default: admitted here).
             on_start: called with the session id once the turn holds the model and its
                 session, before any prefill.
+            reply: the tools offered, the tool choice and the reply format
+                (`agent_kv.runtime.tool_calls`): the tools are rendered into the prompt, the
+                reply is decoded under `ReplySpec.grammar` (unless `params.grammar` is set)
+                and split into `content` and `tool_calls`.
 
         Raises:
             ConfigError: invalid sampling parameters, pin rules or message text, or a
-                `policy` that cannot run on the engine's store.
+                `policy` that cannot run on the engine's store; `GrammarError` (one) for a
+                reply spec whose grammar cannot be built.
             ContextOverflowError: the turn cannot fit the model's context.
             KVCapacityError: the turn could hold more KV than the session store's cap.
             QueueFullError, QueueTimeoutError: the model is too busy.
@@ -311,15 +327,22 @@ class ChatService:
             rules.validate()
             if policy is not None:
                 check_policy_precision(policy, self.engine.store_options["int8"])
-            prompt_ids = self.prompt_ids(messages)
+            reply = reply or ReplySpec()
+            if params.grammar is None:
+                params = replace(params, grammar=reply.grammar())
+            if params.grammar is not None:
+                self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
+            prompt_ids = self.prompt_ids(messages, reply.tools)
             self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
-            pins = protected_spans(self.engine.tokenizer, messages, rules)
+            pins = protected_spans(self.engine.tokenizer, messages, rules, reply.tools)
             queued = time.perf_counter()
             with self._model(policy, cancel, admitted):
-                return self._run_turn(
+                turn = self._run_turn(
                     messages, params, session_id, policy, on_text, cancel, on_start,
                     prompt_ids, pins, queued,
                 )  # fmt: skip
+            turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply)
+            return turn
 
     def _run_turn(
         self, messages, params, session_id, policy, on_text, cancel, on_start, prompt_ids,

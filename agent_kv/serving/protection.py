@@ -8,6 +8,8 @@ rendered with the model's chat template. Rules pin, in token positions of that r
 - every message flagged `"pin": True`;
 - the latest `latest_observations` messages whose role is in `observation_roles` (older ones
   are released when a newer one arrives);
+- every tool result (a `tool` message) answering a call of a tool named in `tool_names`,
+  and, with `tool_calls`, every assistant message that calls tools (its text and calls);
 - every match of the regular expressions in `patterns` (URLs, element ids...), wherever
   it occurs. Patterns are RE2 syntax, matched by RE2 (`google-re2`) in time linear in the
   text, so no pattern can backtrack catastrophically (RE2 has no backreferences or
@@ -19,6 +21,7 @@ them (`apply_pins`) after each request both pins the new and releases the supers
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -26,6 +29,8 @@ import re2
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
+from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.runtime.tool_calls import Tool
 from agent_kv.valid_text import check_unicode
 
 MAX_PATTERNS = 16
@@ -46,12 +51,17 @@ class PinRules:
         latest_observations: how many of the newest observation messages to pin (0: none).
         observation_roles: the roles that count as observations (default: tool).
         patterns: regular expressions; every match in the rendered conversation is pinned.
+        tool_names: tools whose results are always pinned (a `tool` message is a result of
+            the tool its `tool_call_id`'s call named).
+        tool_calls: pin every assistant message that makes tool calls.
     """
 
     roles: frozenset[str] = frozenset({"system"})
     latest_observations: int = 1
     observation_roles: frozenset[str] = frozenset({"tool"})
     patterns: tuple[str, ...] = field(default_factory=tuple)
+    tool_names: frozenset[str] = frozenset()
+    tool_calls: bool = False
 
     def validate(self) -> None:
         """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns, a
@@ -88,9 +98,12 @@ def compile_pattern(pattern: str):
         raise ConfigError(f"pin pattern {pattern!r} is not valid RE2 syntax: {reason}") from None
 
 
-def message_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation (with the generation prompt) and each message's character
-    span in it.
+def message_char_spans(
+    tokenizer, messages: list[dict], tools: Sequence[Tool] = ()
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (`render_chat`, with the `tools` offered and the generation
+    prompt) and each message's character span in it (the first message's span starts at 0,
+    so it holds whatever the template puts before it, the tools' description included).
 
     Raises:
         ConfigError: the chat template does not render the conversation append-only (each
@@ -98,7 +111,7 @@ def message_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple
     """
     spans, previous = [], ""
     for i in range(len(messages)):
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        text = render_chat(tokenizer, messages[: i + 1], tools)
         if not text.startswith(previous):
             raise ConfigError(
                 "the model's chat template re-renders earlier messages when one is added; "
@@ -106,11 +119,12 @@ def message_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple
             )
         spans.append((len(previous), len(text)))
         previous = text
-    full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return full, spans
+    return render_chat(tokenizer, messages, tools, generation_prompt=True), spans
 
 
-def protected_spans(tokenizer, messages: list[dict], rules: PinRules) -> list[tuple[int, int]]:
+def protected_spans(
+    tokenizer, messages: list[dict], rules: PinRules, tools: Sequence[Tool] = ()
+) -> list[tuple[int, int]]:
     """Token spans `[start, end)` of the rendered conversation that the rules pin, sorted and
     merged. Positions count tokens of `tokenizer(text, add_special_tokens=False)` of the
     rendering `message_char_spans` returns.
@@ -119,11 +133,17 @@ def protected_spans(tokenizer, messages: list[dict], rules: PinRules) -> list[tu
         ConfigError: invalid rules, or a chat template that is not append-only.
     """
     rules.validate()
-    text, spans = message_char_spans(tokenizer, messages)
+    text, spans = message_char_spans(tokenizer, messages, tools)
+    called = {
+        call.id: call.name for message in messages for call in message.get("tool_calls") or []
+    }
     chosen = [
         span
         for span, message in zip(spans, messages, strict=True)
-        if message["role"] in rules.roles or message.get("pin")
+        if message["role"] in rules.roles
+        or message.get("pin")
+        or (rules.tool_calls and message.get("tool_calls"))
+        or called.get(message.get("tool_call_id")) in rules.tool_names
     ]
     observations = [
         span

@@ -1,0 +1,108 @@
+"""A conversation as the model reads it: chat messages, tool calls and tool results rendered
+through the tokenizer's chat template.
+
+Messages are dicts: `role` ("system", "user", "assistant" or "tool"), `content` (a string),
+and optionally `tool_calls` (an assistant message's `ToolCall`s) and `tool_call_id` (the call
+a tool message answers). Tools offered (`Tool`s) are shown to the model in one of two ways:
+
+- **the template's own tool support**, when the chat template reads a `tools` variable: the
+  tools, the calls (arguments as objects) and the tool results go to the template as
+  Hugging Face's chat format has them, and the template renders them;
+- **a generic format** otherwise (SmolLM2's template, for one): the tools are listed, one
+  JSON object per line between `<tools>` and `</tools>` with how to call them, at the end
+  of the first system message (a system message holding only that is put first when there
+  is none); an assistant message's calls follow its text as the model writes them
+  (`tool_calls.render_calls`); a tool result is a message of role `tool`.
+
+In both, calls are generated in the Hermes format of `agent_kv.runtime.tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from agent_kv.runtime.tool_calls import CALL_CLOSE, CALL_OPEN, Tool, render_calls
+
+TOOLS_PREAMBLE = (
+    "You can call functions. Their signatures are listed, one JSON object per line, "
+    "between <tools> and </tools>:"
+)
+CALL_INSTRUCTION = (
+    f'To call one, reply with {CALL_OPEN}{{"name": <function name>, "arguments": '
+    f"<arguments as a JSON object>}}{CALL_CLOSE}, once per call. A function's result comes "
+    "back in a message of role tool."
+)
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads a `tools` variable (its own tool format)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders chats
+        template = template.get("default", "")
+    return "tools" in (template or "")
+
+
+def tools_block(tools: Sequence[Tool]) -> str:
+    """The generic format's description of `tools` (appended to the system message)."""
+    lines = [json.dumps(tool.openai()["function"], ensure_ascii=False) for tool in tools]
+    return "\n".join([TOOLS_PREAMBLE, "<tools>", *lines, "</tools>", CALL_INSTRUCTION])
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: Sequence[Tool] = (),
+    generation_prompt: bool = False,
+) -> str:
+    """The conversation's template text (with the assistant header when
+    `generation_prompt`).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: the conversation (see the module docstring).
+        tools: the tools offered this turn (none: messages render as plain chat).
+
+    Raises:
+        jinja2 errors and ValueError from the template, as `apply_chat_template` raises them.
+    """
+    if template_takes_tools(tokenizer):
+        return tokenizer.apply_chat_template(
+            [_hf_message(message) for message in messages],
+            tools=[tool.openai() for tool in tools] or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+    rendered = [_generic_message(message) for message in messages]
+    if tools:
+        block = tools_block(tools)
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{block}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": block})
+    return tokenizer.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _generic_message(message: dict) -> dict:
+    """`{"role", "content"}` with an assistant's calls written after its text."""
+    content = message["content"] + render_calls(message.get("tool_calls") or [])
+    return {"role": message["role"], "content": content}
+
+
+def _hf_message(message: dict) -> dict:
+    """The message in Hugging Face's chat format (calls' arguments as objects)."""
+    out = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.loads(call.arguments)},
+            }
+            for call in message["tool_calls"]
+        ]
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out

@@ -1,0 +1,323 @@
+"""Tool calls and structured replies: what a reply may be, as one grammar, and what it was.
+
+A turn may offer function tools (OpenAI's `tools`) and say whether the reply must call one
+(`ToolChoice`: `none`, `auto`, `required`, or one named function), and may ask for a JSON
+reply (`ReplyFormat`: any JSON object, or one that validates against a JSON Schema). A
+`ReplySpec` turns these into one `Grammar` for the engine's constrained decoder
+(`agent_kv.runtime.grammar`, llguidance), so a forced call or a schema'd reply always
+parses and validates:
+
+- a call is `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>` (the Hermes format
+  that Qwen2.5/3's and Hermes' chat templates use), where `ARGS` is a JSON object valid
+  against the tool's `parameters` schema; with `parallel` several calls follow each other;
+- `required` and a named function allow only calls (of any tool, or of that one);
+- `auto` allows either a call or a text reply that contains no `<tool_call>`
+  (or, with a `ReplyFormat`, a JSON reply);
+- `none` (or no tools) constrains only by the `ReplyFormat`, if any.
+
+JSON is generated compact except for `", "` and `": "` separators (`JSON_LAYOUT`), the layout
+`json.dumps` writes, so a call rendered back into the history from its parsed fields
+(`render_calls`) is the text the model generated and the session's cache is reused.
+
+`parse_reply` splits a finished reply into text and calls; `ToolCallStream` does it
+incrementally for streamed replies.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_kv.errors import GrammarError
+from agent_kv.runtime.grammar import Grammar
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON layout for constrained JSON (`x-guidance`): no free whitespace, the
+separators of `json.dumps`."""
+CHOICE_MODES = ("none", "auto", "required", "function")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call.
+
+    Attributes:
+        name: the function's name (what a call names).
+        description: what it does, shown to the model.
+        parameters: the JSON Schema of its arguments (an object schema; `{}` for any object).
+    """
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's `{"type": "function", "function": {...}}`."""
+        function = {"name": self.name, "description": self.description}
+        return {"type": "function", "function": {**function, "parameters": self.arguments_schema}}
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        """`parameters`, or an object schema when it is empty."""
+        return self.parameters or {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made.
+
+    Attributes:
+        id: the call's id (`call_` and 24 hex digits), which a tool result names.
+        name: the function called.
+        arguments: its arguments, as the JSON object text the model generated.
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+    @staticmethod
+    def new_id() -> str:
+        """A fresh call id."""
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Whether a reply must call a tool.
+
+    Attributes:
+        mode: "none" (no call), "auto" (text or calls), "required" (calls only) or
+            "function" (calls of `name` only).
+        name: the function for mode "function".
+    """
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """A JSON reply (OpenAI's `response_format`).
+
+    Attributes:
+        schema: the JSON Schema the reply validates against (`{"type": "object"}` for
+            `json_object`).
+        name: the schema's name, for error messages.
+    """
+
+    schema: dict[str, Any]
+    name: str = "json_object"
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """What one reply may be: the tools offered, the choice among them, and its format.
+
+    Attributes:
+        tools: the functions offered (names unique).
+        choice: whether the reply must call one.
+        parallel: several calls may follow each other in one reply.
+        format: a JSON reply format, or None for free text.
+    """
+
+    tools: tuple[Tool, ...] = ()
+    choice: ToolChoice = ToolChoice()
+    parallel: bool = True
+    format: ReplyFormat | None = None
+
+    def validate(self) -> None:
+        """Raise `GrammarError` for duplicate tool names, an unknown choice mode, a named
+        function that is not offered, or a choice that needs tools when none are offered."""
+        names = [tool.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            duplicate = next(name for name in names if names.count(name) > 1)
+            raise GrammarError(f"tool {duplicate!r} is offered twice")
+        if self.choice.mode not in CHOICE_MODES:
+            raise GrammarError(
+                f"tool_choice must be one of {', '.join(CHOICE_MODES)}, got {self.choice.mode!r}"
+            )
+        if self.choice.mode == "function" and self.choice.name not in names:
+            raise GrammarError(f"tool_choice names {self.choice.name!r}, which is not in tools")
+        if self.choice.mode == "required" and not self.tools:
+            raise GrammarError("tool_choice required needs at least one tool")
+
+    @property
+    def calls_allowed(self) -> bool:
+        """Whether the reply may hold tool calls."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """The tools a call may name under the choice."""
+        if not self.calls_allowed:
+            return ()
+        if self.choice.mode == "function":
+            return tuple(tool for tool in self.tools if tool.name == self.choice.name)
+        return self.tools
+
+    def grammar(self) -> Grammar | None:
+        """The reply's grammar (a Lark grammar in llguidance's dialect, JSON parts as
+        `%json`), or None when the reply is free text.
+
+        Raises:
+            GrammarError: `validate` fails.
+        """
+        self.validate()
+        calls = self.callable_tools()
+        if not calls:
+            if self.format is None:
+                return None
+            return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
+        call_schema = {"oneOf": [_call_schema(tool) for tool in calls]}
+        if len(calls) == 1:
+            call_schema = _call_schema(calls[0])
+        rules = [
+            f"calls: call{'+' if self.parallel else ''}",
+            f"call: {json.dumps(CALL_OPEN)} {_json_rule(call_schema)} {json.dumps(CALL_CLOSE)}",
+        ]
+        if self.choice.mode in ("required", "function"):
+            start = "start: calls"
+        elif self.format is not None:
+            start = f"start: calls | {_json_rule(self.format.schema)}"
+        else:
+            start = "start: calls | TEXT"
+            rules.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{_regex_literal(CALL_OPEN)}(.|\\n)*/")
+        return Grammar("lark", "\n".join([start, *rules]) + "\n")
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema of one call's body: `{"name": tool.name, "arguments": {...}}`."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": tool.arguments_schema},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    """A Lark `%json` item for `schema`, in `JSON_LAYOUT`."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+
+
+def _regex_literal(text: str) -> str:
+    """`text` escaped for a Lark regex between slashes."""
+    return "".join(f"\\{c}" if c in r"\/.^$*+?()[]{}|" else c for c in text)
+
+
+def render_calls(calls: list[ToolCall]) -> str:
+    """The calls as the model writes them (`CALL_OPEN`, the body, `CALL_CLOSE`, one after
+    another); `arguments` is taken as its text, so a generated call renders as generated."""
+    return "".join(
+        f'{CALL_OPEN}{{"name": {json.dumps(call.name, ensure_ascii=False)}, '
+        f'"arguments": {call.arguments}}}{CALL_CLOSE}'
+        for call in calls
+    )
+
+
+def parse_reply(text: str, spec: ReplySpec) -> tuple[str, list[ToolCall]]:
+    """Split a finished reply into its text and its tool calls.
+
+    Only a reply that is wholly calls (as the grammar generates them) counts as calls, each
+    naming a tool the choice allows and carrying a JSON object of arguments; anything else
+    (free text, a call cut short by `max_tokens`) is text.
+
+    Returns:
+        `(text, calls)`: `("", calls)` for a reply of calls, `(text, [])` otherwise.
+    """
+    if not spec.calls_allowed:
+        return text, []
+    allowed = {tool.name for tool in spec.callable_tools()}
+    calls = []
+    rest = text.strip()
+    while rest:
+        if not (rest.startswith(CALL_OPEN) and CALL_CLOSE in rest):
+            return text, []
+        body, _, rest = rest[len(CALL_OPEN) :].partition(CALL_CLOSE)
+        call = _parse_call(body, allowed)
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = rest.strip()
+    return ("", calls) if calls else (text, [])
+
+
+def _parse_call(body: str, allowed: set[str]) -> ToolCall | None:
+    """A call from its JSON body, or None when it is not `{"name", "arguments"}` naming an
+    allowed tool with an object of arguments."""
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict) or set(parsed) != {"name", "arguments"}:
+        return None
+    if parsed["name"] not in allowed or not isinstance(parsed["arguments"], dict):
+        return None
+    head = f'{{"name": {json.dumps(parsed["name"], ensure_ascii=False)}, "arguments": '
+    body = body.strip()
+    if body.startswith(head) and body.endswith("}"):
+        arguments = body[len(head) : -1]  # as generated, so it renders back the same
+    else:
+        arguments = json.dumps(parsed["arguments"], ensure_ascii=False)
+    return ToolCall(ToolCall.new_id(), parsed["name"], arguments)
+
+
+class ToolCallStream:
+    """Splits a streamed reply into text deltas and finished calls, as it grows.
+
+    Feed each new piece of the reply to `feed`; it returns the events that piece settles:
+    `("text", delta)` for reply text, `("call", index, ToolCall)` for each call whose
+    `CALL_CLOSE` arrived. Text that might still become `CALL_OPEN` is held back until it
+    cannot. Once the reply has started as a call, everything is read as calls; `finish`
+    returns what is left (a call cut short comes back as text).
+
+    Args:
+        spec: the turn's reply spec (no calls allowed: every piece is text at once).
+    """
+
+    def __init__(self, spec: ReplySpec):
+        self.spec = spec
+        self._allowed = {tool.name for tool in spec.callable_tools()}
+        self._buffer = ""
+        self._mode = "text" if not spec.calls_allowed else "undecided"
+        self.calls: list[ToolCall] = []
+
+    def feed(self, piece: str) -> list[tuple]:
+        """The events settled by `piece` (see the class)."""
+        self._buffer += piece
+        if self._mode == "undecided":
+            head = self._buffer.lstrip()
+            if head.startswith(CALL_OPEN):
+                self._mode = "calls"
+            elif not CALL_OPEN.startswith(head):
+                self._mode = "text"
+        if self._mode == "text":
+            text, self._buffer = self._buffer, ""
+            return [("text", text)] if text else []
+        if self._mode == "undecided":
+            return []
+        return self._take_calls()
+
+    def _take_calls(self) -> list[tuple]:
+        events = []
+        while CALL_CLOSE in self._buffer:
+            head, _, rest = self._buffer.partition(CALL_CLOSE)
+            body = head.strip().removeprefix(CALL_OPEN)
+            call = _parse_call(body, self._allowed)
+            if call is None:
+                break
+            events.append(("call", len(self.calls), call))
+            self.calls.append(call)
+            self._buffer = rest
+        return events
+
+    def finish(self) -> list[tuple]:
+        """The events left at the end of the reply: held-back or unparsable text."""
+        rest, self._buffer = self._buffer, ""
+        if self._mode == "calls" and not rest.strip():
+            return []
+        return [("text", rest)] if rest else []
