@@ -209,6 +209,8 @@ def create_app(
         # got furthest (a list of text parts rather than "not a string")
         first = max(errors, key=lambda e: len(e["loc"]))
         param = _param_name(first["loc"])
+        if first["type"] == "invalid_role":  # the message union could not pick a kind
+            param = f"{param}.role"
         return error_response(400, f"{param or 'body'}: {first['msg']}", param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)

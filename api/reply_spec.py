@@ -57,11 +57,12 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
     """
     called: set[str] = set()
     for i, message in enumerate(messages):
-        called.update(call.id for call in message.tool_calls or [])
-        if message.tool_call_id is not None and message.tool_call_id not in called:
+        called.update(call.id for call in getattr(message, "tool_calls", None) or [])
+        answers = getattr(message, "tool_call_id", None)
+        if answers is not None and answers not in called:
             raise APIError(
                 400,
-                f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no tool call of "
+                f"messages[{i}].tool_call_id {answers!r} answers no tool call of "
                 "an earlier assistant message",
                 f"messages.{i}.tool_call_id",
                 "invalid_value",

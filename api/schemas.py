@@ -16,12 +16,13 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     Strict,
     StrictBool,
     StringConstraints,
+    Tag,
     field_validator,
-    model_validator,
 )
 
 from agent_kv.kv.policies import POLICIES
@@ -129,57 +130,94 @@ class ToolCallBody(BaseModel):
         return ToolCall(self.id, self.function.name, self.function.arguments)
 
 
-class ChatMessage(BaseModel):
-    """One message: role and text content (a string or a list of text parts, joined).
+class MessageFields(BaseModel):
+    """What every message has: text content (a string or a list of text parts, joined) and
+    `pin: true` (an agent_kv extension), which pins the message's tokens: never evicted or
+    quantized."""
 
-    The `developer` role is read as `system`. `pin: true` (an agent_kv extension) pins the
-    message's tokens: never evicted or quantized. An assistant message may carry the
-    `tool_calls` it made (its content then may be null); a `tool` message answers the call
-    `tool_call_id` names, which must be a call of an earlier assistant message.
-    """
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[TextPart]
     pin: StrictBool = False
-    tool_calls: list[ToolCallBody] | None = None
-    tool_call_id: CallId | None = None
 
     def as_dict(self) -> dict:
         """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` with the content as one
-        string ("" for none) and the calls as `ToolCall`s
-        (`agent_kv.runtime.chat_rendering`)."""
-        calls = [call.call() for call in self.tool_calls or []]
+        string and the calls as `ToolCall`s (`agent_kv.runtime.chat_rendering`)."""
         return {
             "role": self.role,
             "content": self.text,
             "pin": self.pin,
-            "tool_calls": calls,
-            "tool_call_id": self.tool_call_id,
+            "tool_calls": [call.call() for call in getattr(self, "tool_calls", None) or []],
+            "tool_call_id": getattr(self, "tool_call_id", None),
         }
+
+    @property
+    def text(self) -> str:
+        """The content as one string ("" for none)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SystemMessage(MessageFields):
+    """A system message; the `developer` role is read as `system`."""
+
+    role: Literal["system", "developer"]
 
     @field_validator("role")
     @classmethod
     def _developer_is_system(cls, role: str) -> str:
         return "system" if role == "developer" else role
 
-    @model_validator(mode="after")
-    def _fields_of_the_role(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("only a tool message carries tool_call_id")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only for an assistant's tool calls)")
-        return self
 
-    @property
-    def text(self) -> str:
-        """The content as one string."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+class UserMessage(MessageFields):
+    """A user message."""
+
+    role: Literal["user"]
+
+
+class AssistantTurn(MessageFields):
+    """An earlier reply: its text, and the `tool_calls` it made (content may then be null or
+    absent, read as empty)."""
+
+    role: Literal["assistant"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCallBody] | None = None
+
+
+class ToolResult(MessageFields):
+    """A tool's result; `tool_call_id` names the call it answers, which must be a call of an
+    earlier assistant message (without it the message is an observation of role `tool`)."""
+
+    role: Literal["tool"]
+    tool_call_id: CallId | None = None
+
+
+def _message_kind(message) -> str | None:
+    role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+    return MESSAGE_KINDS.get(role) if isinstance(role, str) else None
+
+
+MESSAGE_KINDS = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}
+"""A message's role -> its kind (the tag of `ChatMessage`'s union)."""
+ChatMessage = Annotated[
+    Annotated[SystemMessage, Tag("System")]
+    | Annotated[UserMessage, Tag("User")]
+    | Annotated[AssistantTurn, Tag("Assistant")]
+    | Annotated[ToolResult, Tag("Tool")],
+    Discriminator(
+        _message_kind,
+        custom_error_type="invalid_role",
+        custom_error_message="role must be one of system, developer, user, assistant, tool",
+    ),
+]
+"""One message of a conversation, by its role."""
 
 
 class FunctionBody(BaseModel):
@@ -227,17 +265,23 @@ class JSONSchemaBody(BaseModel):
 class TextFormat(BaseModel):
     """`response_format` of plain text (the default)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
 
 
 class JSONObjectFormat(BaseModel):
     """`response_format`: any JSON object."""
 
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["json_object"]
 
 
 class JSONSchemaFormat(BaseModel):
     """`response_format`: JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["json_schema"]
     json_schema: JSONSchemaBody

@@ -76,9 +76,9 @@ async def test_chat_completion_reports_usage_and_kv(client):
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "functions": [{"name": "f"}],
             },
-            "tools",
+            "functions",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop.0"),
         ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
@@ -90,9 +90,9 @@ async def test_chat_completion_reports_usage_and_kv(client):
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "json_object", "json_schema": 3},
             },
-            "response_format",
+            "response_format.json_object.json_schema",
         ),
     ],
 )

@@ -45,9 +45,15 @@ OPENAI_FIELDS = [
     "n",
     "user",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "response_format",
+    "pin",
 ]
-NATIVE_FIELDS = ["session_id", "pin", "policy", "max_tokens", "stop", "seed", "messages"]
+NATIVE_FIELDS = [
+    "session_id", "pin", "policy", "max_tokens", "stop", "seed", "messages", "tools",
+    "tool_choice", "response_format",
+]  # fmt: skip
 MESSAGE_VARIANTS = [
     {"role": "user"},
     {"content": "hi"},
@@ -56,6 +62,9 @@ MESSAGE_VARIANTS = [
     {"role": "user", "content": [{"type": "text"}]},
     {"role": "user", "content": "hi", "pin": "yes"},
     {"role": "tool", "content": "hi", "tool_call_id": 3},
+    {"role": "tool", "content": "hi", "tool_call_id": "call_nowhere"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": None}]},
+    {"role": "assistant", "tool_calls": [{"id": "", "function": {"name": "f", "arguments": "{"}}]},
     {"role": "assistant", "content": "\ufffd" * 100},
 ]
 NESTED_VARIANTS = [
@@ -69,6 +78,17 @@ NESTED_VARIANTS = [
     {"policy": {"name": "random", "params": {"seed": 1.5}}},
     {"policy": {"name": "h2o", "recall": {"cap_bytes": 2**70, "score": None}}},
     {"policy": {"name": "h2o", "recall": {"page_tokens": 10**9, "every": -1}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+    {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": 5}}},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+        }
+    },
+    {"pin": {"tool_names": ["a b"], "tool_calls": "yes"}},
 ]
 RAW_BODIES = [b"", b"null", b"[]", b"3", b'"text"', b"\xff\xfe\x00", b"[" * 5000, b'{"messages":']
 
@@ -102,7 +122,7 @@ async def _check(response: httpx.Response) -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/chat"])
 async def test_no_field_value_gives_a_500(client, path):
     fields = OPENAI_FIELDS if path == "/v1/chat/completions" else NATIVE_FIELDS
-    bodies = _bodies(fields) + ([{**BASE, **v} for v in NESTED_VARIANTS] if path == "/chat" else [])
+    bodies = _bodies(fields) + [{**BASE, **v} for v in NESTED_VARIANTS]
     statuses = set()
     for body in bodies:
         response = await client.post(path, json=body)

@@ -121,7 +121,7 @@ async def test_pin_patterns_re2_refuses_are_422(client, patterns, says):
 async def test_admission_comes_before_any_tokenizing(service, client, monkeypatch):
     calls = []
     original = service.prompt_ids
-    monkeypatch.setattr(service, "prompt_ids", lambda m: calls.append(1) or original(m))
+    monkeypatch.setattr(service, "prompt_ids", lambda *a: calls.append(1) or original(*a))
     big = {"messages": [{"role": "user", "content": "word " * 400_000}], "max_tokens": 1}
     with service._model_lock:  # the model is busy: the one place in the queue is taken
         admitted = service.admit()

@@ -222,8 +222,8 @@ NOT_AN_OBJECT = {"name": "search", "arguments": "[1]"}
             ],
             "messages.1.tool_call_id",
         ),
-        ([{"role": "user", "content": "x", "tool_calls": [CALL]}], "messages.0"),
-        ([{"role": "assistant", "content": None}], "messages.0"),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "assistant", "content": 3}], "messages.0.content"),
         (
             [{"role": "assistant", "tool_calls": [{**CALL, "function": NOT_AN_OBJECT}]}],
             "messages.0.tool_calls.0.function.arguments",

@@ -2,6 +2,9 @@
 for at most 4 tokens, so each one the model runs takes a fraction of a second on a CPU (the
 checks are about the API's shape, not about how long the model writes)."""
 
+import json
+
+import llguidance
 import schemathesis
 
 CHAT_PATHS = ("/chat", "/v1/chat/completions")
@@ -19,3 +22,91 @@ def map_body(ctx, body):
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
     return body
+
+
+@schemathesis.hook
+def before_call(ctx, case, kwargs):
+    """Every phase's requests (the coverage phase's too, which `map_body` does not see)
+    keep the rules of `_semantic_fixes`."""
+    body = case.body
+    if case.operation.path in (*CHAT_PATHS, "/tokenize") and isinstance(body, dict):
+        if isinstance(body.get("messages"), list):
+            _semantic_fixes(body["messages"])
+        _reply_fixes(body)
+
+
+def _semantic_fixes(messages: list) -> None:
+    """Make generated messages keep the rules a JSON Schema cannot state, which the API
+    documents and answers with a 400 (`tests/test_api_tools.py` tests them): a
+    `tool_call_id` names a call of an earlier assistant message, and a call's arguments
+    are a JSON object's text. Bodies of the wrong shape (negative cases) are left alone."""
+    called = set()
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:
+            if not isinstance(call, dict):
+                continue
+            if isinstance(call.get("id"), str):
+                called.add(call["id"])
+            function = call.get("function")
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                if not _json_object(function["arguments"]):
+                    function["arguments"] = "{}"
+        answers = message.get("tool_call_id")
+        if message.get("role") == "tool" and isinstance(answers, str) and answers not in called:
+            message.pop("tool_call_id")
+
+
+def _json_object(text) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False
+
+
+def _reply_fixes(body: dict) -> None:
+    """Make generated tool and format fields keep the rules a JSON Schema cannot state,
+    which the API documents and answers with a 400 (`tests/test_api_tools.py` tests them):
+    tool names unique, a named `tool_choice` naming an offered tool, `required` with tools,
+    and schemas llguidance compiles. Bodies of the wrong shape are left alone."""
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        names, kept = set(), []
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str):
+                kept.append(tool)
+                continue
+            if name in names:
+                continue
+            names.add(name)
+            parameters = function.get("parameters")
+            if isinstance(parameters, dict) and not _compiles(parameters or {"type": "object"}):
+                function["parameters"] = {}
+            kept.append(tool)
+        body["tools"] = kept
+    else:
+        names = set()
+    choice = body.get("tool_choice")
+    if choice == "required" and not names:
+        body.pop("tool_choice")
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        named = choice["function"].get("name")
+        if isinstance(named, str) and named not in names:
+            body.pop("tool_choice")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and isinstance(fmt.get("json_schema"), dict):
+        schema = fmt["json_schema"].get("schema")
+        if isinstance(schema, dict) and not _compiles(schema):
+            fmt["json_schema"]["schema"] = {}
+
+
+def _compiles(schema) -> bool:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except (TypeError, ValueError):
+        return False
+    return not llguidance.LLMatcher.validate_grammar(grammar)
