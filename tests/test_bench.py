@@ -86,7 +86,7 @@ HAND_WRITTEN = [
     _record(3, "window", 512, False, 50e6),
     _record(4, "window", 512, False, 50e6, steps=4, rates=(30.0,)),
     # conf-kv 512 ran only tasks 1, 2 (one an error, no peak)
-    _record(1, "conf-kv", 512, True, 25e6),
+    {**_record(1, "conf-kv", 512, True, 25e6), "peak_cold_kv_bytes": 8e6},
     {**_record(2, "conf-kv", 512, False, None, steps=0, rates=()), "end_reason": "error"},
 ]
 
@@ -122,6 +122,8 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     # only task 1 has a peak on both sides: 100 MB / 25 MB
     assert conf["reduction_vs_full"] == pytest.approx(4.0)
     assert conf["reference_accuracy"] is None
+    assert conf["peak_cold_kv_mb"] == pytest.approx(4.0)  # 8 MB and 0, kept apart from hot
+    assert conf["peak_kv_mb"] == pytest.approx(25.0)
 
     table = bench.format_table(rows)
     lines = table.splitlines()
@@ -131,7 +133,7 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert window["agreement_steps"] == 6
     assert full["agreement"] is None and conf["agreement"] is None
     assert (
-        "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 3.00x | 67% (6 steps) | 0.200 |"
+        "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x | 67% (6 steps) | 0.200 |"
         in table
     )
     assert "33% (3 steps) | 2.00 |" in lines[3]

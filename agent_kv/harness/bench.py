@@ -722,7 +722,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     `success_rate` (errors count as failures), `relative_success` (this row's success rate
     over full KV's on the tasks both ran; None without a full run or when full never
     succeeded), `peak_kv_mb` (mean peak allocated KV bytes / 1e6 over episodes that report
-    them), `peak_kv_live_mb` (the same for the peak live bytes),
+    them), `peak_kv_live_mb` (the same for the peak live bytes), `peak_cold_kv_mb` (mean
+    peak bytes of the cold tier, 0 without recall; never counted in the others),
     `reduction_vs_full` (mean peak bytes of full over mean peak bytes of this row, on the
     tasks both ran with a peak), `mean_steps`, `decode_tokens_per_s` (mean over every decode
     turn of every episode), `reference_accuracy` (reference steps whose action was the
@@ -768,6 +769,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             full_rate = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
         peak = _mean(r["peak_kv_bytes"] for r in group if r.get("peak_kv_bytes"))
         live = _mean(r["peak_kv_live_bytes"] for r in group if r.get("peak_kv_live_bytes"))
+        cold = _mean(r.get("peak_cold_kv_bytes") or 0 for r in group)
         rows.append(
             {
                 "policy": policy,
@@ -779,6 +781,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "relative_success": relative,
                 "peak_kv_mb": None if peak is None else peak / 1e6,
                 "peak_kv_live_mb": None if live is None else live / 1e6,
+                "peak_cold_kv_mb": None if cold is None else cold / 1e6,
                 "reduction_vs_full": reduction,
                 "mean_steps": _mean(r.get("steps") or 0 for r in group),
                 "decode_tokens_per_s": _mean(
@@ -841,7 +844,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `aggregate` as a markdown table."""
     header = (
         "| policy | budget | precision | episodes | errors | success | vs full | "
-        "peak KV (MB) | live KV (MB) | reduction vs full | agreement | KL vs full | steps | "
+        "peak KV (MB) | live KV (MB) | cold KV (MB) | reduction vs full | agreement | "
+        "KL vs full | steps | "
         "decode tok/s | ref. action acc. | ref. NLL |"
     )
     lines = [header, "|" + "|".join([" --- "] * (header.count("|") - 1)) + "|"]
@@ -860,6 +864,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _relative(r),
             _fmt(r["peak_kv_mb"], ".1f"),
             _fmt(r.get("peak_kv_live_mb"), ".1f"),
+            _fmt(r.get("peak_cold_kv_mb"), ".1f"),
             _fmt(r["reduction_vs_full"], ".2f", "x"),
             _agreement_cell(r),
             _fmt(r["mean_kl"], ".3f"),
