@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from agent_kv.errors import GrammarError
 from agent_kv.runtime.grammar import GrammarCompiler
-from agent_kv.runtime.tool_calls import ReplyFormat, ReplySpec, Tool, ToolChoice
+from agent_kv.runtime.tool_calls import ReplySpec
 from api.errors import APIError
-from api.schemas import ChatMessage, JSONObjectFormat, JSONSchemaFormat, ReplyFields
+from api.schemas import ChatMessage, ReplyFields
 
 
 def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
@@ -19,34 +19,26 @@ def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
             tools), tools offered twice, or a tool's `parameters` or the `response_format`
             schema that cannot be compiled (the message carries the library's reason).
     """
-    tools = tuple(
-        Tool(tool.function.name, tool.function.description, tool.function.parameters)
-        for tool in request.tools or []
+    fields = request.model_dump(
+        include={"tools", "tool_choice", "parallel_tool_calls", "response_format"},
+        by_alias=True,
     )
-    choice = request.tool_choice
-    if choice is None:
-        choice = ToolChoice("auto" if tools else "none")
-    elif isinstance(choice, str):
-        choice = ToolChoice(choice)
-    else:
-        choice = ToolChoice("function", choice.function.name)
-    fmt = request.response_format
-    reply_format = None
-    if isinstance(fmt, JSONObjectFormat):
-        reply_format = ReplyFormat({"type": "object"})
-    elif isinstance(fmt, JSONSchemaFormat):
-        reply_format = ReplyFormat(fmt.json_schema.schema_, fmt.json_schema.name)
-    spec = ReplySpec(tools, choice, request.parallel_tool_calls, reply_format)
     try:
+        spec = ReplySpec.from_openai(**fields)
         grammar = spec.grammar()
         if grammar is not None:
             grammars.matcher(grammar)
     except GrammarError as err:
-        param = "response_format" if spec.format is not None and not tools else "tools"
-        if "tool_choice" in str(err):
-            param = "tool_choice"
-        raise APIError(400, str(err), param, "invalid_value") from None
+        raise APIError(400, str(err), _param_of(str(err), fields), "invalid_value") from None
     return spec
+
+
+def _param_of(message: str, fields: dict) -> str:
+    """The field a reply-spec error is about: named in its message, else the schemas'."""
+    for field in ("tool_choice", "response_format"):
+        if field in message:
+            return field
+    return "tools" if fields.get("tools") else "response_format"
 
 
 def check_tool_results(messages: list[ChatMessage]) -> None:

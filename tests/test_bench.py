@@ -132,10 +132,8 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert window["mean_kl"] == pytest.approx((4 * 0.1 + 2 * 0.4) / 6)
     assert window["agreement_steps"] == 6
     assert full["agreement"] is None and conf["agreement"] is None
-    assert (
-        "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x | 67% (6 steps) | 0.200 |"
-        in table
-    )
+    window_cells = "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x |"
+    assert window_cells + " 67% (6 steps) | 0.200 |" in table
     assert "33% (3 steps) | 2.00 |" in lines[3]
 
 

@@ -3,10 +3,14 @@ server, with usage, cache reuse across turns of a session, a chain, and errors."
 
 from __future__ import annotations
 
+import json
+
+import pydantic
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.tools import tool
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import make_policy
@@ -162,3 +166,77 @@ async def test_server_errors_carry_the_message(remote):
         await remote.ainvoke(QUESTION, max_tokens=0)
     with pytest.raises(ServerError, match="max_tokens"):
         _ = [chunk async for chunk in remote.astream(QUESTION, max_tokens=0)]
+
+
+@tool
+def get_weather(city: str, days: int) -> str:
+    """The weather forecast for a city over a number of days."""
+    return f"Rain in {city} for {days} days."
+
+
+class Forecast(pydantic.BaseModel):
+    """A forecast."""
+
+    city: str = pydantic.Field(max_length=30)
+    sunny: bool
+
+
+ASK = [HumanMessage("What is the weather in Oslo for the next 2 days?")]
+
+
+def roomy(model: ChatAgentKV, **fields) -> ChatAgentKV:
+    """`model` with room for a whole call (60 tokens)."""
+    return model.model_copy(update={"max_tokens": 60, **fields})
+
+
+@pytest.mark.parametrize("backend", ["local", "remote"])
+def test_bound_tools_are_called_and_the_result_reuses_the_cache(backend, request):
+    model = roomy(request.getfixturevalue(backend), session_id=f"tools-{backend}")
+    bound = model.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False)
+    reply = bound.invoke(ASK)
+    assert reply.response_metadata["finish_reason"] == "tool_calls" and reply.content == ""
+    [call] = reply.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "days"}
+    assert isinstance(call["args"]["days"], int) and call["id"].startswith("call_")
+    result = get_weather.invoke(call)  # a ToolMessage answering the call
+    assert isinstance(result, ToolMessage) and result.tool_call_id == call["id"]
+    follow = bound.bind(tool_choice="none").invoke([*ASK, reply, result])
+    assert follow.response_metadata["kv"]["rebuild"] == "none"
+    used = reply.usage_metadata
+    assert follow.usage_metadata["input_token_details"]["cache_read"] >= used["total_tokens"]
+
+
+@pytest.mark.parametrize("backend", ["local", "remote"])
+def test_streamed_tool_calls_come_as_tool_call_chunks(backend, request):
+    model = roomy(request.getfixturevalue(backend))
+    chunks = list(model.bind_tools([get_weather], tool_choice="required").stream(ASK))
+    total = streamed(chunks)
+    assert total.tool_call_chunks and total.tool_call_chunks[0]["name"] == "get_weather"
+    assert total.tool_calls[0]["name"] == "get_weather"
+    assert json.loads(total.tool_call_chunks[0]["args"]) == total.tool_calls[0]["args"]
+    assert total.response_metadata["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+@pytest.mark.parametrize("backend", ["local", "remote"])
+def test_structured_output_parses_into_the_schema(backend, method, request):
+    model = roomy(request.getfixturevalue(backend))
+    structured = model.with_structured_output(Forecast, method=method)
+    forecast = structured.invoke(ASK)
+    assert isinstance(forecast, Forecast) and forecast.city
+    raw = model.with_structured_output(Forecast, method=method, include_raw=True).invoke(ASK)
+    assert raw["parsing_error"] is None and isinstance(raw["parsed"], Forecast)
+    as_dict = model.with_structured_output(Forecast.model_json_schema(), method=method)
+    assert set(as_dict.invoke(ASK)) == {"city", "sunny"}
+
+
+def test_json_mode_gives_a_json_object(local):
+    reply = roomy(local).with_structured_output(None, method="json_mode").invoke(ASK)
+    assert isinstance(reply, dict)
+
+
+def test_bind_tools_refuses_a_choice_it_does_not_offer(local):
+    with pytest.raises(ValueError, match="not one of the tools"):
+        local.bind_tools([get_weather], tool_choice="search")
+    with pytest.raises(ValueError, match="exactly one tool"):
+        local.bind_tools([get_weather, Forecast], tool_choice=True)

@@ -38,7 +38,19 @@ class TestChatAgentKVStandard(ChatModelUnitTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "function_calling"}
 
     @property
     def supported_usage_metadata_details(self) -> dict:

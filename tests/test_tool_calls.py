@@ -85,6 +85,17 @@ def test_the_grammar_admits_exactly_valid_calls(grammars, choice, text, ok):
     assert accepts(grammars, spec, text) is ok
 
 
+def test_object_schemas_that_list_properties_are_closed(grammars):
+    open_tool = Tool("f", "", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    spec = ReplySpec((open_tool,), ToolChoice("required"))
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    assert accepts(grammars, spec, call)
+    assert not accepts(grammars, spec, call.replace('"a": 1', '"a": 1, "b": 2'))
+    explicit = {**open_tool.parameters, "additionalProperties": {"type": "integer"}}
+    spec = ReplySpec((Tool("f", "", explicit),), ToolChoice("required"))
+    assert accepts(grammars, spec, call.replace('"a": 1', '"a": 1, "b": 2'))
+
+
 def test_one_call_only_without_parallel_calls(grammars):
     spec = ReplySpec((WEATHER,), ToolChoice("required"), parallel=False)
     assert accepts(grammars, spec, CALL) and not accepts(grammars, spec, CALL + CALL)

@@ -10,6 +10,8 @@ parses and validates:
 - a call is `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>` (the Hermes format
   that Qwen2.5/3's and Hermes' chat templates use), where `ARGS` is a JSON object valid
   against the tool's `parameters` schema; with `parallel` several calls follow each other;
+- object schemas that list their properties are closed unless they say otherwise
+  (`closed`), as in OpenAI's strict mode;
 - `required` and a named function allow only calls (of any tool, or of that one);
 - `auto` allows either a call or a text reply that contains no `<tool_call>`
   (or, with a `ReplyFormat`, a JSON reply);
@@ -146,6 +148,59 @@ class ReplySpec:
         if self.choice.mode == "required" and not self.tools:
             raise GrammarError("tool_choice required needs at least one tool")
 
+    @classmethod
+    def from_openai(
+        cls,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: dict | None = None,
+    ) -> ReplySpec:
+        """The spec of OpenAI's request fields, as JSON values (`tools` entries
+        `{"type": "function", "function": {"name", "description", "parameters"}}`;
+        `tool_choice` "none", "auto", "required" or `{"type": "function", "function":
+        {"name"}}`, default "auto" with tools, else "none"; `response_format` `{"type":
+        "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}`).
+
+        Raises:
+            GrammarError: a field of the wrong shape, or a spec `validate` refuses.
+        """
+        offered = []
+        for tool in tools or []:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise GrammarError(
+                    f"a tool must be {{'type': 'function', 'function': ...}}: {tool!r}"
+                )
+            offered.append(
+                Tool(
+                    function["name"],
+                    function.get("description") or "",
+                    function.get("parameters") or {},
+                )
+            )
+        if tool_choice is None:
+            choice = ToolChoice("auto" if offered else "none")
+        elif isinstance(tool_choice, str):
+            choice = ToolChoice(tool_choice)
+        else:
+            choice = ToolChoice("function", (tool_choice.get("function") or {}).get("name"))
+        fmt = None
+        kind = (response_format or {}).get("type", "text")
+        if kind == "json_object":
+            fmt = ReplyFormat({"type": "object"})
+        elif kind == "json_schema":
+            body = response_format.get("json_schema") or {}
+            fmt = ReplyFormat(body.get("schema") or {}, body.get("name") or "json_schema")
+        elif kind != "text":
+            raise GrammarError(
+                f"response_format type must be text, json_object or json_schema, got {kind!r}"
+            )
+        parallel = True if parallel_tool_calls is None else parallel_tool_calls
+        spec = cls(tuple(offered), choice, parallel, fmt)
+        spec.validate()
+        return spec
+
     @property
     def calls_allowed(self) -> bool:
         """Whether the reply may hold tool calls."""
@@ -200,8 +255,23 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
-    """A Lark `%json` item for `schema`, in `JSON_LAYOUT`."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    """A Lark `%json` item for `schema` (`closed`), in `JSON_LAYOUT`."""
+    return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_LAYOUT})
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object schema that lists `properties` and leaves
+    `additionalProperties` unset closed (`additionalProperties: false`), as OpenAI's strict
+    mode requires of its schemas: decoded under an open object, a small model keeps
+    inventing keys until `max_tokens`. Other values are returned as they are (copies)."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _regex_literal(text: str) -> str:

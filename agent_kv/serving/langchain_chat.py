@@ -22,8 +22,9 @@ import json
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict
+from operator import itemgetter
 from typing import Any
 
 import httpx
@@ -39,12 +40,19 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils import secret_from_env
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from agent_kv.errors import AgentKVError
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_calls import ReplySpec, ToolCall, ToolCallStream
 from agent_kv.serving.chat_service import ChatService, ChatTurn
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
@@ -70,6 +78,9 @@ IDENTIFYING = (
     "stop",
 )
 """The fields that tell one configured model from another (caching, tracing)."""
+REPLY_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
+"""Call keyword arguments (set by `bind_tools`, `with_structured_output` or `bind`) that say
+what the reply may be, as OpenAI's request fields."""
 
 
 class ServerError(AgentKVError):
@@ -202,6 +213,94 @@ class ChatAgentKV(BaseChatModel):
         params["ls_provider"] = "agent_kv"
         return params
 
+    def bind_tools(
+        self,
+        tools: Sequence[dict | type | Callable | Any],
+        *,
+        tool_choice: str | bool | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """The model with `tools` offered on every call (OpenAI's `tools`), each a pydantic
+        model, a function, a LangChain tool or an OpenAI tool dict
+        (`convert_to_openai_tool`).
+
+        Args:
+            tool_choice: "auto" (text or calls), "none", "required" or "any" (calls only),
+                True (the one tool), or a tool's name (calls of it); None: "auto".
+            parallel_tool_calls: False allows one call per reply.
+            strict: accepted; calls are always decoded under their schemas.
+
+        Raises:
+            ValueError: a `tool_choice` naming no offered tool, or True with several tools.
+        """
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        fields: dict[str, Any] = {"tools": formatted}
+        choice = _tool_choice(tool_choice, [tool["function"]["name"] for tool in formatted])
+        if choice is not None:
+            fields["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**fields, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict | type,
+        *,
+        method: str = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """The model answering with `schema` (a pydantic model, a JSON Schema dict or an
+        OpenAI tool dict): parsed into the model, or a dict.
+
+        Args:
+            method: "function_calling" (the reply is a call of a tool whose parameters are
+                the schema, `tool_choice` naming it), "json_schema" (`response_format`
+                `json_schema`) or "json_mode" (`response_format` `json_object`; the schema
+                then only parses).
+            include_raw: return `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}`.
+            strict: accepted; the reply is always decoded under the schema.
+
+        Raises:
+            ValueError: an unknown method.
+        """
+        pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            model = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False)
+            if pydantic_schema:
+                parser = PydanticToolsParser(tools=[schema], first_tool_only=True)
+            else:
+                parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                json_schema = convert_to_json_schema(schema)
+                name = _tool_name(json_schema.get("title") or "response")
+                body = {"name": name, "schema": json_schema}
+                model = self.bind(response_format={"type": "json_schema", "json_schema": body})
+            else:
+                model = self.bind(response_format={"type": "json_object"})
+            if pydantic_schema:
+                parser = PydanticOutputParser(pydantic_object=schema)
+            else:
+                parser = JsonOutputParser()
+        else:
+            raise ValueError(
+                f"method must be function_calling, json_schema or json_mode, got {method!r}"
+            )
+        if not include_raw:
+            return model | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
+        unparsed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=model) | parsed.with_fallbacks(
+            [unparsed], exception_key="parsing_error"
+        )
+
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -297,13 +396,26 @@ class ChatAgentKV(BaseChatModel):
     ) -> ChatTurn:
         """One in-process turn."""
         session_id = kwargs.get("session_id", self.session_id)
-        return self.service.run(_dicts(messages), params, session_id=session_id, on_text=on_text)
+        reply = ReplySpec.from_openai(**{key: kwargs.get(key) for key in REPLY_KWARGS})
+        return self.service.run(
+            _dicts(messages), params, session_id=session_id, on_text=on_text, reply=reply
+        )
 
     def _run_into(self, messages, params, kwargs, put: Callable[[tuple], None]) -> None:
-        """One in-process turn reported to `put` as ("text", piece) events, then ("done",
-        turn) or ("error", exception)."""
+        """One in-process turn reported to `put` as ("text", piece) and ("call", index,
+        `ToolCall`) events (`ToolCallStream`), then ("done", turn) or ("error", exception)."""
         try:
-            put(("done", self._run(messages, params, kwargs, lambda text: put(("text", text)))))
+            spec = ReplySpec.from_openai(**{key: kwargs.get(key) for key in REPLY_KWARGS})
+            splitter = ToolCallStream(spec)
+
+            def on_text(text: str) -> None:
+                for event in splitter.feed(text):
+                    put(event)
+
+            turn = self._run(messages, params, kwargs, on_text)
+            for event in splitter.finish():
+                put(event)
+            put(("done", turn))
         except BaseException as err:  # re-raised where the events are read
             put(("error", err))
 
@@ -311,7 +423,7 @@ class ChatAgentKV(BaseChatModel):
         events: queue.Queue = queue.Queue()
         threading.Thread(target=self._run_into, args=(messages, params, kwargs, events.put)).start()
         while True:
-            chunk = _event_chunk(*events.get(), self.model_name)
+            chunk = _event_chunk(events.get(), self.model_name)
             yield chunk
             if chunk.message.chunk_position == "last":
                 return
@@ -325,7 +437,7 @@ class ChatAgentKV(BaseChatModel):
 
         worker = loop.run_in_executor(None, self._run_into, messages, params, kwargs, put)
         while True:
-            chunk = _event_chunk(*await events.get(), self.model_name)
+            chunk = _event_chunk(await events.get(), self.model_name)
             yield chunk
             if chunk.message.chunk_position == "last":
                 break
@@ -335,7 +447,7 @@ class ChatAgentKV(BaseChatModel):
         """The keyword arguments of the HTTP request for one call: its JSON body and headers."""
         body = {
             "model": kwargs.get("model", self.model_name),
-            "messages": _dicts(messages),
+            "messages": _wire(_dicts(messages)),
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -343,6 +455,7 @@ class ChatAgentKV(BaseChatModel):
             "stop": params.stop,
             "stream": stream,
         }
+        body |= {key: kwargs[key] for key in REPLY_KWARGS if kwargs.get(key) is not None}
         if stream:
             body["stream_options"] = {"include_usage": True}
         session_id = kwargs.get("session_id", self.session_id)
@@ -387,12 +500,16 @@ class ChatAgentKV(BaseChatModel):
 
 
 def _dicts(messages: list[BaseMessage]) -> list[dict]:
-    """`{"role", "content", "pin"}` dicts of LangChain messages.
+    """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` dicts of LangChain messages
+    (`agent_kv.runtime.chat_rendering`): an `AIMessage`'s `tool_calls` as `ToolCall`s (their
+    arguments as generated when `additional_kwargs["tool_calls"]` holds them, else as JSON);
+    a `ToolMessage`'s `tool_call_id` when it answers an earlier call (otherwise the message
+    is a plain observation of role tool).
 
     Raises:
         ValueError: a role other than system, user, assistant and tool, or non-text content.
     """
-    dicts = []
+    dicts, called = [], set()
     for message in messages:
         if isinstance(message, ChatMessage):
             role = message.role
@@ -407,8 +524,72 @@ def _dicts(messages: list[BaseMessage]) -> list[dict]:
         if any(not isinstance(block, str) and block.get("type") != "text" for block in blocks):
             raise ValueError(f"a {role} message has non-text content: only text is supported")
         pin = bool(message.additional_kwargs.get("pin", False))
-        dicts.append({"role": role, "content": message.text, "pin": pin})
+        entry = {"role": role, "content": message.text, "pin": pin}
+        calls = _calls(message) if isinstance(message, AIMessage) else []
+        if calls:
+            entry["tool_calls"] = calls
+            called.update(call.id for call in calls)
+        if isinstance(message, ToolMessage) and message.tool_call_id in called:
+            entry["tool_call_id"] = message.tool_call_id
+        dicts.append(entry)
     return dicts
+
+
+def _calls(message: AIMessage) -> list[ToolCall]:
+    """The message's tool calls, arguments as the model generated them where known."""
+    raw = {
+        call.get("id"): (call.get("function") or {}).get("arguments")
+        for call in message.additional_kwargs.get("tool_calls") or []
+    }
+    return [
+        ToolCall(
+            call["id"] or ToolCall.new_id(),
+            call["name"],
+            raw.get(call["id"]) or json.dumps(call["args"], ensure_ascii=False),
+        )
+        for call in message.tool_calls
+    ]
+
+
+def _wire(dicts: list[dict]) -> list[dict]:
+    """`_dicts` as `/v1/chat/completions` messages (calls in OpenAI's shape)."""
+    out = []
+    for entry in dicts:
+        wired = {key: value for key, value in entry.items() if key != "tool_calls"}
+        if entry.get("tool_calls"):
+            wired["tool_calls"] = [_openai_call(call) for call in entry["tool_calls"]]
+        out.append(wired)
+    return out
+
+
+def _openai_call(call: ToolCall) -> dict:
+    """A call in OpenAI's shape (`tool_calls` item)."""
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _tool_choice(choice: str | bool | dict | None, names: list[str]) -> str | dict | None:
+    """`bind_tools`' `tool_choice` as OpenAI's.
+
+    Raises:
+        ValueError: a name not offered, or True with other than one tool.
+    """
+    if choice is None or choice in ("auto", "none", "required") or isinstance(choice, dict):
+        return choice
+    if choice == "any":
+        return "required"
+    if choice is True:
+        if len(names) != 1:
+            raise ValueError(f"tool_choice=True needs exactly one tool, got {len(names)}")
+        choice = names[0]
+    if choice not in names:
+        raise ValueError(f"tool_choice {choice!r} is not one of the tools: {', '.join(names)}")
+    return {"type": "function", "function": {"name": choice}}
+
+
+def _tool_name(title: str) -> str:
+    """`title` as a schema name OpenAI takes (letters, digits, `_`, `-`; at most 64)."""
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in title)[:64] or "response"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageMetadata:
@@ -423,21 +604,42 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Us
 def _turn_fields(turn: ChatTurn, model_name: str) -> dict:
     """The usage and response metadata of an in-process turn."""
     usage = _usage(turn.prompt_tokens, len(turn.reply.token_ids), turn.sync.reused_tokens)
-    metadata = {"finish_reason": turn.reply.finish_reason, "model_name": model_name}
+    metadata = {"finish_reason": turn.finish_reason, "model_name": model_name}
     return {"usage_metadata": usage, "response_metadata": {**metadata, "kv": asdict(turn.kv)}}
 
 
 def _turn_message(turn: ChatTurn, model_name: str) -> AIMessage:
-    return AIMessage(content=turn.reply.text, **_turn_fields(turn, model_name))
+    return AIMessage(
+        content=turn.content, **_call_fields(turn.tool_calls), **_turn_fields(turn, model_name)
+    )
 
 
-def _event_chunk(kind: str, value: Any, model_name: str) -> ChatGenerationChunk:
+def _call_fields(calls: list[ToolCall]) -> dict:
+    """`tool_calls` (arguments parsed) and the raw OpenAI-shaped calls in
+    `additional_kwargs`, which keep the arguments as generated."""
+    if not calls:
+        return {}
+    parsed = [tool_call(name=c.name, args=json.loads(c.arguments), id=c.id) for c in calls]
+    raw = {"tool_calls": [_openai_call(call) for call in calls]}
+    return {"tool_calls": parsed, "additional_kwargs": raw}
+
+
+def _call_chunk(index: int, call: ToolCall) -> ChatGenerationChunk:
+    """A streamed call: one `tool_call_chunks` entry with the whole arguments."""
+    piece = tool_call_chunk(name=call.name, args=call.arguments, id=call.id, index=index)
+    return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[piece]))
+
+
+def _event_chunk(event: tuple, model_name: str) -> ChatGenerationChunk:
     """The chunk of an in-process streaming event (`_run_into`); raises an "error" one."""
+    kind, *rest = event
     if kind == "error":
-        raise value
+        raise rest[0]
     if kind == "text":
-        return ChatGenerationChunk(message=AIMessageChunk(content=value))
-    fields = _turn_fields(value, model_name)
+        return ChatGenerationChunk(message=AIMessageChunk(content=rest[0]))
+    if kind == "call":
+        return _call_chunk(*rest)
+    fields = _turn_fields(rest[0], model_name)
     return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **fields))
 
 
@@ -457,8 +659,13 @@ def _completion_message(body: dict) -> AIMessage:
     """The reply of a `/v1/chat/completions` response body."""
     choice, usage = body["choices"][0], body["usage"]
     cached = usage["prompt_tokens_details"]["cached_tokens"]
+    calls = [
+        ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
+        for call in choice["message"].get("tool_calls") or []
+    ]
     return AIMessage(
-        content=choice["message"]["content"],
+        content=choice["message"]["content"] or "",
+        **_call_fields(calls),
         usage_metadata=_usage(usage["prompt_tokens"], usage["completion_tokens"], cached),
         response_metadata={
             "finish_reason": choice["finish_reason"],
@@ -487,6 +694,12 @@ def _sse_chunk(line: str) -> ChatGenerationChunk | None:
         message = AIMessageChunk(content="", usage_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=message)
     choice = event["choices"][0]
+    if choice["delta"].get("tool_calls"):
+        call = choice["delta"]["tool_calls"][0]
+        function = call["function"]
+        return _call_chunk(
+            call["index"], ToolCall(call["id"], function["name"], function["arguments"])
+        )
     content = choice["delta"].get("content") or ""
     if choice["finish_reason"]:
         metadata = {"finish_reason": choice["finish_reason"], "model_name": event["model"]}
