@@ -13,6 +13,12 @@ Per call, `stop` and the keyword arguments `max_tokens`, `temperature`, `top_p`,
 as the request's model (the server serves one model; in-process it is ignored).
 A message with `additional_kwargs["pin"]` true has its tokens pinned (never evicted or
 quantized).
+
+`bind_tools` and `with_structured_output` set OpenAI's `tools`, `tool_choice`,
+`parallel_tool_calls` and `response_format` on every call (`REPLY_KWARGS`): in-process they
+become the turn's `ReplySpec`, against a server the request's fields. Calls come back as
+`AIMessage.tool_calls` (and `tool_call_chunks` when streamed), decoded under the tools'
+schemas (`agent_kv.runtime.tool_calls`).
 """
 
 from __future__ import annotations
