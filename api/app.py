@@ -288,7 +288,7 @@ def create_app(
         check_tool_results(request.messages)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars, params.stop)
         session_id = _header_text(x_session_id) or request.user
         admission = _admit(service)
         turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
@@ -313,7 +313,7 @@ def create_app(
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         policy = None if request.policy is None else _policy(request, service)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars, params.stop)
         admission = _admit(service)
         turn = await _run_watched(
             raw, admission, metrics, service, messages, params, session_id=request.session_id,

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from agent_kv.errors import GrammarError
 from agent_kv.runtime.grammar import GrammarCompiler
-from agent_kv.runtime.tool_calls import ReplySpec
+from agent_kv.runtime.tool_calls import ReplySpec, ToolChoice
 from api.errors import APIError
 from api.schemas import ChatMessage, ReplyFields
 
 
-def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
-    """The request's `ReplySpec`, its grammar built once against the model's tokenizer so
-    that a schema llguidance cannot compile is refused before anything runs.
+def reply_spec(
+    request: ReplyFields, grammars: GrammarCompiler, stop: list[str] | None = None
+) -> ReplySpec:
+    """The request's `ReplySpec`, each tool's schema and the reply format compiled on their
+    own first (so an error names the part at fault), then the whole grammar, against the
+    model's tokenizer: a schema llguidance cannot compile is refused before anything runs.
 
     Raises:
         APIError: 400 for a `tool_choice` naming no offered tool (or `required` without
-            tools), tools offered twice, or a tool's `parameters` or the `response_format`
-            schema that cannot be compiled (the message carries the library's reason).
+            tools), tools offered twice, a tool's `parameters` that are not an object schema,
+            too large or too deep (`json_schemas.check_schema`) or cannot be compiled (param
+            `tools.N.function.parameters`), the same of the `response_format` schema, or
+            `stop` strings with a reply under a grammar (they would cut it).
     """
     fields = request.model_dump(
         include={"tools", "tool_choice", "parallel_tool_calls", "response_format"},
@@ -25,20 +30,41 @@ def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
     )
     try:
         spec = ReplySpec.from_openai(**fields)
-        grammar = spec.grammar()
-        if grammar is not None:
-            grammars.matcher(grammar)
     except GrammarError as err:
         raise APIError(400, str(err), _param_of(str(err), fields), "invalid_value") from None
+    parts = [
+        (ReplySpec((tool,), ToolChoice("required")), f"tools.{i}.function.parameters")
+        for i, tool in enumerate(spec.tools)
+    ]
+    if spec.format is not None:
+        parts.append((ReplySpec(format=spec.format), "response_format"))
+    for part, param in [*parts, (spec, "tools")]:
+        try:
+            grammar = part.grammar()
+            if grammar is not None:
+                grammars.matcher(grammar)
+        except GrammarError as err:
+            raise APIError(400, str(err), param, "invalid_value") from None
+    if stop and spec.grammar() is not None:
+        raise APIError(
+            400,
+            "stop cannot be combined with tool calls or a response_format: a stop string "
+            "would cut the constrained reply",
+            "stop",
+            "invalid_value",
+        )
     return spec
 
 
 def _param_of(message: str, fields: dict) -> str:
-    """The field a reply-spec error is about: named in its message, else the schemas'."""
+    """The field a reply-spec error is about, named in its message (else `tools`)."""
     for field in ("tool_choice", "response_format"):
         if field in message:
             return field
-    return "tools" if fields.get("tools") else "response_format"
+    for i, tool in enumerate(fields.get("tools") or []):
+        if message.startswith(f"tool {tool['function']['name']!r} parameters"):
+            return f"tools.{i}.function.parameters"
+    return "tools"
 
 
 def check_tool_results(messages: list[ChatMessage]) -> None:

@@ -106,7 +106,7 @@ class FunctionCallBody(BaseModel):
     def _json_object(cls, arguments: str) -> str:
         try:
             parsed = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise ValueError("arguments must be a JSON object (text)") from None
         if not isinstance(parsed, dict):
             raise ValueError("arguments must be a JSON object (text)")

@@ -150,6 +150,15 @@ async def test_streamed_tool_calls_arrive_as_deltas(client):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+async def test_the_tools_description_is_pinned_like_a_system_message(client):
+    messages = [{"role": "user", "content": "Weather? " + "filler " * 300}]
+    body = {"messages": messages, "max_tokens": 2, "tools": [WEATHER], "tool_choice": "none"}
+    pinned = (await client.post("/chat", json=body)).json()["kv"]["pinned_tokens"]
+    assert pinned > 60  # the tools' system message, kept although the window is 64
+    body["pin"] = {"roles": [], "latest_observations": 0}
+    assert (await client.post("/chat", json=body)).json()["kv"]["pinned_tokens"] == 0
+
+
 async def test_tool_pins_keep_results_and_calls(client):
     call = {
         "id": "call_a",
@@ -182,6 +191,21 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
 BAD_FUNCTION = {"name": "f", "parameters": BAD_SCHEMA}
 BAD_FORMAT = {"type": "json_schema", "json_schema": {"name": "s", "schema": BAD_SCHEMA}}
 NAMED_X = {"type": "function", "function": {"name": "x"}}
+NAMED_W = {"type": "function", "function": {"name": "get_weather"}}
+P0, P1 = "tools.0.function.parameters", "tools.1.function.parameters"
+
+
+def fn(function: dict) -> dict:
+    """`function` as a `tools` entry."""
+    return {"type": "function", "function": function}
+
+
+SURROGATE = {"name": "f", "parameters": {"type": "object", "description": "x\ud800"}}
+DEEP: dict = {"type": "integer"}
+for _ in range(300):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+DEEP_FUNCTION = {"name": "f", "parameters": DEEP}
+STRING_FUNCTION = {"name": "f", "parameters": {"type": "string"}}
 
 
 @pytest.mark.parametrize(
@@ -190,18 +214,25 @@ NAMED_X = {"type": "function", "function": {"name": "x"}}
         ({"tools": [WEATHER], "tool_choice": NAMED_X}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
-        ({"tools": [{"type": "function", "function": BAD_FUNCTION}]}, "tools"),
+        ({"tools": [fn(BAD_FUNCTION)]}, P0),
         ({"response_format": BAD_FORMAT}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+        ({"tools": [WEATHER, fn(BAD_FUNCTION)], "tool_choice": NAMED_W}, P1),
+        ({"tools": [fn(SURROGATE)], "tool_choice": "none"}, P0),
+        ({"tools": [fn(DEEP_FUNCTION)]}, P0),
+        ({"tools": [fn(STRING_FUNCTION)]}, P0),
+        ({"tools": [WEATHER], "response_format": BAD_FORMAT}, "response_format"),
+        ({"tools": [WEATHER], "tool_choice": "required", "stop": ["Oslo"]}, "stop"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
     ],
 )  # fmt: skip
 async def test_bad_tool_fields_are_400s_naming_them(client, extra, param):
-    body = {"messages": ASK, "max_tokens": 2, **extra}
-    response = await client.post("/v1/chat/completions", json=body)
+    body = json.dumps({"messages": ASK, "max_tokens": 2, **extra})  # a lone surrogate escaped
+    headers = {"content-type": "application/json"}
+    response = await client.post("/v1/chat/completions", content=body, headers=headers)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
@@ -209,6 +240,7 @@ async def test_bad_tool_fields_are_400s_naming_them(client, extra, param):
 
 CALL = {"id": "call_a", "type": "function", "function": {"name": "search", "arguments": "{}"}}
 NOT_AN_OBJECT = {"name": "search", "arguments": "[1]"}
+DEEP_ARGUMENTS = {"name": "search", "arguments": "[" * 3000 + "]" * 3000}
 
 
 @pytest.mark.parametrize(
@@ -223,6 +255,10 @@ NOT_AN_OBJECT = {"name": "search", "arguments": "[1]"}
             "messages.1.tool_call_id",
         ),
         ([{"role": "user", "content": None}], "messages.0.content"),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "function": DEEP_ARGUMENTS}]}],
+            "messages.0.tool_calls.0.function.arguments",
+        ),
         ([{"role": "assistant", "content": 3}], "messages.0.content"),
         (
             [{"role": "assistant", "tool_calls": [{**CALL, "function": NOT_AN_OBJECT}]}],

@@ -96,6 +96,68 @@ def test_object_schemas_that_list_properties_are_closed(grammars):
     assert accepts(grammars, spec, call.replace('"a": 1', '"a": 1, "b": 2'))
 
 
+def test_references_inside_tool_parameters_resolve(grammars):
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}}
+    book = Tool(
+        "book",
+        "",
+        {
+            "$defs": {"Addr": address},
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/Addr"}, "via": {"$ref": "#/properties/to"}},
+            "required": ["to"],
+        },
+    )
+    tree = Tool(
+        "tree",
+        "",
+        {
+            "type": "object",
+            "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        },
+    )
+    spec = ReplySpec((book, tree), ToolChoice("required"))
+    book_call = '<tool_call>{"name": "book", "arguments": {"to": {"city": "Oslo"}}}</tool_call>'
+    assert accepts(grammars, spec, book_call)
+    assert not accepts(grammars, spec, book_call.replace('"Oslo"', "3"))
+    nested = '{"kids": [{"kids": []}, {}]}'
+    assert accepts(
+        grammars, spec, f'<tool_call>{{"name": "tree", "arguments": {nested}}}</tool_call>'
+    )
+
+
+def test_schemas_are_checked_before_the_decoder_sees_them():
+    deep: dict = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nest deeper than 32"):
+        ReplySpec((Tool("f", "", deep),)).grammar()
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
+    with pytest.raises(GrammarError, match="bytes of JSON"):
+        ReplySpec(format=ReplyFormat(wide)).grammar()
+    with pytest.raises(GrammarError, match="object schema"):
+        ReplySpec((Tool("f", "", {"type": "string"}),)).grammar()
+    with pytest.raises(GrammarError, match="not valid Unicode"):
+        ReplySpec((Tool("f", "", {"description": "x\ud800"}),)).grammar()
+    # data keywords are data: closing objects leaves a const alone
+    from agent_kv.runtime.json_schemas import closed
+
+    const = {"const": {"properties": {"a": 1}}}
+    assert closed(const) == const
+    assert closed({"properties": {}})["additionalProperties"] is False
+
+
+def test_a_close_tag_inside_an_argument_string_stays_in_the_call():
+    spec = ReplySpec((SEARCH,), ToolChoice("auto"))
+    call = '<tool_call>{"name": "search", "arguments": {"q": "a</tool_call>b"}}</tool_call>'
+    text, calls = parse_reply(call, spec)
+    assert text == "" and json.loads(calls[0].arguments) == {"q": "a</tool_call>b"}
+    splitter = ToolCallStream(spec)
+    events = [e for i in range(0, len(call), 3) for e in splitter.feed(call[i : i + 3])]
+    assert [e[0] for e in events] == ["call"] and splitter.finish() == []
+    assert parse_reply("<tool_call>" + "[" * 5000, spec)[1] == []
+
+
 def test_one_call_only_without_parallel_calls(grammars):
     spec = ReplySpec((WEATHER,), ToolChoice("required"), parallel=False)
     assert accepts(grammars, spec, CALL) and not accepts(grammars, spec, CALL + CALL)

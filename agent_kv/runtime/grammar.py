@@ -91,10 +91,11 @@ class GrammarCompiler:
                 case _:
                     text = llguidance.LLMatcher.grammar_from_regex(grammar.source)
         except (ValueError, TypeError) as err:
-            raise GrammarError(f"cannot build the {grammar.kind} grammar: {err}") from None
+            reason = _first_line(str(err))
+            raise GrammarError(f"cannot build the {grammar.kind} grammar: {reason}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
-            reason = " ".join(matcher.get_error().split())
+            reason = _first_line(matcher.get_error())
             raise GrammarError(f"cannot build the {grammar.kind} grammar: {reason}")
         return GrammarMatcher(matcher, self.vocab_size)
 
@@ -125,7 +126,8 @@ class GrammarMatcher:
                 chosen from `constrain`'s logits).
         """
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} is outside the grammar: {self._matcher.get_error()}")
+            reason = _first_line(self._matcher.get_error())
+            raise GrammarError(f"token {token} is outside the grammar: {reason}")
 
     @property
     def done(self) -> bool:
@@ -137,3 +139,15 @@ class GrammarMatcher:
     def accepting(self) -> bool:
         """The reply may end here (it is a complete sentence of the grammar)."""
         return self._matcher.is_accepting()
+
+
+REASON_CHARS = 300
+"""The most characters of llguidance's message an error keeps (its first line)."""
+
+
+def _first_line(message: str) -> str:
+    """The first line of a library message, cut to `REASON_CHARS` (its state dumps and
+    backtraces follow on later lines)."""
+    lines = message.strip().splitlines() or [""]
+    line = " ".join(lines[0].split())
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."

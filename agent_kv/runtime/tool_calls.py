@@ -10,8 +10,10 @@ parses and validates:
 - a call is `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>` (the Hermes format
   that Qwen2.5/3's and Hermes' chat templates use), where `ARGS` is a JSON object valid
   against the tool's `parameters` schema; with `parallel` several calls follow each other;
-- object schemas that list their properties are closed unless they say otherwise
-  (`closed`), as in OpenAI's strict mode;
+- schemas are checked for size and depth, and object schemas that list their properties
+  are closed unless they say otherwise, as in OpenAI's strict mode
+  (`agent_kv.runtime.json_schemas`); a tool's `$defs` and `$ref`s keep working inside the
+  call's document;
 - `required` and a named function allow only calls (of any tool, or of that one);
 - `auto` allows either a call or a text reply that contains no `<tool_call>`
   (or, with a `ReplyFormat`, a JSON reply);
@@ -34,6 +36,7 @@ from typing import Any
 
 from agent_kv.errors import GrammarError
 from agent_kv.runtime.grammar import Grammar
+from agent_kv.runtime.json_schemas import check_schema, closed, embedded
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -134,7 +137,9 @@ class ReplySpec:
 
     def validate(self) -> None:
         """Raise `GrammarError` for duplicate tool names, an unknown choice mode, a named
-        function that is not offered, or a choice that needs tools when none are offered."""
+        function that is not offered, a choice that needs tools when none are offered, a
+        tool whose parameters are not an object schema, or a schema `check_schema`
+        refuses."""
         names = [tool.name for tool in self.tools]
         if len(set(names)) != len(names):
             duplicate = next(name for name in names if names.count(name) > 1)
@@ -147,6 +152,16 @@ class ReplySpec:
             raise GrammarError(f"tool_choice names {self.choice.name!r}, which is not in tools")
         if self.choice.mode == "required" and not self.tools:
             raise GrammarError("tool_choice required needs at least one tool")
+        for tool in self.tools:
+            what = f"tool {tool.name!r} parameters"
+            check_schema(tool.parameters, what)
+            if (
+                not isinstance(tool.parameters, dict)
+                or tool.arguments_schema.get("type", "object") != "object"
+            ):
+                raise GrammarError(f"{what} must be an object schema (arguments are an object)")
+        if self.format is not None:
+            check_schema(self.format.schema, "response_format schema")
 
     @classmethod
     def from_openai(
@@ -227,9 +242,10 @@ class ReplySpec:
             if self.format is None:
                 return None
             return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
-        call_schema = {"oneOf": [_call_schema(tool) for tool in calls]}
-        if len(calls) == 1:
-            call_schema = _call_schema(calls[0])
+        defs, refs = embedded({tool.name: closed(tool.arguments_schema) for tool in calls})
+        bodies = [_call_schema(tool.name, refs[tool.name]) for tool in calls]
+        call_schema = bodies[0] if len(bodies) == 1 else {"oneOf": bodies}
+        call_schema = {**call_schema, "$defs": defs}
         rules = [
             f"calls: call{'+' if self.parallel else ''}",
             f"call: {json.dumps(CALL_OPEN)} {_json_rule(call_schema)} {json.dumps(CALL_CLOSE)}",
@@ -244,11 +260,12 @@ class ReplySpec:
         return Grammar("lark", "\n".join([start, *rules]) + "\n")
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema of one call's body: `{"name": tool.name, "arguments": {...}}`."""
+def _call_schema(name: str, arguments_ref: str) -> dict[str, Any]:
+    """The JSON Schema of one call's body: `{"name": name, "arguments": {...}}`, the
+    arguments' schema at `arguments_ref` (`json_schemas.embedded`)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.arguments_schema},
+        "properties": {"name": {"const": name}, "arguments": {"$ref": arguments_ref}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -257,21 +274,6 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 def _json_rule(schema: dict[str, Any]) -> str:
     """A Lark `%json` item for `schema` (`closed`), in `JSON_LAYOUT`."""
     return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_LAYOUT})
-
-
-def closed(schema: Any) -> Any:
-    """`schema` with every object schema that lists `properties` and leaves
-    `additionalProperties` unset closed (`additionalProperties: false`), as OpenAI's strict
-    mode requires of its schemas: decoded under an open object, a small model keeps
-    inventing keys until `max_tokens`. Other values are returned as they are (copies)."""
-    if isinstance(schema, list):
-        return [closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: closed(value) for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _regex_literal(text: str) -> str:
@@ -305,45 +307,59 @@ def parse_reply(text: str, spec: ReplySpec) -> tuple[str, list[ToolCall]]:
     calls = []
     rest = text.strip()
     while rest:
-        if not (rest.startswith(CALL_OPEN) and CALL_CLOSE in rest):
+        taken = _take_call(rest, allowed)
+        if not isinstance(taken, tuple):
             return text, []
-        body, _, rest = rest[len(CALL_OPEN) :].partition(CALL_CLOSE)
-        call = _parse_call(body, allowed)
-        if call is None:
-            return text, []
+        call, rest = taken
         calls.append(call)
         rest = rest.strip()
     return ("", calls) if calls else (text, [])
 
 
-def _parse_call(body: str, allowed: set[str]) -> ToolCall | None:
-    """A call from its JSON body, or None when it is not `{"name", "arguments"}` naming an
+_DECODER = json.JSONDecoder()
+
+
+def _take_call(text: str, allowed: set[str]) -> tuple[ToolCall, str] | str:
+    """The call at the start of `text` and the text after it; or "incomplete" when `text`
+    may still grow into a call, or "invalid" when it cannot.
+
+    The body is read as one JSON value (so `CALL_CLOSE` inside an argument string does not
+    end it), then `CALL_CLOSE` must follow; it must be `{"name", "arguments"}` naming an
     allowed tool with an object of arguments."""
+    if not text.startswith(CALL_OPEN):
+        return "incomplete" if CALL_OPEN.startswith(text) else "invalid"
+    body = text[len(CALL_OPEN) :]
+    start = len(body) - len(body.lstrip())
     try:
-        parsed = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+        parsed, end = _DECODER.raw_decode(body, start)
+    except RecursionError:
+        return "invalid"
+    except json.JSONDecodeError as err:
+        return "incomplete" if err.pos >= len(body.rstrip()) else "invalid"
+    after = body[end:].lstrip()
+    if not after.startswith(CALL_CLOSE):
+        return "incomplete" if CALL_CLOSE.startswith(after) else "invalid"
     if not isinstance(parsed, dict) or set(parsed) != {"name", "arguments"}:
-        return None
+        return "invalid"
     if parsed["name"] not in allowed or not isinstance(parsed["arguments"], dict):
-        return None
+        return "invalid"
+    raw = body[start:end]
     head = f'{{"name": {json.dumps(parsed["name"], ensure_ascii=False)}, "arguments": '
-    body = body.strip()
-    if body.startswith(head) and body.endswith("}"):
-        arguments = body[len(head) : -1]  # as generated, so it renders back the same
+    if raw.startswith(head):
+        arguments = raw[len(head) : -1]  # as generated, so it renders back the same
     else:
         arguments = json.dumps(parsed["arguments"], ensure_ascii=False)
-    return ToolCall(ToolCall.new_id(), parsed["name"], arguments)
+    return ToolCall(ToolCall.new_id(), parsed["name"], arguments), after[len(CALL_CLOSE) :]
 
 
 class ToolCallStream:
     """Splits a streamed reply into text deltas and finished calls, as it grows.
 
     Feed each new piece of the reply to `feed`; it returns the events that piece settles:
-    `("text", delta)` for reply text, `("call", index, ToolCall)` for each call whose
-    `CALL_CLOSE` arrived. Text that might still become `CALL_OPEN` is held back until it
-    cannot. Once the reply has started as a call, everything is read as calls; `finish`
-    returns what is left (a call cut short comes back as text).
+    `("text", delta)` for reply text, `("call", index, ToolCall)` for each call once its
+    body and `CALL_CLOSE` are complete. Text that might still become `CALL_OPEN` is held
+    back until it cannot. Once the reply has started as a call, everything is read as
+    calls; `finish` returns what is left (a call cut short comes back as text).
 
     Args:
         spec: the turn's reply spec (no calls allowed: every piece is text at once).
@@ -374,16 +390,13 @@ class ToolCallStream:
 
     def _take_calls(self) -> list[tuple]:
         events = []
-        while CALL_CLOSE in self._buffer:
-            head, _, rest = self._buffer.partition(CALL_CLOSE)
-            body = head.strip().removeprefix(CALL_OPEN)
-            call = _parse_call(body, self._allowed)
-            if call is None:
-                break
+        while True:
+            taken = _take_call(self._buffer.lstrip(), self._allowed)
+            if not isinstance(taken, tuple):
+                return events
+            call, self._buffer = taken
             events.append(("call", len(self.calls), call))
             self.calls.append(call)
-            self._buffer = rest
-        return events
 
     def finish(self) -> list[tuple]:
         """The events left at the end of the reply: held-back or unparsable text."""

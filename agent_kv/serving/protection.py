@@ -8,6 +8,7 @@ rendered with the model's chat template. Rules pin, in token positions of that r
 - every message flagged `"pin": True`;
 - the latest `latest_observations` messages whose role is in `observation_roles` (older ones
   are released when a newer one arrives);
+- the tools' description, with the system role, when it comes before the first message;
 - every tool result (a `tool` message) answering a call of a tool named in `tool_names`,
   and, with `tool_calls`, every assistant message that calls tools (its text and calls);
 - every match of the regular expressions in `patterns` (URLs, element ids...), wherever
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import jinja2
 import re2
 
 from agent_kv.errors import ConfigError
@@ -152,6 +154,8 @@ def protected_spans(
     ]
     if rules.latest_observations:
         chosen += observations[-rules.latest_observations :]
+    if tools and "system" in rules.roles:
+        chosen += _tools_preamble(tokenizer, text, tools)
     for pattern in rules.patterns:
         chosen += [
             match.span()
@@ -169,6 +173,18 @@ def protected_spans(
         last = bisect.bisect_left(token_starts, end)
         pinned[first:last] = [True] * max(last - first, 0)
     return _runs(pinned)
+
+
+def _tools_preamble(tokenizer, text: str, tools: Sequence[Tool]) -> list[tuple[int, int]]:
+    """The character span of the tools' description when the rendering puts it before the
+    first message, in a system message of its own (`render_chat`'s generic format without a
+    system message): it is pinned as system messages are. Elsewhere it lies inside the
+    system message, or the template places it, and nothing is added."""
+    try:
+        preamble = render_chat(tokenizer, [], tools)
+    except (jinja2.TemplateError, ValueError, TypeError, IndexError):  # needs a message
+        return []
+    return [(0, len(preamble))] if preamble and text.startswith(preamble) else []
 
 
 def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> None:
