@@ -33,7 +33,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
+from agent_kv.errors import (
+    AgentKVError,
+    ConfigError,
+    ContextOverflowError,
+    GrammarError,
+    TurnCancelled,
+)
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
@@ -315,7 +321,7 @@ class ChatService:
         Raises:
             ConfigError: invalid sampling parameters, pin rules or message text, or a
                 `policy` that cannot run on the engine's store; `GrammarError` (one) for a
-                reply spec whose grammar cannot be built.
+                reply spec whose grammar cannot be built, or `stop` strings with one.
             ContextOverflowError: the turn cannot fit the model's context.
             KVCapacityError: the turn could hold more KV than the session store's cap.
             QueueFullError, QueueTimeoutError: the model is too busy.
@@ -328,8 +334,14 @@ class ChatService:
             if policy is not None:
                 check_policy_precision(policy, self.engine.store_options["int8"])
             reply = reply or ReplySpec()
+            spec_grammar = reply.grammar()
+            if spec_grammar is not None and params.stop:
+                raise GrammarError(
+                    "stop cannot be combined with tool calls or a response_format: a stop "
+                    "string would cut the constrained reply"
+                )
             if params.grammar is None:
-                params = replace(params, grammar=reply.grammar())
+                params = replace(params, grammar=spec_grammar)
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             prompt_ids = self.prompt_ids(messages, reply.tools)
