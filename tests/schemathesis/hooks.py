@@ -7,6 +7,9 @@ import json
 import llguidance
 import schemathesis
 
+from agent_kv.errors import GrammarError
+from agent_kv.runtime.json_schemas import check_schema, closed
+
 CHAT_PATHS = ("/chat", "/v1/chat/completions")
 MAX_TOKENS = 4
 
@@ -70,7 +73,8 @@ def _reply_fixes(body: dict) -> None:
     """Make generated tool and format fields keep the rules a JSON Schema cannot state,
     which the API documents and answers with a 400 (`tests/test_api_tools.py` tests them):
     tool names unique, a named `tool_choice` naming an offered tool, `required` with tools,
-    and schemas llguidance compiles. Bodies of the wrong shape are left alone."""
+    object schemas for parameters, schemas `check_schema` takes and llguidance compiles, and
+    no `stop` with a reply grammar. Bodies of the wrong shape are left alone."""
     tools = body.get("tools")
     if isinstance(tools, list):
         names, kept = set(), []
@@ -84,7 +88,7 @@ def _reply_fixes(body: dict) -> None:
                 continue
             names.add(name)
             parameters = function.get("parameters")
-            if isinstance(parameters, dict) and not _compiles(parameters or {"type": "object"}):
+            if isinstance(parameters, dict) and not _usable(parameters, tool=True):
                 function["parameters"] = {}
             kept.append(tool)
         body["tools"] = kept
@@ -100,8 +104,24 @@ def _reply_fixes(body: dict) -> None:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and isinstance(fmt.get("json_schema"), dict):
         schema = fmt["json_schema"].get("schema")
-        if isinstance(schema, dict) and not _compiles(schema):
+        if isinstance(schema, dict) and not _usable(schema, tool=False):
             fmt["json_schema"]["schema"] = {}
+    grammar = (names and body.get("tool_choice") != "none") or (
+        isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
+    )
+    if grammar:
+        body.pop("stop", None)
+
+
+def _usable(schema: dict, tool: bool) -> bool:
+    """Whether the API takes `schema` (as a tool's parameters when `tool`)."""
+    try:
+        check_schema(schema, "schema")
+    except GrammarError:
+        return False
+    if tool and (schema or {"type": "object"}).get("type", "object") != "object":
+        return False
+    return _compiles(closed(schema) or {"type": "object"})
 
 
 def _compiles(schema) -> bool:
