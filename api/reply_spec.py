@@ -45,14 +45,10 @@ def reply_spec(
                 grammars.matcher(grammar)
         except GrammarError as err:
             raise APIError(400, str(err), param, "invalid_value") from None
-    if stop and spec.grammar() is not None:
-        raise APIError(
-            400,
-            "stop cannot be combined with tool calls or a response_format: a stop string "
-            "would cut the constrained reply",
-            "stop",
-            "invalid_value",
-        )
+    try:
+        spec.check_stop(stop or [])
+    except GrammarError as err:
+        raise APIError(400, str(err), "stop", "invalid_value") from None
     return spec
 
 

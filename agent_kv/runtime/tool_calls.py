@@ -183,7 +183,7 @@ class ReplySpec:
         offered = []
         for tool in tools or []:
             function = tool.get("function") if isinstance(tool, dict) else None
-            if tool.get("type") != "function" or not isinstance(function, dict):
+            if not isinstance(function, dict) or tool.get("type") != "function":
                 raise GrammarError(
                     f"a tool must be {{'type': 'function', 'function': ...}}: {tool!r}"
                 )
@@ -216,6 +216,19 @@ class ReplySpec:
         spec.validate()
         return spec
 
+    def check_stop(self, stop: list[str]) -> None:
+        """Refuse `stop` strings for a reply under a grammar: one would cut it mid-call or
+        mid-JSON, leaving text that neither parses nor validates.
+
+        Raises:
+            GrammarError: `stop` is not empty and the spec has a grammar.
+        """
+        if stop and self.grammar() is not None:
+            raise GrammarError(
+                "stop cannot be combined with tool calls or a response_format: a stop string "
+                "would cut the constrained reply"
+            )
+
     @property
     def calls_allowed(self) -> bool:
         """Whether the reply may hold tool calls."""
@@ -242,7 +255,7 @@ class ReplySpec:
             if self.format is None:
                 return None
             return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
-        defs, refs = embedded({tool.name: closed(tool.arguments_schema) for tool in calls})
+        defs, refs = embedded({tool.name: tool.arguments_schema for tool in calls})
         bodies = [_call_schema(tool.name, refs[tool.name]) for tool in calls]
         call_schema = bodies[0] if len(bodies) == 1 else {"oneOf": bodies}
         call_schema = {**call_schema, "$defs": defs}

@@ -33,13 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from agent_kv.errors import (
-    AgentKVError,
-    ConfigError,
-    ContextOverflowError,
-    GrammarError,
-    TurnCancelled,
-)
+from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
@@ -334,14 +328,9 @@ class ChatService:
             if policy is not None:
                 check_policy_precision(policy, self.engine.store_options["int8"])
             reply = reply or ReplySpec()
-            spec_grammar = reply.grammar()
-            if spec_grammar is not None and params.stop:
-                raise GrammarError(
-                    "stop cannot be combined with tool calls or a response_format: a stop "
-                    "string would cut the constrained reply"
-                )
+            reply.check_stop(params.stop)
             if params.grammar is None:
-                params = replace(params, grammar=spec_grammar)
+                params = replace(params, grammar=reply.grammar())
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             prompt_ids = self.prompt_ids(messages, reply.tools)

@@ -399,10 +399,11 @@ class ChatAgentKV(BaseChatModel):
         params: SamplingParams,
         kwargs: dict,
         on_text: Callable[[str], None] | None = None,
+        reply: ReplySpec | None = None,
     ) -> ChatTurn:
-        """One in-process turn."""
+        """One in-process turn (`reply`: the call's `_reply_spec`, built here when None)."""
         session_id = kwargs.get("session_id", self.session_id)
-        reply = ReplySpec.from_openai(**{key: kwargs.get(key) for key in REPLY_KWARGS})
+        reply = reply or _reply_spec(kwargs)
         return self.service.run(
             _dicts(messages), params, session_id=session_id, on_text=on_text, reply=reply
         )
@@ -411,14 +412,14 @@ class ChatAgentKV(BaseChatModel):
         """One in-process turn reported to `put` as ("text", piece) and ("call", index,
         `ToolCall`) events (`ToolCallStream`), then ("done", turn) or ("error", exception)."""
         try:
-            spec = ReplySpec.from_openai(**{key: kwargs.get(key) for key in REPLY_KWARGS})
+            spec = _reply_spec(kwargs)
             splitter = ToolCallStream(spec)
 
             def on_text(text: str) -> None:
                 for event in splitter.feed(text):
                     put(event)
 
-            turn = self._run(messages, params, kwargs, on_text)
+            turn = self._run(messages, params, kwargs, on_text, spec)
             for event in splitter.finish():
                 put(event)
             put(("done", turn))
@@ -503,6 +504,15 @@ class ChatAgentKV(BaseChatModel):
             async for line in _checked(response).aiter_lines():
                 if (chunk := _sse_chunk(line)) is not None:
                     yield chunk
+
+
+def _reply_spec(kwargs: dict) -> ReplySpec:
+    """The call's `ReplySpec` from its `REPLY_KWARGS`.
+
+    Raises:
+        GrammarError: fields a spec cannot take (`ReplySpec.from_openai`).
+    """
+    return ReplySpec.from_openai(**{key: kwargs.get(key) for key in REPLY_KWARGS})
 
 
 def _dicts(messages: list[BaseMessage]) -> list[dict]:
