@@ -78,7 +78,12 @@ def live_server(live_service) -> str:
 
 def pytest_collection_modifyitems(items):
     """Tests on a live server keep their sockets in a run that disables them
-    (`--disable-socket` of pytest-socket, which langchain-tests installs)."""
+    (`--disable-socket` of pytest-socket, which langchain-tests installs). A module's
+    `CASE_MARKS`, `{test name with its parameters: mark}`, marks single cases of an inherited
+    parametrized test, which its class may not override (langchain-tests forbids it)."""
     for item in items:
         if "live_service" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.enable_socket)
+        module = getattr(item, "module", None)
+        if (mark := getattr(module, "CASE_MARKS", {}).get(item.name)) is not None:
+            item.add_marker(mark)

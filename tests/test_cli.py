@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import queue
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-
-CLI = [sys.executable, "-m", "agent_kv.cli"]
+from processes import CLI, free_port, read_lines_until
 
 
 def run_cli(*args: str, env_extra: dict[str, str] | None = None, timeout: int = 600):
@@ -216,33 +211,6 @@ def test_eval_refuses_recall_on_a_policy_that_evicts_nothing_before_writing(tmp_
 def test_agent_kv_threads_is_checked_before_the_model():
     proc = run_cli("run-episode", "--task", "1", env_extra={"AGENT_KV_THREADS": "lots"})
     assert_one_line_error(proc, "AGENT_KV_THREADS must be a whole number")
-
-
-def read_lines_until(stream, done, timeout: float) -> list[str]:
-    """Lines of `stream` up to the first for which `done(line)` holds; AssertionError if the
-    stream ends first, queue.Empty after `timeout` seconds without it. A thread goes on
-    reading the stream, so the process never blocks on a full pipe."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in stream:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    seen, deadline = [], time.monotonic() + timeout
-    while not seen or not done(seen[-1]):
-        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-        if line is None:
-            raise AssertionError(f"the stream ended before the line wanted: {seen}")
-        seen.append(line)
-    return seen
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.model

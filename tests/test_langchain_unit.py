@@ -175,3 +175,17 @@ def test_the_api_key_is_sent_as_a_bearer_token(monkeypatch):
     from_env = ChatAgentKV(base_url="http://x")
     assert from_env._async_client().headers["authorization"] == "Bearer sk-env"
     assert "sk-env" not in repr(from_env) and "api_key" not in from_env.to_json()["kwargs"]
+
+
+def test_tool_call_blocks_that_repeat_the_calls_are_not_content():
+    call = {"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}
+    use = {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}
+    message = AIMessage([{"type": "text", "text": "adding"}, use], tool_calls=[call])
+    (entry,) = _dicts([message])
+    assert entry["content"] == "adding"
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in entry["tool_calls"]] == [
+        ("c1", "add", {"a": 1})
+    ]
+    stray = AIMessage(["text", {**use, "id": "c2"}], tool_calls=[call])
+    with pytest.raises(ValueError, match="non-text content"):
+        _dicts([stray])

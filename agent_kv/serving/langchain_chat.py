@@ -62,6 +62,7 @@ from agent_kv.runtime.tool_calls import ReplySpec, ToolCall, ToolCallStream
 from agent_kv.serving.chat_service import ChatService, ChatTurn
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
+TOOL_CALL_BLOCKS = ("tool_call", "tool_use")  # LangChain's and Anthropic's call blocks
 """Read for `base_url` when neither `service` nor `base_url` is given."""
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `api_key` when it is not given (the same variable `agent-kv serve` reads)."""
@@ -270,13 +271,17 @@ class ChatAgentKV(BaseChatModel):
             include_raw: return `{"raw": AIMessage, "parsed": ..., "parsing_error": ...}`.
             strict: accepted; the reply is always decoded under the schema.
 
+        Callbacks see the schema and method as `ls_structured_output_format`, as with
+        LangChain's own models.
+
         Raises:
             ValueError: an unknown method.
         """
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
+        traced = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
         if method == "function_calling":
             name = convert_to_openai_tool(schema)["function"]["name"]
-            model = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False)
+            model = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **traced)
             if pydantic_schema:
                 parser = PydanticToolsParser(tools=[schema], first_tool_only=True)
             else:
@@ -286,9 +291,10 @@ class ChatAgentKV(BaseChatModel):
                 json_schema = convert_to_json_schema(schema)
                 name = _tool_name(json_schema.get("title") or "response")
                 body = {"name": name, "schema": json_schema}
-                model = self.bind(response_format={"type": "json_schema", "json_schema": body})
+                format_ = {"type": "json_schema", "json_schema": body}
             else:
-                model = self.bind(response_format={"type": "json_object"})
+                format_ = {"type": "json_object"}
+            model = self.bind(response_format=format_, **traced)
             if pydantic_schema:
                 parser = PydanticOutputParser(pydantic_object=schema)
             else:
@@ -520,10 +526,11 @@ def _dicts(messages: list[BaseMessage]) -> list[dict]:
     (`agent_kv.runtime.chat_rendering`): an `AIMessage`'s `tool_calls` as `ToolCall`s (their
     arguments as generated when `additional_kwargs["tool_calls"]` holds them, else as JSON);
     a `ToolMessage`'s `tool_call_id` when it answers an earlier call (otherwise the message
-    is a plain observation of role tool).
+    is a plain observation of role tool). Content is text blocks; an `AIMessage` may also
+    carry blocks that repeat its `tool_calls` (`TOOL_CALL_BLOCKS`).
 
     Raises:
-        ValueError: a role other than system, user, assistant and tool, or non-text content.
+        ValueError: a role other than system, user, assistant and tool, or other content.
     """
     dicts, called = [], set()
     for message in messages:
@@ -536,8 +543,7 @@ def _dicts(messages: list[BaseMessage]) -> list[dict]:
                 f"cannot send a {type(message).__name__} with role {role!r}: the roles are "
                 "system, user, assistant and tool"
             )
-        blocks = [] if isinstance(message.content, str) else message.content
-        if any(not isinstance(block, str) and block.get("type") != "text" for block in blocks):
+        if any(not _is_text(block, message) for block in _blocks(message)):
             raise ValueError(f"a {role} message has non-text content: only text is supported")
         pin = bool(message.additional_kwargs.get("pin", False))
         entry = {"role": role, "content": message.text, "pin": pin}
@@ -549,6 +555,20 @@ def _dicts(messages: list[BaseMessage]) -> list[dict]:
             entry["tool_call_id"] = message.tool_call_id
         dicts.append(entry)
     return dicts
+
+
+def _blocks(message: BaseMessage) -> list[str | dict]:
+    """The message's content blocks (none for string content)."""
+    return [] if isinstance(message.content, str) else message.content
+
+
+def _is_text(block: str | dict, message: BaseMessage) -> bool:
+    """Whether a content block is text, or (on an `AIMessage`) a tool-call block, such as
+    Anthropic's `tool_use`, that repeats one of the message's `tool_calls`."""
+    if isinstance(block, str) or block.get("type") == "text":
+        return True
+    calls = message.tool_calls if isinstance(message, AIMessage) else []
+    return block.get("type") in TOOL_CALL_BLOCKS and block.get("id") in {c["id"] for c in calls}
 
 
 def _calls(message: AIMessage) -> list[ToolCall]:
