@@ -407,15 +407,7 @@ def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
 
 def _pin_rules(request: NativeChatRequest | ChatCompletionRequest) -> PinRules:
     """The request's pin rules; a 422 for rules that cannot be applied."""
-    pin = request.pin
-    rules = PinRules(
-        roles=frozenset(pin.roles),
-        latest_observations=pin.latest_observations,
-        observation_roles=frozenset(pin.observation_roles),
-        patterns=tuple(pin.patterns),
-        tool_names=frozenset(pin.tool_names),
-        tool_calls=pin.tool_calls,
-    )
+    rules = PinRules.from_fields(**request.pin.model_dump())
     try:
         rules.validate()
     except ConfigError as err:

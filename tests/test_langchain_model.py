@@ -240,3 +240,11 @@ def test_bind_tools_refuses_a_choice_it_does_not_offer(local):
         local.bind_tools([get_weather], tool_choice="search")
     with pytest.raises(ValueError, match="exactly one tool"):
         local.bind_tools([get_weather, Forecast], tool_choice=True)
+
+
+def test_pin_rules_apply_in_process(service):
+    model = ChatAgentKV(service=service, max_tokens=2)
+    pinned = model.invoke(QUESTION, session_id="pins-default").response_metadata["kv"]
+    none = model.invoke(QUESTION, session_id="pins-none", pin={"roles": []})
+    assert pinned["pinned_tokens"] > 0  # the system message, by the service's rules
+    assert none.response_metadata["kv"]["pinned_tokens"] == 0

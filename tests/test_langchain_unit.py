@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pydantic
 import pytest
 from langchain_core.load import dumpd, load
 from langchain_core.messages import (
@@ -189,3 +190,23 @@ def test_tool_call_blocks_that_repeat_the_calls_are_not_content():
     stray = AIMessage(["text", {**use, "id": "c2"}], tool_calls=[call])
     with pytest.raises(ValueError, match="non-text content"):
         _dicts([stray])
+
+
+def test_pin_rules_are_sent_and_checked():
+    keep = {"tool_names": ["search"], "tool_calls": True}
+    model = ChatAgentKV(base_url=BASE_URL, pin=keep)
+    assert model._request([HumanMessage("hi")], model._params(None, {}), {})["json"]["pin"] == keep
+    per_call = {"latest_observations": 3}
+    body = model._request([HumanMessage("hi")], model._params(None, {}), {"pin": per_call})
+    assert body["json"]["pin"] == per_call
+    assert (
+        "pin"
+        not in ChatAgentKV(base_url=BASE_URL)._request([], model._params(None, {}), {})["json"]
+    )
+    for bad, needle in (
+        ({"tool_name": ["search"]}, "no field 'tool_name'"),
+        ({"tool_names": "search"}, "must be a list of strings"),
+        ({"patterns": ["(unclosed"]}, "pattern"),
+    ):
+        with pytest.raises(pydantic.ValidationError, match=needle):
+            ChatAgentKV(base_url=BASE_URL, pin=bad)

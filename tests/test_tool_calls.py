@@ -178,7 +178,16 @@ def test_a_reply_format_constrains_text_and_leaves_calls_open(grammars):
     assert accepts(grammars, with_tools, CALL) and accepts(grammars, with_tools, '{"answer": "x"}')
     assert not accepts(grammars, with_tools, "plain text")
     assert ReplySpec().grammar() is None
-    assert ReplySpec((WEATHER,), ToolChoice("none")).grammar() is None
+
+
+def test_tool_choice_none_is_text_that_opens_no_call(grammars):
+    none = ReplySpec((WEATHER,), ToolChoice("none"))
+    assert accepts(grammars, none, "It is sunny in Paris.\nTake a hat.")
+    assert not accepts(grammars, none, CALL)
+    assert not accepts(grammars, none, "Calling it: " + CALL)
+    none.check_stop(["\n"])  # text alone may stop at a string
+    with pytest.raises(GrammarError, match="stop cannot be combined"):
+        ReplySpec((WEATHER,), ToolChoice("auto")).check_stop(["\n"])
 
 
 def test_constrained_generation_always_parses_and_validates(smollm):

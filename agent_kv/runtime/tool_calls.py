@@ -217,13 +217,15 @@ class ReplySpec:
         return spec
 
     def check_stop(self, stop: list[str]) -> None:
-        """Refuse `stop` strings for a reply under a grammar: one would cut it mid-call or
-        mid-JSON, leaving text that neither parses nor validates.
+        """Refuse `stop` strings for a reply that may be a call or JSON: one would cut it
+        mid-call or mid-JSON, leaving text that neither parses nor validates. (Text that may
+        not make calls, under `tool_choice` none, takes them.)
 
         Raises:
-            GrammarError: `stop` is not empty and the spec has a grammar.
+            GrammarError: `stop` is not empty and the reply may hold calls or JSON.
         """
-        if stop and self.grammar() is not None:
+        self.validate()
+        if stop and (self.callable_tools() or self.format is not None):
             raise GrammarError(
                 "stop cannot be combined with tool calls or a response_format: a stop string "
                 "would cut the constrained reply"
@@ -244,7 +246,9 @@ class ReplySpec:
 
     def grammar(self) -> Grammar | None:
         """The reply's grammar (a Lark grammar in llguidance's dialect, JSON parts as
-        `%json`), or None when the reply is free text.
+        `%json`), or None when the reply is free text. Text is never free when tools are
+        offered: under `tool_choice` none it may not open a call (`CALL_OPEN`), which the
+        model, shown the tools, would otherwise write.
 
         Raises:
             GrammarError: `validate` fails.
@@ -252,9 +256,9 @@ class ReplySpec:
         self.validate()
         calls = self.callable_tools()
         if not calls:
-            if self.format is None:
-                return None
-            return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
+            if self.format is not None:
+                return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
+            return Grammar("lark", f"start: TEXT\n{_text_rule()}\n") if self.tools else None
         defs, refs = embedded({tool.name: tool.arguments_schema for tool in calls})
         bodies = [_call_schema(tool.name, refs[tool.name]) for tool in calls]
         call_schema = bodies[0] if len(bodies) == 1 else {"oneOf": bodies}
@@ -269,7 +273,7 @@ class ReplySpec:
             start = f"start: calls | {_json_rule(self.format.schema)}"
         else:
             start = "start: calls | TEXT"
-            rules.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{_regex_literal(CALL_OPEN)}(.|\\n)*/")
+            rules.append(_text_rule())
         return Grammar("lark", "\n".join([start, *rules]) + "\n")
 
 
@@ -287,6 +291,11 @@ def _call_schema(name: str, arguments_ref: str) -> dict[str, Any]:
 def _json_rule(schema: dict[str, Any]) -> str:
     """A Lark `%json` item for `schema` (`closed`), in `JSON_LAYOUT`."""
     return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_LAYOUT})
+
+
+def _text_rule() -> str:
+    """The Lark terminal TEXT: any non-empty text without `CALL_OPEN` in it."""
+    return f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{_regex_literal(CALL_OPEN)}(.|\\n)*/"
 
 
 def _regex_literal(text: str) -> str:

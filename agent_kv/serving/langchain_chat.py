@@ -8,11 +8,13 @@ anonymous session the conversation continues), so only what the session's cache 
 prefilled: the part read from the cache is `usage_metadata["input_token_details"]
 ["cache_read"]`, and the cache's figures are `response_metadata["kv"]` (`KVReport`).
 
-Per call, `stop` and the keyword arguments `max_tokens`, `temperature`, `top_p`, `seed` and
-`session_id` override the fields (e.g. `model.bind(session_id="episode-2")`); `model` is sent
-as the request's model (the server serves one model; in-process it is ignored).
+Per call, `stop` and the keyword arguments `max_tokens`, `temperature`, `top_p`, `seed`,
+`session_id` and `pin` override the fields (e.g. `model.bind(session_id="episode-2")`);
+`model` is sent as the request's model (the server serves one model; in-process it is ignored).
 A message with `additional_kwargs["pin"]` true has its tokens pinned (never evicted or
-quantized).
+quantized); `pin` sets the turn's pin rules, as the API's `pin` does (e.g.
+`{"tool_names": ["search"], "tool_calls": True}` keeps every result of the tool `search`
+and every call the model makes, which a LangGraph `ToolNode`'s messages cannot flag).
 
 `bind_tools` and `with_structured_output` set OpenAI's `tools`, `tool_choice`,
 `parallel_tool_calls` and `response_format` on every call (`REPLY_KWARGS`): in-process they
@@ -54,12 +56,13 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, SecretStr, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agent_kv.errors import AgentKVError
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ReplySpec, ToolCall, ToolCallStream
 from agent_kv.serving.chat_service import ChatService, ChatTurn
+from agent_kv.serving.protection import PinRules
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
 TOOL_CALL_BLOCKS = ("tool_call", "tool_use")  # LangChain's and Anthropic's call blocks
@@ -83,6 +86,7 @@ IDENTIFYING = (
     "top_p",
     "seed",
     "stop",
+    "pin",
 )
 """The fields that tell one configured model from another (caching, tracing)."""
 REPLY_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
@@ -125,10 +129,12 @@ class ChatAgentKV(BaseChatModel):
         timeout: seconds an HTTP request may take (server mode).
         max_retries: retries of a failed connection (server mode).
         streaming: whether `invoke` streams, so token callbacks fire.
+        pin: the pin rules of every turn, as the API's `pin` (`PinRules.from_fields`); None:
+            the service's or the server's own.
 
     Raises:
-        pydantic.ValidationError: neither or both of `service` and `base_url` (also on
-            invalid field values).
+        pydantic.ValidationError: neither or both of `service` and `base_url`, or pin rules
+            that cannot apply (also on other invalid field values).
     """
 
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
@@ -148,6 +154,14 @@ class ChatAgentKV(BaseChatModel):
     timeout: float | None = 600.0
     max_retries: int = 2
     streaming: bool = False
+    pin: dict[str, Any] | None = None
+
+    @field_validator("pin")
+    @classmethod
+    def _valid_pin(cls, pin: dict | None) -> dict | None:
+        if pin is not None:
+            _pin_rules(pin)
+        return pin
 
     @model_validator(mode="before")
     @classmethod
@@ -409,9 +423,14 @@ class ChatAgentKV(BaseChatModel):
     ) -> ChatTurn:
         """One in-process turn (`reply`: the call's `_reply_spec`, built here when None)."""
         session_id = kwargs.get("session_id", self.session_id)
-        reply = reply or _reply_spec(kwargs)
+        pin = kwargs.get("pin", self.pin)
         return self.service.run(
-            _dicts(messages), params, session_id=session_id, on_text=on_text, reply=reply
+            _dicts(messages),
+            params,
+            session_id=session_id,
+            rules=None if pin is None else _pin_rules(pin),
+            on_text=on_text,
+            reply=reply or _reply_spec(kwargs),
         )
 
     def _run_into(self, messages, params, kwargs, put: Callable[[tuple], None]) -> None:
@@ -469,6 +488,8 @@ class ChatAgentKV(BaseChatModel):
             "stream": stream,
         }
         body |= {key: kwargs[key] for key in REPLY_KWARGS if kwargs.get(key) is not None}
+        if (pin := kwargs.get("pin", self.pin)) is not None:
+            body["pin"] = pin
         if stream:
             body["stream_options"] = {"include_usage": True}
         session_id = kwargs.get("session_id", self.session_id)
@@ -510,6 +531,17 @@ class ChatAgentKV(BaseChatModel):
             async for line in _checked(response).aiter_lines():
                 if (chunk := _sse_chunk(line)) is not None:
                     yield chunk
+
+
+def _pin_rules(pin: dict) -> PinRules:
+    """`pin` as checked `PinRules`.
+
+    Raises:
+        ConfigError: a field the rules lack, or rules that cannot apply (`PinRules.validate`).
+    """
+    rules = PinRules.from_fields(**pin)
+    rules.validate()
+    return rules
 
 
 def _reply_spec(kwargs: dict) -> ReplySpec:

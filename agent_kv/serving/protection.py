@@ -43,6 +43,14 @@ PATTERN_MEMORY_BYTES = 1 << 20
 """Memory RE2 may use for one compiled pattern (RE2's `max_mem`); larger automata fail to
 compile rather than grow."""
 
+RULE_FIELD_TYPES = {
+    "roles": frozenset,
+    "observation_roles": frozenset,
+    "patterns": tuple,
+    "tool_names": frozenset,
+}
+"""The `PinRules` fields whose JSON lists `PinRules.from_fields` converts, and to what."""
+
 
 @dataclass(frozen=True)
 class PinRules:
@@ -64,6 +72,32 @@ class PinRules:
     patterns: tuple[str, ...] = field(default_factory=tuple)
     tool_names: frozenset[str] = frozenset()
     tool_calls: bool = False
+
+    @classmethod
+    def from_fields(cls, **fields) -> PinRules:
+        """Rules from JSON fields, as the API's `pin` takes them: lists for `roles`,
+        `observation_roles`, `patterns` and `tool_names`; fields left out keep their defaults.
+
+        Raises:
+            ConfigError: a field the rules do not have, or a value of the wrong type.
+        """
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"pin rules have no field {unknown[0]!r}")
+        converted = {}
+        for name, value in fields.items():
+            if name in RULE_FIELD_TYPES:
+                if not isinstance(value, list | tuple) or not all(
+                    isinstance(v, str) for v in value
+                ):
+                    raise ConfigError(f"pin rule {name} must be a list of strings")
+                value = RULE_FIELD_TYPES[name](value)
+            elif name == "tool_calls" and not isinstance(value, bool):
+                raise ConfigError("pin rule tool_calls must be true or false")
+            elif name == "latest_observations" and type(value) is not int:
+                raise ConfigError("pin rule latest_observations must be a whole number")
+            converted[name] = value
+        return cls(**converted)
 
     def validate(self) -> None:
         """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns, a

@@ -74,7 +74,8 @@ def _reply_fixes(body: dict) -> None:
     which the API documents and answers with a 400 (`tests/test_api_tools.py` tests them):
     tool names unique, a named `tool_choice` naming an offered tool, `required` with tools,
     object schemas for parameters, schemas `check_schema` takes and llguidance compiles, and
-    no `stop` with a reply grammar. Bodies of the wrong shape are left alone."""
+    no `stop` where the reply may hold calls or JSON. Bodies of the wrong shape are left
+    alone."""
     tools = body.get("tools")
     if isinstance(tools, list):
         names, kept = set(), []
