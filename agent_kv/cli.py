@@ -126,6 +126,14 @@ ThreadsOption = Annotated[
         f"{thread_setting.DEFAULT}: more threads stall when other processes share the cores).",
     ),
 ]
+AgentOption = Annotated[
+    str,
+    typer.Option(
+        help="How the agent writes actions: text (click [12], VisualWebArena's format) or "
+        "tools (each browser action a function tool with a JSON schema; one call per step, "
+        "the next page coming back as its result)."
+    ),
+]
 ConstrainOption = Annotated[
     bool,
     typer.Option(
@@ -169,6 +177,7 @@ def run_episode_command(
     positions: PositionsOption = "original",
     observation: ObservationOption = "accessibility_tree",
     constrain: ConstrainOption = True,
+    agent: AgentOption = "text",
     model: ModelOption = None,
     threads: ThreadsOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
@@ -179,6 +188,7 @@ def run_episode_command(
 
     try:
         thread_setting.choose(threads)
+        _check_agent(agent)
         task_obj = load_task(task)
         check_observation_mode(observation)
         find_chromium()
@@ -193,7 +203,7 @@ def run_episode_command(
         from agent_kv.harness.agent import AgentConfig
 
         config = AgentConfig(
-            max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain
+            max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain, agent=agent
         )
         summary = _run(task_obj, spec, model, config, prefill_chunk, observation, out)
     except (AgentKVError, ChromiumNotFoundError) as err:
@@ -203,6 +213,14 @@ def run_episode_command(
 
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `serve --api-key` when the option is not given."""
+
+
+def _check_agent(agent: str) -> None:
+    """Raises ConfigError for an agent other than `envs.actions.ACTION_FORMATS`."""
+    from envs.actions import ACTION_FORMATS
+
+    if agent not in ACTION_FORMATS:
+        raise ConfigError(f"--agent must be one of {', '.join(ACTION_FORMATS)}, got {agent!r}")
 
 
 def _print_step(record: dict) -> None:
@@ -236,7 +254,8 @@ def _run(task, spec: PolicySpec, model_path, config, prefill_chunk, observation,
     from envs.server import SiteServers
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    trace_dir = out / f"task{task.task_id}-{spec.label}-{stamp}"
+    agent = "" if config.agent == "text" else f"-{config.agent}"
+    trace_dir = out / f"task{task.task_id}-{spec.label}{agent}-{stamp}"
     # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers, observation=observation) as env:
         started = time.perf_counter()
@@ -300,6 +319,13 @@ def bench_command(
         ),
     ] = True,
     constrain: ConstrainOption = True,
+    agents: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated agents, each a row of its own beside its own full KV: "
+            "text (actions as text) and/or tools (actions as tool calls)."
+        ),
+    ] = "text",
     mode: Annotated[
         str,
         typer.Option(
@@ -344,9 +370,14 @@ def bench_command(
             ) from None
         if mode not in bench.MODES:
             raise ConfigError(f"--mode must be free or scripted, got {mode!r}")
+        agent_list = bench.parse_list(agents, "--agents")
+        for agent in agent_list:
+            _check_agent(agent)
+        if mode == "scripted" and agent_list != ["text"]:
+            raise ConfigError("--mode scripted answers as text: it takes --agents text only")
         if ray_address is not None:
             bench.check_ray_address(ray_address)
-        jobs = bench.make_jobs(task_list, names, sizes, int8)  # imports torch
+        jobs = bench.make_jobs(task_list, names, sizes, int8, agent_list)  # imports torch
         for job in {(j.policy, j.budget, j.precision): j for j in jobs}.values():
             PolicySpec.parse(
                 job.policy, job.budget, None, int8=job.precision == "int8", positions=positions

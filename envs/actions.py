@@ -38,6 +38,9 @@ ACTION_GRAMMAR: dict[str, str] = {
     "stop": "stop [answer]",
 }
 """Action kind -> its syntax."""
+ACTION_FORMATS = ("text", "tools")
+"""How an agent may write an action: as text in this syntax, or as a call of the action's
+function tool (`agent_kv.harness.action_tools`)."""
 
 
 ANSWER_PHRASE = "the next action i will perform is"

@@ -132,9 +132,49 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert window["mean_kl"] == pytest.approx((4 * 0.1 + 2 * 0.4) / 6)
     assert window["agreement_steps"] == 6
     assert full["agreement"] is None and conf["agreement"] is None
-    window_cells = "| window | 512 | fp | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x |"
+    window_cells = "| window | 512 | fp | text | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x |"
     assert window_cells + " 67% (6 steps) | 0.200 |" in table
     assert "33% (3 steps) | 2.00 |" in lines[3]
+
+
+def test_each_agent_is_compared_with_its_own_full_kv():
+    def tools(record: dict) -> dict:
+        return {**record, "agent": "tools"}
+
+    records = [
+        _record(1, "full", None, True, 100e6),
+        _record(2, "full", None, False, 100e6),
+        _record(1, "h2o", 256, True, 50e6),
+        tools(_record(1, "full", None, False, 120e6)),
+        tools(_record(2, "full", None, True, 120e6)),
+        tools(_record(1, "h2o", 256, False, 40e6)),
+        tools(_record(2, "h2o", 256, True, 40e6)),
+    ]
+    rows = bench.aggregate(records)
+    labels = [bench.row_label(r) for r in rows]
+    assert labels == ["full", "full tools", "h2o 256", "h2o 256 tools"]
+    by_label = dict(zip(labels, rows, strict=True))
+    assert by_label["h2o 256"]["relative_success"] == 1.0  # task 1: both solved it
+    assert by_label["h2o 256"]["reduction_vs_full"] == pytest.approx(2.0)
+    assert by_label["h2o 256 tools"]["relative_success"] == 1.0  # 1 of 2 against 1 of 2
+    assert by_label["h2o 256 tools"]["reduction_vs_full"] == pytest.approx(3.0)
+    assert "| h2o | 256 | fp | tools | 2 |" in bench.format_table(rows)
+    assert bench.record_key(records[0])[-1] == "text"  # records without an agent: text
+
+
+def test_make_jobs_runs_every_agent_with_its_own_full_kv(two_tasks):
+    jobs = bench.make_jobs(two_tasks[:1], ["full", "h2o"], [256], agents=["text", "tools"])
+    assert [(j.policy, j.agent) for j in jobs] == [
+        ("full", "text"),
+        ("full", "tools"),
+        ("h2o", "text"),
+        ("h2o", "tools"),
+    ]
+    assert jobs[1].name.endswith("full-tools") and jobs[1] == bench.full_job(
+        jobs[1].task_id, "tools"
+    )
+    with pytest.raises(ValueError, match="unknown agent 'voice'"):
+        bench.make_jobs(two_tasks, ["full"], [], agents=["voice"])
 
 
 def test_relative_success_is_none_when_full_never_succeeds():
@@ -442,14 +482,20 @@ def test_an_in_process_sweep_reports_every_step(tmp_path: Path, two_tasks, monke
 
 def test_jobs_wait_for_their_tasks_full_kv_reference():
     work = deque(
-        (None, Job(t, p, b), None)
-        for t, p, b in [(1, "h2o", 64), (2, "h2o", 64), (1, "full", None)]
+        (None, Job(t, p, b, agent=a), None)
+        for t, p, b, a in [
+            (1, "h2o", 64, "text"),
+            (1, "h2o", 64, "tools"),
+            (2, "h2o", 64, "text"),
+            (1, "full", None, "text"),
+        ]
     )
-    references = {1}
+    references = {(1, "text")}
+    assert bench._next_ready(work, references)[1] == Job(1, "h2o", 64, agent="tools")
     assert bench._next_ready(work, references)[1] == Job(2, "h2o", 64)
     assert bench._next_ready(work, references)[1] == Job(1, "full", None)
     assert bench._next_ready(work, references) is None  # task 1's full KV still runs
-    references.discard(1)
+    references.discard((1, "text"))
     assert bench._next_ready(work, references)[1] == Job(1, "h2o", 64)
 
 

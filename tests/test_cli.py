@@ -187,6 +187,13 @@ whether torch was imported."""
         (["run-episode", "--task", "1", "--budget", "-3"], "--budget"),
         (["run-episode", "--task", "1", "--threads", "0"], "--threads"),
         (["bench", "--tasks", "1", "--out", "unused", "--policies", "lru"], "unknown policy"),
+        (["run-episode", "--task", "1", "--agent", "voice"], "--agent must be one of text, tools"),
+        (["bench", "--tasks", "1", "--out", "unused", "--agents", "text,voice"], "got 'voice'"),
+        (
+            ["bench", "--tasks", "recall", "--out", "unused", "--mode", "scripted"]
+            + ["--agents", "tools"],
+            "takes --agents text only",
+        ),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
         (["serve", "--session-bytes", "60XB"], "60XB"),
         (["sites", "--sites", "bank"], "unknown site 'bank'"),

@@ -1,9 +1,10 @@
 """The web agent: one browser episode as one append-only chat in one managed KV cache.
 
 The system message (instructions and goal) and a few example turns are pinned for the whole
-episode. Each observation is a user turn that ends with the goal, as in VisualWebArena's
-prompt; each reply is an assistant turn whose text the environment parses as an action (an
-unparsable reply comes back as an error observation). The latest
+episode. Each observation is a turn that ends with the goal, as in VisualWebArena's prompt;
+each reply is an assistant turn that the environment parses as an action (an unparsable
+reply comes back as an error observation). The agent writes actions as text or as tool calls
+(`AgentConfig.agent`, `agent_kv.harness.action_formats`). The latest
 observation is pinned while it is the latest and released when the next one arrives, so the
 policy may evict from older pages but never from the page the agent is acting on.
 """
@@ -20,7 +21,7 @@ from typing import Any
 from playwright.sync_api import Error as PlaywrightError
 
 from agent_kv.errors import ContextOverflowError
-from agent_kv.harness.action_decoding import action_decoding
+from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
@@ -29,30 +30,6 @@ from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
 from envs.tasks import Task
 
-SYSTEM_PROMPT = (
-    "You are a web agent. Each turn you get a web page as an accessibility tree "
-    "([id] role 'name' per line) and a goal. Reply with exactly one action: click [id], "
-    "type [id] [text], scroll [down], go_back, or stop [answer]. "
-    "Reply stop [answer] when the page shows the answer.\nThe goal of this episode: {intent}"
-)
-FEW_SHOT = [
-    (
-        "Page:\n[5] heading 'Red chair'\n[8] StaticText 'Price: $45'\n[9] link 'Furniture'\n"
-        "Goal: What is the price of the Red chair?",
-        "stop [$45]",
-    ),
-    (
-        "Page:\n[3] textbox 'Search'\n[12] link 'Phones'\n[13] link 'Books'\n"
-        "Goal: Open the Phones category.",
-        "click [12]",
-    ),
-    (
-        "Page:\n[4] heading 'Green lamp'\n[6] StaticText 'Seller: '\n[7] link 'Ann Lee'\n"
-        "Goal: Who sells the Green lamp?",
-        "stop [Ann Lee]",
-    ),
-]
-"""Example turns that teach a small model the reply format; pinned with the system prompt."""
 OBSERVATION_TEMPLATE = "Page:\n{observation}\nGoal: {intent}"
 TRUNCATION_NOTE = "\n[observation truncated]"
 
@@ -68,6 +45,8 @@ class AgentConfig:
             after the action).
         constrain: decode each action under the page's action grammar (the default; see
             `agent_kv.harness.action_decoding`); False decodes freely.
+        agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
+            per action; `agent_kv.harness.action_formats`).
     """
 
     max_steps: int = 6
@@ -76,6 +55,16 @@ class AgentConfig:
         default_factory=lambda: SamplingParams(max_new_tokens=48, stop=["\n"])
     )
     constrain: bool = True
+    agent: str = "text"
+
+    @property
+    def action_format(self) -> ActionFormat:
+        """The format `agent` names.
+
+        Raises:
+            ValueError: an unknown agent.
+        """
+        return action_format(self.agent)
 
 
 @dataclass
@@ -100,6 +89,7 @@ class EpisodeResult:
     """
 
     task_id: int
+    agent: str
     policy: str
     policy_params: dict[str, Any]
     model: str
@@ -149,29 +139,45 @@ def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
 
 
 def open_conversation(
-    engine: Engine, intent: str, few_shot: Sequence[tuple[str, str]] = FEW_SHOT
+    engine: Engine,
+    intent: str,
+    fmt: ActionFormat = TEXT_ACTIONS,
+    few_shot: Sequence[tuple[str, str]] | None = None,
 ) -> Conversation:
-    """An episode's conversation: the system prompt with the goal, and the example turns
-    (user text, assistant reply; the agent's FEW_SHOT unless given), all pinned."""
-    chat = Conversation(engine)
-    chat.add("system", SYSTEM_PROMPT.format(intent=intent), pin=True)
-    for example, action in few_shot:
+    """An episode's conversation in the action format `fmt`: its system prompt with the goal
+    and its tools, and the example turns (user text, assistant reply; the format's own
+    unless given), all pinned."""
+    chat = Conversation(engine, tools=fmt.tools)
+    chat.add("system", fmt.system_prompt.format(intent=intent), pin=True)
+    for example, action in fmt.few_shot() if few_shot is None else few_shot:
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
     return chat
 
 
 def add_observation(
-    chat: Conversation, observation: str, intent: str, config: AgentConfig, previous: int | None
+    chat: Conversation,
+    observation: str,
+    intent: str,
+    config: AgentConfig,
+    previous: int | None,
+    role: str = "user",
 ) -> str:
-    """Queue a page as the latest observation turn: truncated to `config.max_obs_tokens`,
-    in `OBSERVATION_TEMPLATE`, pinned; the pin of the previous observation (message index
-    `previous`, if any) is released. Returns the page text as the agent sees it."""
+    """Queue a page as the latest observation turn of `role`: truncated to
+    `config.max_obs_tokens`, in `OBSERVATION_TEMPLATE`, pinned; the pin of the previous
+    observation (message index `previous`, if any) is released. Returns the page text as the
+    agent sees it."""
     text = truncate_tokens(chat.engine.tokenizer, observation, config.max_obs_tokens)
     if previous is not None:
         chat.unpin_message(previous)
-    chat.add("user", OBSERVATION_TEMPLATE.format(observation=text, intent=intent), pin=True)
+    chat.add(role, OBSERVATION_TEMPLATE.format(observation=text, intent=intent), pin=True)
     return text
+
+
+def observation_role(fmt: ActionFormat, previous: int | None) -> str:
+    """The role of the next observation: a user turn opens the episode, the format's role
+    follows (a tool result in tools)."""
+    return "user" if previous is None else fmt.observation_role
 
 
 def run_episode(
@@ -198,10 +204,11 @@ def run_episode(
     the error in `error`; the trace written so far stays.
     """
     config = config or AgentConfig()
+    fmt = config.action_format
     trace_dir.mkdir(parents=True, exist_ok=True)
     (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
-    chat = open_conversation(engine, task.intent)
+    chat = open_conversation(engine, task.intent, fmt)
     store = chat.sequence.store
     answer, end_reason, steps, error = None, "max_steps", 0, None
     ttfts: list[float] = []
@@ -212,17 +219,18 @@ def run_episode(
         observation = env.reset(task)
         for step in range(1, config.max_steps + 1):
             step_started, first_token = time.perf_counter(), store.seen_tokens
+            role = observation_role(fmt, previous_observation)
             text = add_observation(
-                chat, observation["text"], task.intent, config, previous_observation
+                chat, observation["text"], task.intent, config, previous_observation, role
             )
             previous_observation = len(chat.messages) - 1
-            decoding = action_decoding(
+            decoding = fmt.decoding(
                 engine, config.sampling, text, len(observation["tabs"]), config.constrain
             )
             reply = chat.reply(decoding.params)
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
-            result = env.step(reply.text)
+            result = env.step(fmt.action(reply.text))
             steps = step
             step_times.append(time.perf_counter() - step_started)
             record = _write_step(
@@ -253,6 +261,7 @@ def run_episode(
     _write_kv_steps(trace_dir, chat.sequence.steps)
     episode = EpisodeResult(
         task_id=task.task_id,
+        agent=config.agent,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         model=model_name,

@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from agent_kv.harness.action_decoding import action_decoding
-from agent_kv.harness.agent import AgentConfig, add_observation, open_conversation
+from agent_kv.harness.agent import AgentConfig, add_observation, observation_role, open_conversation
 from agent_kv.runtime.engine import Engine
 from envs.actions import ActionParseError, parse_action
 
@@ -105,8 +104,9 @@ def replay_agreement(
         trajectory: the full-KV episode's steps (`read_trajectory`).
         engine: the policy under test.
         reference: the full-KV engine (same model and tokenizer).
-        config: the episode's settings (observation truncation, constrained decoding);
-            decoding is greedy here whatever `config.sampling` says.
+        config: the episode's settings (observation truncation, constrained decoding, the
+            action format the trajectory was written in); decoding is greedy here whatever
+            `config.sampling` says.
 
     Returns:
         One `StepAgreement` per step of `trajectory`.
@@ -115,32 +115,35 @@ def replay_agreement(
         ContextOverflowError: the trajectory outgrows the model's context.
     """
     config = config or AgentConfig()
+    fmt = config.action_format
     greedy = replace(config.sampling, temperature=0.0)
     chats = {
-        "policy": open_conversation(engine, intent),
-        "full": open_conversation(reference, intent),
+        "policy": open_conversation(engine, intent, fmt),
+        "full": open_conversation(reference, intent, fmt),
     }
     previous: int | None = None
     compared = []
     for number, step in enumerate(trajectory, 1):
         distributions = {}
         for name, chat in chats.items():
-            text = add_observation(chat, step.observation, intent, config, previous)
+            role = observation_role(fmt, previous)
+            text = add_observation(chat, step.observation, intent, config, previous, role)
             chat.prefill()
             if name == "policy":
-                decoding = action_decoding(engine, greedy, text, step.tabs, config.constrain)
-                own = chat.fork().reply(decoding.params).text
+                decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)
+                own = fmt.action(chat.fork().reply(decoding.params).text)
             forced = chat.force_reply(step.action, keep_distributions=True)
             distributions[name] = forced.distributions  # [tokens, vocab]
         previous = len(chats["policy"].messages) - 2  # the observation before the reply
         p, q = distributions["full"], distributions["policy"]
         kl = (p.exp() * (p - q)).sum(-1)  # [tokens]
+        reference_action = canonical(fmt.action(step.action))
         compared.append(
             StepAgreement(
                 step=number,
-                reference=canonical(step.action),
+                reference=reference_action,
                 action=canonical(own),
-                agree=canonical(own) == canonical(step.action),
+                agree=canonical(own) == reference_action,
                 kl=float(kl.mean()),
                 tokens=int(kl.numel()),
             )

@@ -4,12 +4,14 @@ to memory.
     agent-kv bench --tasks classifieds --policies full,window,conf-kv --budgets 512,1024 \
         --out runs/sweep
 
-One *job* is a task under one policy setting (policy, budget, precision); `full` runs once per
-task, without a budget, always at full precision (it is the baseline every other row is
-compared with). Each finished job appends one JSON line to `DIR/results.jsonl` (the episode
-summary of `agent.run_episode` plus `policy`, `budget`, `precision` and, unless disabled, the
-teacher-forced reference-action accuracy), flushed at once; a rerun skips the jobs already in
-the file, so an interrupted sweep resumes. A job that raises (browser death, model error,
+One *job* is a task under one policy setting (policy, budget, precision) and one agent
+(`--agents`: actions as text or as tool calls, `action_formats`); `full` runs once per task
+and agent, without a budget, always at full precision (it is the baseline every other row of
+the same agent is compared with). Each finished job appends one JSON line to
+`DIR/results.jsonl` (the episode summary of `agent.run_episode` plus `policy`, `budget`,
+`precision`, `agent` and, unless disabled, the teacher-forced reference-action accuracy),
+flushed at once; a rerun skips the jobs already in the file, so an interrupted sweep
+resumes. A job that raises (browser death, model error,
 anything) is recorded with `end_reason: "error"` and the error text, and the sweep goes on.
 At the end `DIR/summary.md` holds the table of `aggregate` and `DIR/success_vs_memory.png`
 plots success rate against mean peak KV memory, one labelled point per row.
@@ -64,7 +66,7 @@ import sys
 import tempfile
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,6 +74,7 @@ from typing import Any, Protocol
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_names import check_policy_name, split_recall
 from agent_kv.runtime import threads as thread_setting
+from envs.actions import ACTION_FORMATS
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
 RESULTS = "results.jsonl"
@@ -91,36 +94,47 @@ class Job:
         budget: unpinned tokens per layer (see `kv.policy_spec.PolicySpec`), None for `full`.
         precision: "fp"; "int8" for mixed precision (`--int8`); for a policy that quantizes
             by its own rule (ARKV's), its format ("fp8").
+        agent: how the agent writes actions, "text" or "tools" (`AgentConfig.agent`).
     """
 
     task_id: int
     policy: str
     budget: int | None
     precision: str = "fp"
+    agent: str = "text"
 
     @property
     def key(self) -> tuple:
         """What identifies the job in results.jsonl."""
-        return (self.task_id, self.policy, self.budget, self.precision)
+        return (self.task_id, self.policy, self.budget, self.precision, self.agent)
 
     @property
     def name(self) -> str:
-        """A file-name-safe label, e.g. 'task3-conf-kv-512-int8'."""
+        """A file-name-safe label, e.g. 'task3-conf-kv-512-int8' ('-tools' added for the
+        tool-calling agent)."""
         parts = [f"task{self.task_id}", self.policy]
         if self.budget is not None:
             parts.append(str(self.budget))
         if self.precision != "fp":
             parts.append(self.precision)
+        if self.agent != "text":
+            parts.append(self.agent)
         return "-".join(parts)
 
 
+SETTING_FIELDS = ("policy", "budget", "precision", "agent")
+"""A job's key past its task: the setting a row of the summary aggregates."""
+
+
 def record_key(record: dict[str, Any]) -> tuple:
-    """The job key of a results.jsonl record."""
+    """The job key of a results.jsonl record (`Job.key`; a record without an agent is the
+    text agent's)."""
     return (
         record["task_id"],
         record["policy"],
         record.get("budget"),
         record.get("precision", "fp"),
+        record.get("agent", "text"),
     )
 
 
@@ -263,18 +277,26 @@ def select_tasks(spec: str) -> list[Task]:
 
 
 def make_jobs(
-    tasks: Iterable[Task], policies: list[str], budgets: list[int], int8: bool = False
+    tasks: Iterable[Task],
+    policies: list[str],
+    budgets: list[int],
+    int8: bool = False,
+    agents: Sequence[str] = ("text",),
 ) -> list[Job]:
-    """Every task under every (policy, budget): `full` (and `base-quant`, which takes no
-    budget either) once per task with no budget; the others at each budget. `full` runs at
-    full precision; with `int8` the others run in INT8 mixed precision, except the policies
-    that quantize by their own rule (ARKV's), labelled with their default format (`fp8`).
+    """Every task under every (policy, budget), for each agent: `full` (and `base-quant`,
+    which takes no budget either) once per task with no budget; the others at each budget.
+    `full` runs at full precision; with `int8` the others run in INT8 mixed precision,
+    except the policies that quantize by their own rule (ARKV's), labelled with their
+    default format (`fp8`).
 
     Raises:
-        ValueError: an unknown policy, or a budget below 1.
+        ValueError: an unknown policy or agent, or a budget below 1.
     """
     for policy in policies:
         check_policy_name(policy)
+    for agent in agents:
+        if agent not in ACTION_FORMATS:
+            raise ValueError(f"unknown agent {agent!r}: choose from {', '.join(ACTION_FORMATS)}")
     for budget in budgets:
         if budget < 1:
             raise ValueError(f"budgets must be >= 1, got {budget}")
@@ -289,13 +311,15 @@ def make_jobs(
             else:
                 precision = "int8" if int8 and policy != "full" else "fp"
             sizes = dict.fromkeys(budgets) if cls.takes_budget else [None]
-            jobs.extend(Job(task.task_id, policy, b, precision) for b in sizes)
+            for agent in dict.fromkeys(agents):
+                jobs.extend(Job(task.task_id, policy, b, precision, agent) for b in sizes)
     return jobs
 
 
-def full_job(task_id: int) -> Job:
-    """The full-KV job of a task: the reference of every other job's agreement."""
-    return Job(task_id, "full", None, "fp")
+def full_job(task_id: int, agent: str = "text") -> Job:
+    """The full-KV job of a task and agent: the reference of the agreement of every other
+    job of that agent."""
+    return Job(task_id, "full", None, "fp", agent)
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
@@ -329,7 +353,7 @@ def error_record(error: str) -> dict[str, Any]:
 def _finish(job: Job, fields: dict[str, Any]) -> dict[str, Any]:
     """The record: the runner's fields with the job's key fields put first (and winning)."""
     record = {"task_id": job.task_id, "policy": job.policy, "budget": job.budget}
-    record["precision"] = job.precision
+    record["precision"], record["agent"] = job.precision, job.agent
     record.update({k: v for k, v in fields.items() if k not in record})
     return record
 
@@ -587,13 +611,14 @@ def _ray_error(err: Exception) -> str:
 
 
 def _next_ready(
-    queue: deque[tuple[Task, Job, Path]], references: set[int]
+    queue: deque[tuple[Task, Job, Path]], references: set[tuple[int, str]]
 ) -> tuple[Task, Job, Path] | None:
-    """Take the first queued work item whose task's full-KV episode (the reference its
-    agreement replays) is not still to run: a `full` job, or one of a task not in
-    `references`. None when every queued item waits for one."""
+    """Take the first queued work item whose task's full-KV episode of its agent (the
+    reference its agreement replays) is not still to run: a `full` job, or one whose
+    (task, agent) is not in `references`. None when every queued item waits for one."""
     for item in queue:
-        if item[1].policy == "full" or item[1].task_id not in references:
+        job = item[1]
+        if job.policy == "full" or (job.task_id, job.agent) not in references:
             queue.remove(item)
             return item
     return None
@@ -655,7 +680,7 @@ def _run_on_ray(
             queue = deque(work)
             idle = list(live)
             running: dict[ray.ObjectRef, tuple[Job, Any]] = {}
-            references = {job.task_id for _, job, _ in work if job.policy == "full"}
+            references = {(job.task_id, job.agent) for _, job, _ in work if job.policy == "full"}
             while queue or running:
                 while idle and (item := _next_ready(queue, references)) is not None:
                     actor = idle.pop()
@@ -668,7 +693,7 @@ def _run_on_ray(
                 ready = done[0]
                 job, actor = running.pop(ready)
                 if job.policy == "full":
-                    references.discard(job.task_id)
+                    references.discard((job.task_id, job.agent))
                 try:
                     record = ray.get(ready)
                 except RayActorError as err:  # its process died (or cannot be reached)
@@ -716,11 +741,12 @@ def _mean(values: Iterable[float]) -> float | None:
 
 
 def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (policy, budget, precision), `full` first, then by policy and budget.
+    """One row per (policy, budget, precision, agent), `full` first, then by policy, budget
+    and agent. Each row is compared with the full-KV episodes of its own agent.
 
-    Row fields: `policy`, `budget` (None for full), `precision`, `episodes`, `errors`,
-    `success_rate` (errors count as failures), `relative_success` (this row's success rate
-    over full KV's on the tasks both ran; None without a full run or when full never
+    Row fields: `policy`, `budget` (None for full), `precision`, `agent`, `episodes`,
+    `errors`, `success_rate` (errors count as failures), `relative_success` (this row's
+    success rate over full KV's on the tasks both ran; None without a full run or when full never
     succeeded), `peak_kv_mb` (mean peak allocated KV bytes / 1e6 over episodes that report
     them), `peak_kv_live_mb` (the same for the peak live bytes), `peak_cold_kv_mb` (mean
     peak bytes of the cold tier, 0 without recall; never counted in the others),
@@ -736,11 +762,11 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for record in records:
-        task_id, policy, budget, precision = record_key(record)
-        groups.setdefault((policy, budget, precision), []).append(record)
-    full = {r["task_id"]: r for r in groups.get(("full", None, "fp"), [])}
+        _, *setting = record_key(record)
+        groups.setdefault(tuple(setting), []).append(record)
     rows = []
-    for (policy, budget, precision), group in groups.items():
+    for (policy, budget, precision, agent), group in groups.items():
+        full = {r["task_id"]: r for r in groups.get(("full", None, "fp", agent), [])}
         common = [r for r in group if r["task_id"] in full]
         relative = None
         if common:
@@ -775,6 +801,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "policy": policy,
                 "budget": budget,
                 "precision": precision,
+                "agent": agent,
                 "episodes": len(group),
                 "errors": sum(r.get("end_reason") == "error" for r in group),
                 "success_rate": _mean(float(bool(r.get("success"))) for r in group),
@@ -806,15 +833,18 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["policy"],
             r["budget"] or 0,
             r["precision"],
+            r["agent"] != "text",
         )
     )
     return rows
 
 
 def row_label(row: dict[str, Any]) -> str:
-    """'conf-kv 512', 'conf-kv 512 int8', 'full'."""
+    """'conf-kv 512', 'conf-kv 512 int8', 'full', 'full tools' (the tool-calling agent)."""
     label = row["policy"] if row["budget"] is None else f"{row['policy']} {row['budget']}"
-    return label if row["precision"] == "fp" else f"{label} {row['precision']}"
+    if row["precision"] != "fp":
+        label = f"{label} {row['precision']}"
+    return label if row.get("agent", "text") == "text" else f"{label} {row['agent']}"
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -843,7 +873,7 @@ def _agreement_cell(row: dict[str, Any]) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `aggregate` as a markdown table."""
     header = (
-        "| policy | budget | precision | episodes | errors | success | vs full | "
+        "| policy | budget | precision | agent | episodes | errors | success | vs full | "
         "peak KV (MB) | live KV (MB) | cold KV (MB) | reduction vs full | agreement | "
         "KL vs full | steps | "
         "decode tok/s | ref. action acc. | ref. NLL |"
@@ -858,6 +888,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             r["policy"],
             "–" if r["budget"] is None else str(r["budget"]),
             r["precision"],
+            r["agent"],
             str(r["episodes"]),
             str(r["errors"]),
             _fmt(r["success_rate"], ".0%"),
@@ -944,9 +975,9 @@ def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
     labels: dict[tuple, str] = {}
     cells: dict[int, dict[tuple, str]] = {}
     for record in records:
-        task_id, policy, budget, precision = record_key(record)
-        column = (policy, budget, precision)
-        labels[column] = row_label({"policy": policy, "budget": budget, "precision": precision})
+        task_id, *setting = record_key(record)
+        column = tuple(setting)
+        labels[column] = row_label(dict(zip(SETTING_FIELDS, setting, strict=True)))
         text = _outcome(record)
         page = Path(record.get("trace_dir") or "") / "trace.html"
         if record.get("trace_dir") and page.is_file():
@@ -980,8 +1011,8 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     ks = sorted({r["k"] for r in recall})
     rows: dict[tuple, dict[int, list[dict[str, Any]]]] = {}
     for record in recall:
-        _, policy, budget, precision = record_key(record)
-        rows.setdefault((policy, budget, precision), {}).setdefault(record["k"], []).append(record)
+        _, *setting = record_key(record)
+        rows.setdefault(tuple(setting), {}).setdefault(record["k"], []).append(record)
     solved_by_full = {r["task_id"] for r in recall if r["policy"] == "full" and r.get("success")}
     lines = [
         "| policy | "
@@ -991,8 +1022,8 @@ def recall_table(records: list[dict[str, Any]]) -> str:
     ]
     order = {row_label(r): i for i, r in enumerate(aggregate(recall))}
     labelled = {
-        row_label({"policy": p, "budget": b, "precision": c}): cells
-        for (p, b, c), cells in rows.items()
+        row_label(dict(zip(SETTING_FIELDS, setting, strict=True))): cells
+        for setting, cells in rows.items()
     }
     for label in sorted(labelled, key=order.get):
         cells = labelled[label]
@@ -1081,9 +1112,12 @@ def write_report(out: Path) -> str:
 # --- the real runner --------------------------------------------------------------------
 
 
-def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dict[str, Any]:
+def reference_replay(
+    task: Task, engine, env, max_obs_tokens: int = 1200, agent: str = "text"
+) -> dict[str, Any]:
     """Teacher-forced reference-action accuracy of `engine` (its model and policy) on `task`
-    (method: the module docstring).
+    (method: the module docstring), each action written as the agent `agent` writes it
+    (`action_formats`: the action text, or the call that makes it).
 
     Returns:
         `reference_steps` (actions replayed), `reference_hits` (steps whose action was the
@@ -1098,32 +1132,25 @@ def reference_replay(task: Task, engine, env, max_obs_tokens: int = 1200) -> dic
         page it is replayed on.
     """
     from agent_kv.harness.agent import (
-        FEW_SHOT,
-        OBSERVATION_TEMPLATE,
-        SYSTEM_PROMPT,
-        truncate_tokens,
+        AgentConfig,
+        add_observation,
+        observation_role,
+        open_conversation,
     )
-    from agent_kv.runtime.conversation import Conversation
 
-    chat = Conversation(engine)
-    chat.add("system", SYSTEM_PROMPT.format(intent=task.intent), pin=True)
-    for example, action in FEW_SHOT:
-        chat.add("user", example, pin=True)
-        chat.add("assistant", action, pin=True)
+    config = AgentConfig(max_obs_tokens=max_obs_tokens, agent=agent)
+    fmt = config.action_format
+    chat = open_conversation(engine, task.intent, fmt)
     matches: list[bool] = []
     logprobs: list[float] = []
     previous: int | None = None
     observation = env.reset(task)
     for reference in task.reference_actions:
-        text = truncate_tokens(engine.tokenizer, observation["text"], max_obs_tokens)
-        if previous is not None:
-            chat.unpin_message(previous)
-        chat.add(
-            "user", OBSERVATION_TEMPLATE.format(observation=text, intent=task.intent), pin=True
-        )
+        role = observation_role(fmt, previous)
+        add_observation(chat, observation["text"], task.intent, config, previous, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        forced = chat.force_reply(concrete)
+        forced = chat.force_reply(fmt.reply(concrete))
         matches.append(forced.greedy)
         logprobs += forced.logprobs
         result = env.step(concrete)
@@ -1220,6 +1247,7 @@ class EpisodeRunner:
             max_steps=self.settings.max_steps,
             max_obs_tokens=self.settings.max_obs_tokens,
             constrain=self.settings.constrain,
+            agent=job.agent,
         )
         try:
             summary = run_episode(
@@ -1231,11 +1259,12 @@ class EpisodeRunner:
         if summary["end_reason"] == "error" and "browser" in (summary["error"] or ""):
             self._drop_browser()
         if self.settings.agreement and job.policy != "full":
-            summary.update(self._agreement(task, engine, config, trace_dir.parent))
+            summary.update(self._agreement(task, job, engine, config, trace_dir.parent))
         if self.settings.reference_accuracy and task.reference_actions:
             try:
                 env, _ = self.start(task.sites)
-                summary.update(reference_replay(task, engine, env, self.settings.max_obs_tokens))
+                obs_tokens = self.settings.max_obs_tokens
+                summary.update(reference_replay(task, engine, env, obs_tokens, job.agent))
             except Exception as err:  # noqa: BLE001 - recorded, the episode stands
                 summary["reference_error"] = traceback.format_exception_only(err)[-1].strip()
                 self._drop_browser()
@@ -1261,14 +1290,15 @@ class EpisodeRunner:
         failed = record["error"] is not None
         return {**record, "end_reason": "error" if failed else "stop", "steps": 1}
 
-    def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
-        """The agreement fields of `agreement_summary` for `engine` against the task's
-        full-KV trace under `traces`, or `agreement_error` when there is none to replay."""
+    def _agreement(self, task: Task, job: Job, engine, config, traces: Path) -> dict[str, Any]:
+        """The agreement fields of `agreement_summary` for `engine` against the full-KV
+        trace of the job's task and agent under `traces`, or `agreement_error` when there is
+        none to replay."""
         from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
         from agent_kv.kv.policies import make_policy
         from agent_kv.runtime.engine import Engine
 
-        reference = traces / full_job(task.task_id).name
+        reference = traces / full_job(task.task_id, job.agent).name
         try:
             trajectory = read_trajectory(reference)
             model, tokenizer = engine.model, engine.tokenizer

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.errors import ContextOverflowError
-from agent_kv.harness.agent import FEW_SHOT, AgentConfig, add_observation, open_conversation
+from agent_kv.harness.action_formats import FEW_SHOT
+from agent_kv.harness.agent import AgentConfig, add_observation, open_conversation
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
@@ -246,7 +247,7 @@ def run_recall_task(
     started = time.perf_counter()
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
-    chat = open_conversation(engine, task.intent, fmt.few_shot)
+    chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
     store = chat.sequence.store
     pages: list[dict[str, Any]] = []
     decoded, error, hits, history = Decoded("", None), None, 0, 0

@@ -1,8 +1,10 @@
 """An append-only chat over one sequence: messages in, replies out, one KV cache throughout.
 
-The conversation is rendered with the tokenizer's chat template; what the cache already holds
-is a text prefix of the new rendering, so each turn prefills only the new suffix. Messages
-flagged `pin` have their tokens pinned in the store (exempt from eviction).
+The conversation is rendered with the tokenizer's chat template (with the tools it offers,
+`agent_kv.runtime.chat_rendering`); what the cache already holds is a text prefix of the new
+rendering, so each turn prefills only the new suffix. Messages flagged `pin` have their
+tokens pinned in the store (exempt from eviction). A reply is kept as the text generated,
+calls included, so it renders as the cache holds it.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.tool_calls import Tool
 
 
 @dataclass
@@ -52,20 +56,22 @@ class Conversation:
     Args:
         engine: the engine (model, tokenizer, policy).
         sequence: an existing sequence to continue; a new empty one by default.
+        tools: the tools offered throughout, rendered into the prompt (none by default).
     """
 
-    def __init__(self, engine: Engine, sequence: Sequence | None = None):
+    def __init__(
+        self, engine: Engine, sequence: Sequence | None = None, tools: tuple[Tool, ...] = ()
+    ):
         self.engine = engine
         self.sequence = sequence or engine.new_sequence()
+        self.tools = tools
         self.messages: list[dict[str, str]] = []
         self.spans: dict[int, tuple[int, int]] = {}  # message index -> token positions [start, end)
         self._rendered = ""  # template text of everything queued or cached
         self._pending: list[_Pending] = []
 
     def _render(self, generation_prompt: bool) -> str:
-        return self.engine.tokenizer.apply_chat_template(
-            self.messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        return render_chat(self.engine.tokenizer, self.messages, self.tools, generation_prompt)
 
     def _queue_delta(self, rendered: str, pin: bool, message: int | None) -> None:
         if not rendered.startswith(self._rendered):
@@ -126,7 +132,7 @@ class Conversation:
     def fork(self) -> Conversation:
         """An independent copy of this conversation: the sequence (store, pins, logits) is
         deep-copied, the engine shared. What one copy replies does not reach the other."""
-        twin = Conversation(self.engine, copy.deepcopy(self.sequence))
+        twin = Conversation(self.engine, copy.deepcopy(self.sequence), self.tools)
         twin.messages = copy.deepcopy(self.messages)
         twin.spans = dict(self.spans)
         twin._rendered = self._rendered
