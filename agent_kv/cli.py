@@ -215,12 +215,13 @@ API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `serve --api-key` when the option is not given."""
 
 
-def _check_agent(agent: str) -> None:
-    """Raises ConfigError for an agent other than `envs.actions.ACTION_FORMATS`."""
+def _check_agent(agent: str, option: str = "--agent") -> None:
+    """Raises ConfigError, naming `option`, for an agent other than
+    `envs.actions.ACTION_FORMATS`."""
     from envs.actions import ACTION_FORMATS
 
     if agent not in ACTION_FORMATS:
-        raise ConfigError(f"--agent must be one of {', '.join(ACTION_FORMATS)}, got {agent!r}")
+        raise ConfigError(f"{option} takes {', '.join(ACTION_FORMATS)}, got {agent!r}")
 
 
 def _print_step(record: dict) -> None:
@@ -372,8 +373,8 @@ def bench_command(
             raise ConfigError(f"--mode must be free or scripted, got {mode!r}")
         agent_list = bench.parse_list(agents, "--agents")
         for agent in agent_list:
-            _check_agent(agent)
-        if mode == "scripted" and agent_list != ["text"]:
+            _check_agent(agent, "--agents")
+        if mode == "scripted" and set(agent_list) != {"text"}:
             raise ConfigError("--mode scripted answers as text: it takes --agents text only")
         if ray_address is not None:
             bench.check_ray_address(ray_address)

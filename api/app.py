@@ -407,12 +407,10 @@ def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
 
 def _pin_rules(request: NativeChatRequest | ChatCompletionRequest) -> PinRules:
     """The request's pin rules; a 422 for rules that cannot be applied."""
-    rules = PinRules.from_fields(**request.pin.model_dump())
     try:
-        rules.validate()
+        return PinRules.from_fields(**request.pin.model_dump())
     except ConfigError as err:
         raise APIError(422, str(err), "pin.patterns", "unprocessable") from None
-    return rules
 
 
 def _policy(request: NativeChatRequest, service: ChatService) -> Policy:

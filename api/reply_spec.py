@@ -22,7 +22,7 @@ def reply_spec(
             tools), tools offered twice, a tool's `parameters` that are not an object schema,
             too large or too deep (`json_schemas.check_schema`) or cannot be compiled (param
             `tools.N.function.parameters`), the same of the `response_format` schema, or
-            `stop` strings with a reply under a grammar (they would cut it).
+            `stop` strings with a reply that may hold calls or JSON (they would cut it).
     """
     fields = request.model_dump(
         include={"tools", "tool_choice", "parallel_tool_calls", "response_format"},

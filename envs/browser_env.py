@@ -419,6 +419,20 @@ class BrowserEnv(Closing):
             marks.append(Mark(element=element, box=box))
         return marks
 
+    def reject(self, error: str) -> StepResult:
+        """Count a reply that is no action as the step: the page stays, and the observation
+        carries `error` (what `step` does with text `parse_action` refuses; an agent that
+        writes actions in another format calls it with that format's own message). After
+        `MAX_PARSE_FAILURES` in a row the episode ends with reason "parse_failures"."""
+        step = len(self._history) + 1
+        self._history.append(None)
+        self._parse_failures += 1
+        info: dict[str, Any] = {"step": step, "action": None}
+        if self._parse_failures >= MAX_PARSE_FAILURES:
+            self._done = True
+            info["reason"] = "parse_failures"
+        return StepResult(self.observe(error=error), self._done, info)
+
     def step(self, action_text: str) -> StepResult:
         """Parse and execute one action; see the module docstring for errors and early stops."""
         step = len(self._history) + 1
@@ -430,13 +444,7 @@ class BrowserEnv(Closing):
         try:
             action = parse_action(action_text)
         except ActionParseError as parse_error:
-            self._history.append(None)
-            self._parse_failures += 1
-            info: dict[str, Any] = {"step": step, "action": None}
-            if self._parse_failures >= MAX_PARSE_FAILURES:
-                self._done = True
-                info["reason"] = "parse_failures"
-            return StepResult(self.observe(error=str(parse_error)), self._done, info)
+            return self.reject(str(parse_error))
         self._parse_failures = 0
         self._history.append(str(action))
         info = {"step": step, "action": str(action)}

@@ -8,14 +8,22 @@ import json
 
 import pytest
 
-from agent_kv.harness.action_formats import TEXT_ACTIONS, TOOL_ACTIONS, action_format
+from agent_kv.harness.action_formats import (
+    CALL_BYTES,
+    CALL_HELP,
+    FORMATS,
+    TEXT_ACTIONS,
+    TOOL_ACTIONS,
+    action_format,
+)
 from agent_kv.harness.action_tools import ACTION_TOOLS, action_call, call_action, page_tools
-from agent_kv.harness.agent import AgentConfig, run_episode
+from agent_kv.harness.agent import AgentConfig, _act, run_episode
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ToolCall, render_calls
 from envs.action_grammar import element_ids
-from envs.actions import ACTION_GRAMMAR, parse_action
+from envs.actions import ACTION_FORMATS, ACTION_GRAMMAR, ActionParseError, parse_action
 from envs.browser_env import StepResult
 from envs.tasks import load_task
 
@@ -58,14 +66,69 @@ def test_calls_that_make_no_action_are_refused():
         action_call(parse_action("click [link 'Blue road bike']"))
 
 
-def test_replies_without_one_call_go_to_the_environment_as_they_are():
-    for reply in ("click [12]", "", render_calls([action_call(parse_action("go_back"))] * 2)):
-        assert TOOL_ACTIONS.action(reply) == reply
-    bad = '<tool_call>{"name": "click", "arguments": {"x": 1}}</tool_call>'
-    assert TOOL_ACTIONS.action(bad) == bad
+@pytest.mark.parametrize(
+    "reply, needle",
+    [
+        ("click [12]", "no complete call"),
+        ("", "no complete call"),
+        (render_calls([action_call(parse_action("go_back"))] * 2), "2 calls"),
+        ('<tool_call>{"name": "go_back", "arguments": {"x": 1}}</tool_call>', "go_back takes"),
+        ('<tool_call>{"name": "stop", "arguments": {"answer": null}}</tool_call>', "answer"),
+        ('<tool_call>{"name": "click", "arguments": {"element_id": "12"}}</tool_call>', "12"),
+        ('<tool_call>{"name": "click", "arguments": {"element_id": true}}</tool_call>', "true"),
+        ('<tool_call>{"name": "scroll", "arguments": {"direction": "left"}}</tool_call>', "left"),
+        (
+            '<tool_call>{"name": "type", "arguments": {"element_id": 3, "text": "x", '
+            '"press_enter": null}}</tool_call>',
+            "press_enter",
+        ),
+    ],
+)
+def test_a_tool_reply_that_is_no_action_is_refused_with_how_to_call(reply, needle):
+    with pytest.raises(ActionParseError, match=needle) as err:
+        TOOL_ACTIONS.action(reply)
+    assert str(err.value).endswith(CALL_HELP)
+
+
+def test_the_text_format_passes_replies_through_and_both_formats_are_known():
     assert TEXT_ACTIONS.action("click [12]") == TEXT_ACTIONS.reply("click [12]") == "click [12]"
+    assert tuple(FORMATS) == ACTION_FORMATS
     with pytest.raises(ValueError, match="unknown agent 'voice'"):
         action_format("voice")
+
+
+class RecordingEnv:
+    """What `_act` calls: `step` with an action, `reject` with an error."""
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, text):
+        self.calls.append(("step", text))
+
+    def reject(self, error):
+        self.calls.append(("reject", error))
+
+
+def test_the_harness_rejects_a_tool_reply_that_is_no_action():
+    env = RecordingEnv()
+    _act(env, TOOL_ACTIONS, render_calls([action_call(parse_action("go_back"))] * 2))
+    _act(env, TOOL_ACTIONS, render_calls([action_call(parse_action("click [4]"))]))
+    _act(env, TEXT_ACTIONS, "click [[4]]")  # the environment parses text itself
+    assert [kind for kind, _ in env.calls] == ["reject", "step", "step"]
+    assert env.calls[0][1].endswith(CALL_HELP)
+    assert env.calls[1:] == [("step", "click [4]"), ("step", "click [[4]]")]
+
+
+@pytest.mark.model
+def test_every_tool_reply_may_be_as_long_as_a_call(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    base = SamplingParams(max_new_tokens=48, stop=["\n"])
+    page = "[3] link 'Bikes'"
+    for constrain in (True, False):
+        params = TOOL_ACTIONS.decoding(engine, base, page, 1, constrain).params
+        assert params.max_new_tokens == CALL_BYTES and params.stop == []
+        assert (params.grammar is not None) == constrain
 
 
 def test_a_page_narrows_the_tools_to_its_ids_and_tabs():

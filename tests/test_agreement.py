@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from agent_kv.harness.action_formats import TOOL_ACTIONS
+from agent_kv.harness.agent import AgentConfig
 from agent_kv.harness.agreement import (
     ReferenceStep,
     agreement_summary,
@@ -59,6 +61,17 @@ def test_constrained_own_actions_are_valid_on_their_page(smollm, full):
     for step in replay_agreement(INTENT, TRAJECTORY, conf, full):
         assert canonical(step.action) == step.action
         assert step.action.split(" ")[0] in ("click", "stop", "scroll", "type", "hover", "go_back")
+
+
+def test_a_tool_agent_trajectory_replays_in_its_own_format(smollm, full):
+    calls = [ReferenceStep(s.observation, s.tabs, TOOL_ACTIONS.reply(s.action)) for s in TRAJECTORY]
+    own = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    steps = replay_agreement(INTENT, calls, own, full, AgentConfig(agent="tools"))
+    assert [s.reference for s in steps] == ["click [17]", "stop [$149]"]  # the calls' actions
+    assert all(s.kl < 1e-6 for s in steps)
+    assert steps[0].tokens == len(smollm.tokenizer(calls[0].action)["input_ids"])
+    for step in steps:  # its own replies are calls of valid actions on their page
+        assert canonical(step.action) == step.action
 
 
 def test_trajectory_is_read_from_an_episode_trace(tmp_path):

@@ -1,5 +1,5 @@
 """LangChain's standard integration tests for `ChatAgentKV` against a live `agent-kv serve` on
-the default model (greedy decoding, conf-kv at budget 256).
+the default model (`serve`'s defaults: conf-kv at its default budget, greedy decoding).
 
 The tests marked xfail cannot pass on a 135M-parameter model: each reason says what the model
 does instead. They are strict, so one that starts passing fails here and its mark is removed.

@@ -14,8 +14,10 @@ text to the reply the model would write for it (`reply`, to teacher-force refere
   the prompt stays a prefix of the cache; a reply is one call, decoded under the grammar of
   the page's tools (`page_tools`: only its element ids and tabs) with `tool_choice`
   required; the page an action leads to comes back as the call's result, a `tool` turn. A
-  reply that holds no call (free decoding, `constrain=False`) goes to the environment as
-  text, which answers it with an error observation when it is no action.
+  reply that is not exactly one call of an action with arguments of the right types (free
+  decoding, `constrain=False`, or a page whose grammar cannot be built) is no action:
+  `action` raises, and the harness answers it with an error observation that says how to
+  call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, parse_reply, render_calls
 from envs.action_grammar import TEXT_CHARS, URL_CHARS, element_ids
-from envs.actions import ACTION_FORMATS, parse_action
+from envs.actions import ACTION_FORMATS, ActionParseError, parse_action
 
 TEXT_SYSTEM_PROMPT = (
     "You are a web agent. Each turn you get a web page as an accessibility tree "
@@ -63,10 +65,15 @@ FEW_SHOT = [
 ]
 """Example turns (page, action text) that teach a small model the reply format; each
 format writes the action its own way. Pinned with the system prompt."""
+CALL_HELP = (
+    "Call exactly one function, once: the browser action to take, with its arguments as "
+    "the function's parameters say."
+)
+"""What an error observation tells the tool agent after a reply that is no action."""
 CALL_BYTES = 6 * max(TEXT_CHARS, URL_CHARS) + 256
 """An upper bound on the UTF-8 bytes of one decoded action call (a character of a JSON
 string is at most a 6-byte escape; 256 covers the name, the keys and the markup), and so on
-its tokens."""
+its tokens: the token cap of every tool-agent reply."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class ActionFormat:
         """The decoding of the next reply on a page (`action_decoding`'s arguments)."""
         if self.name == "text":
             return action_decoding(engine, base, observation_text, tabs, constrain)
-        free = replace(base, stop=[])
+        free = replace(base, stop=[], max_new_tokens=max(base.max_new_tokens, CALL_BYTES))
         if not constrain:
             return ActionDecoding(free, constrained=False)
         spec = self._page_spec(element_ids(observation_text), tabs)
@@ -110,22 +117,26 @@ class ActionFormat:
             engine.grammars.matcher(grammar)
         except GrammarError as err:
             return ActionDecoding(free, constrained=False, unconstrained_reason=str(err))
-        tokens = max(base.max_new_tokens, CALL_BYTES)
-        return ActionDecoding(replace(free, grammar=grammar, max_new_tokens=tokens), True)
+        return ActionDecoding(replace(free, grammar=grammar), True)
 
     def action(self, reply: str) -> str:
-        """The action text of a reply, for the environment: the reply itself in text; in
-        tools the action of its one call, or the reply when it holds none (or a call that
-        makes no action), which the environment answers with an error observation."""
+        """The action text of a reply, for the environment: the reply itself in text (the
+        environment parses it); in tools the action of its one call.
+
+        Raises:
+            ActionParseError: in tools, the reply is not exactly one call that makes an
+                action; the message says how to call, for the error observation.
+        """
         if self.name == "text":
             return reply
         _, calls = parse_reply(reply, ReplySpec(self.tools, ToolChoice("required")))
         if len(calls) != 1:
-            return reply
+            found = f"{len(calls)} calls" if calls else "no complete call"
+            raise ActionParseError(f"the reply holds {found}. {CALL_HELP}")
         try:
             return call_action(calls[0])
-        except ValueError:
-            return reply
+        except ValueError as err:
+            raise ActionParseError(f"{err}. {CALL_HELP}") from None
 
     def reply(self, action: str) -> str:
         """The reply the model writes for an action text (canonical in tools; as given in

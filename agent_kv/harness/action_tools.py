@@ -55,6 +55,8 @@ DESCRIPTIONS = {
     "go_forward": "Go forward one page.",
     "stop": "End the episode with the answer when the page shows it.",
 }
+JSON_TYPES = {"integer": int, "string": str, "boolean": bool}
+"""The Python type of each JSON type the arguments use."""
 ELEMENT_KINDS = ("click", "hover", "type")
 """The actions that name an element: left out of a page without element ids."""
 
@@ -85,7 +87,8 @@ def call_action(call: ToolCall) -> str:
     parse and check.
 
     Raises:
-        ValueError: the call names no action, or its arguments are not those of its action.
+        ValueError: the call names no action, or its arguments are not those of its action
+            (other names, or a value of another type).
     """
     if call.name not in ARGUMENTS:
         raise ValueError(f"no browser action is called {call.name!r}")
@@ -94,7 +97,19 @@ def call_action(call: ToolCall) -> str:
         raise ValueError(
             f"{call.name} takes the arguments {sorted(ARGUMENTS[call.name])}, got {call.arguments}"
         )
+    for name, value in arguments.items():
+        if not _fits(value, ARGUMENTS[call.name][name]):
+            raise ValueError(f"{call.name}'s {name} cannot be {json.dumps(value)}")
     return str(Action(call.name, **arguments))
+
+
+def _fits(value: Any, schema: dict[str, Any]) -> bool:
+    """Whether an argument has its schema's type (or is one of its `enum`); the patterns and
+    bounds are the grammar's to keep, and the environment checks the action itself."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = JSON_TYPES[schema["type"]]
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def action_call(action: Action) -> ToolCall:

@@ -26,6 +26,7 @@ from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
+from envs.actions import ActionParseError
 from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
 from envs.tasks import Task
@@ -42,9 +43,11 @@ class AgentConfig:
         max_steps: actions before the episode is cut off.
         max_obs_tokens: observation text is truncated to this many tokens.
         sampling: decoding of each action (greedy by default, 48 tokens, stops at a newline
-            after the action).
-        constrain: decode each action under the page's action grammar (the default; see
-            `agent_kv.harness.action_decoding`); False decodes freely.
+            after the action; the tool agent drops the stop and raises the cap to a call's
+            bound, `action_formats.CALL_BYTES`).
+        constrain: decode each action under the page's grammar (the default: the action
+            grammar, `agent_kv.harness.action_decoding`, or for the tool agent the grammar of
+            its page's calls); False decodes freely.
         agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
             per action; `agent_kv.harness.action_formats`).
     """
@@ -230,7 +233,7 @@ def run_episode(
             reply = chat.reply(decoding.params)
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
-            result = env.step(fmt.action(reply.text))
+            result = _act(env, fmt, reply.text)
             steps = step
             step_times.append(time.perf_counter() - step_started)
             record = _write_step(
@@ -290,6 +293,16 @@ def run_episode(
     )
     (trace_dir / "summary.json").write_text(json.dumps(episode.summary(), indent=2))
     return episode
+
+
+def _act(env: BrowserEnv, fmt: ActionFormat, reply: str) -> StepResult:
+    """Carry out the reply's action; a reply that is no action in the format's terms is
+    answered with the format's error observation (`BrowserEnv.reject`)."""
+    try:
+        action = fmt.action(reply)
+    except ActionParseError as err:
+        return env.reject(str(err))
+    return env.step(action)
 
 
 def _write_step(

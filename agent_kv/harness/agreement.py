@@ -3,8 +3,9 @@
 For a task, the full-KV episode is the reference trajectory: its observations and actions.
 A policy replays that trajectory teacher-forced — the same observation and action turns
 enter its cache turn by turn, exactly as in an episode, the policy evicting as it would —
-and at each step decodes its own next action (greedy, under the page's action grammar)
-from its cache. Beside it, the full-KV cache replays the same turns. Per step this gives:
+and at each step decodes its own next action (greedy, under the page's grammar, in the
+agent's action format: text or a tool call) from its cache. Beside it, the full-KV cache
+replays the same turns. Per step this gives:
 
 - whether the policy's action equals the reference action (canonical text, `parse_action`);
 - KL(full || policy) of the next-token distributions along the reference action's tokens,
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from agent_kv.harness.action_formats import ActionFormat
 from agent_kv.harness.agent import AgentConfig, add_observation, observation_role, open_conversation
 from agent_kv.runtime.engine import Engine
 from envs.actions import ActionParseError, parse_action
@@ -59,6 +61,14 @@ def read_trajectory(trace_dir: Path) -> list[ReferenceStep]:
         record = json.loads(path.read_text())
         steps.append(ReferenceStep(record["observation"], record["tabs"], record["reply"]))
     return steps
+
+
+def _action_text(fmt: ActionFormat, reply: str) -> str:
+    """The action text of a reply in `fmt`; the reply itself when it makes no action."""
+    try:
+        return fmt.action(reply)
+    except ActionParseError:
+        return reply
 
 
 def canonical(action: str) -> str:
@@ -131,13 +141,13 @@ def replay_agreement(
             chat.prefill()
             if name == "policy":
                 decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)
-                own = fmt.action(chat.fork().reply(decoding.params).text)
+                own = _action_text(fmt, chat.fork().reply(decoding.params).text)
             forced = chat.force_reply(step.action, keep_distributions=True)
             distributions[name] = forced.distributions  # [tokens, vocab]
         previous = len(chats["policy"].messages) - 2  # the observation before the reply
         p, q = distributions["full"], distributions["policy"]
         kl = (p.exp() * (p - q)).sum(-1)  # [tokens]
-        reference_action = canonical(fmt.action(step.action))
+        reference_action = canonical(_action_text(fmt, step.action))
         compared.append(
             StepAgreement(
                 step=number,

@@ -38,7 +38,8 @@ that replay it (`_next_ready`).
 replayed in the browser; at each step the agent's prompt is built exactly as the agent builds
 it (pinned system message and examples, the observation the browser now shows, pinned while
 latest), the reference action is resolved to the page's element ids (`click [15]`, what the
-model would have to emit) and teacher-forced as the reply with `Conversation.force_reply`: the
+model would have to emit; for the tool agent, the call that makes it) and teacher-forced as
+the reply with `Conversation.force_reply`: the
 tokens are fed one at a time, exactly as decoding feeds them, so the policy evicts as it
 would during the episode. A step counts as correct when every token of the action is the
 argmax of the logits before it, i.e. greedy decoding (the agent's decoding) emits that action

@@ -17,7 +17,8 @@ parses and validates:
 - `required` and a named function allow only calls (of any tool, or of that one);
 - `auto` allows either a call or a text reply that contains no `<tool_call>`
   (or, with a `ReplyFormat`, a JSON reply);
-- `none` (or no tools) constrains only by the `ReplyFormat`, if any.
+- `none` allows text that contains no `<tool_call>` (or the `ReplyFormat`'s JSON); with
+  no tools, only a `ReplyFormat` constrains the reply.
 
 JSON is generated compact except for `", "` and `": "` separators (`JSON_LAYOUT`), the layout
 `json.dumps` writes, so a call rendered back into the history from its parsed fields

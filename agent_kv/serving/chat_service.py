@@ -315,7 +315,8 @@ class ChatService:
         Raises:
             ConfigError: invalid sampling parameters, pin rules or message text, or a
                 `policy` that cannot run on the engine's store; `GrammarError` (one) for a
-                reply spec whose grammar cannot be built, or `stop` strings with one.
+                reply spec whose grammar cannot be built, or `stop` strings with a reply that
+                may hold calls or JSON (`ReplySpec.check_stop`).
             ContextOverflowError: the turn cannot fit the model's context.
             KVCapacityError: the turn could hold more KV than the session store's cap.
             QueueFullError, QueueTimeoutError: the model is too busy.

@@ -65,8 +65,9 @@ from agent_kv.serving.chat_service import ChatService, ChatTurn
 from agent_kv.serving.protection import PinRules
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
-TOOL_CALL_BLOCKS = ("tool_call", "tool_use")  # LangChain's and Anthropic's call blocks
 """Read for `base_url` when neither `service` nor `base_url` is given."""
+TOOL_CALL_BLOCKS = ("tool_call", "tool_use")
+"""Content blocks of an `AIMessage` that repeat its `tool_calls` (LangChain's and Anthropic's)."""
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `api_key` when it is not given (the same variable `agent-kv serve` reads)."""
 COMPLETIONS = "/v1/chat/completions"
@@ -160,7 +161,7 @@ class ChatAgentKV(BaseChatModel):
     @classmethod
     def _valid_pin(cls, pin: dict | None) -> dict | None:
         if pin is not None:
-            _pin_rules(pin)
+            PinRules.from_fields(**pin)
         return pin
 
     @model_validator(mode="before")
@@ -428,7 +429,7 @@ class ChatAgentKV(BaseChatModel):
             _dicts(messages),
             params,
             session_id=session_id,
-            rules=None if pin is None else _pin_rules(pin),
+            rules=None if pin is None else PinRules.from_fields(**pin),
             on_text=on_text,
             reply=reply or _reply_spec(kwargs),
         )
@@ -531,17 +532,6 @@ class ChatAgentKV(BaseChatModel):
             async for line in _checked(response).aiter_lines():
                 if (chunk := _sse_chunk(line)) is not None:
                     yield chunk
-
-
-def _pin_rules(pin: dict) -> PinRules:
-    """`pin` as checked `PinRules`.
-
-    Raises:
-        ConfigError: a field the rules lack, or rules that cannot apply (`PinRules.validate`).
-    """
-    rules = PinRules.from_fields(**pin)
-    rules.validate()
-    return rules
 
 
 def _reply_spec(kwargs: dict) -> ReplySpec:

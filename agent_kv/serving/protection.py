@@ -43,6 +43,8 @@ PATTERN_MEMORY_BYTES = 1 << 20
 """Memory RE2 may use for one compiled pattern (RE2's `max_mem`); larger automata fail to
 compile rather than grow."""
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a rule may name."""
 RULE_FIELD_TYPES = {
     "roles": frozenset,
     "observation_roles": frozenset,
@@ -75,11 +77,13 @@ class PinRules:
 
     @classmethod
     def from_fields(cls, **fields) -> PinRules:
-        """Rules from JSON fields, as the API's `pin` takes them: lists for `roles`,
-        `observation_roles`, `patterns` and `tool_names`; fields left out keep their defaults.
+        """Checked rules from JSON fields, as the API's `pin` takes them: lists for `roles`,
+        `observation_roles` (chat roles), `patterns` and `tool_names`; fields left out keep
+        their defaults.
 
         Raises:
-            ConfigError: a field the rules do not have, or a value of the wrong type.
+            ConfigError: a field the rules do not have, a value of the wrong type, a role
+                that is not a chat role, or rules that cannot apply (`validate`).
         """
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
@@ -97,7 +101,13 @@ class PinRules:
             elif name == "latest_observations" and type(value) is not int:
                 raise ConfigError("pin rule latest_observations must be a whole number")
             converted[name] = value
-        return cls(**converted)
+        for name in ("roles", "observation_roles"):
+            unknown = sorted(set(converted.get(name, ())) - set(CHAT_ROLES))
+            if unknown:
+                raise ConfigError(f"pin rule {name} names {unknown[0]!r}, not a chat role")
+        rules = cls(**converted)
+        rules.validate()
+        return rules
 
     def validate(self) -> None:
         """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns, a
