@@ -226,7 +226,8 @@ def _check_agent(agent: str, option: str = "--agent") -> None:
 
 def _print_step(record: dict) -> None:
     """One progress line per agent step on stderr (stdout carries only the JSON summary)."""
-    reply = record["reply"].strip().replace("\n", " ")[:60]
+    reply = record["reply"].strip().replace("\n", " ")
+    reply = reply if len(reply) <= 60 else reply[:59] + "…"
     outcome = record["action"] or "unparsable"
     if record["error"]:
         outcome += f" (failed: {record['error'][:60]})"

@@ -27,7 +27,7 @@ from pydantic import (
 
 from agent_kv.kv.policies import POLICIES
 from agent_kv.kv.policy_names import RECALL_SUFFIX
-from agent_kv.runtime.tool_calls import ToolCall
+from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN, ToolCall
 from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
@@ -85,8 +85,8 @@ class TextPart(BaseModel):
     text: Text
 
 
-ToolName = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-"""A function's name: 1-64 letters, digits, underscores or hyphens (OpenAI's rule)."""
+ToolName = Annotated[str, StringConstraints(strict=True, pattern=TOOL_NAME_PATTERN)]
+"""A function's name (`tool_calls.TOOL_NAME_PATTERN`)."""
 CallId = Annotated[
     str, StringConstraints(strict=True, min_length=1, max_length=64), AfterValidator(_valid_unicode)
 ]

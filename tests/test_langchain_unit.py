@@ -19,6 +19,7 @@ from langchain_core.messages import (
 )
 from langchain_tests.unit_tests import ChatModelUnitTests
 
+from agent_kv.errors import ConfigError
 from agent_kv.serving.langchain_chat import ChatAgentKV, ServerError, _checked, _dicts, _sse_chunk
 
 BASE_URL = "http://127.0.0.1:9"
@@ -207,6 +208,13 @@ def test_pin_rules_are_sent_and_checked():
         ({"tool_name": ["search"]}, "no field 'tool_name'"),
         ({"tool_names": "search"}, "must be a list of strings"),
         ({"patterns": ["(unclosed"]}, "pattern"),
+        ({"roles": ["robot"]}, "not a chat role"),
+        ({"tool_names": ["a b"]}, "not a function name"),
+        ({"tool_names": ["x" * 65]}, "not a function name"),
     ):
         with pytest.raises(pydantic.ValidationError, match=needle):
             ChatAgentKV(base_url=BASE_URL, pin=bad)
+        with pytest.raises(ConfigError, match=needle):  # a call's own rules, before sending
+            model._request([HumanMessage("hi")], model._params(None, {}), {"pin": bad})
+    with pytest.raises(ConfigError, match="pin must be a dict"):
+        model._request([HumanMessage("hi")], model._params(None, {}), {"pin": "yes"})

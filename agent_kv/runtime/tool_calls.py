@@ -45,6 +45,8 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 """llguidance's JSON layout for constrained JSON (`x-guidance`): no free whitespace, the
 separators of `json.dumps`."""
 CHOICE_MODES = ("none", "auto", "required", "function")
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""A function's name: 1-64 letters, digits, underscores or hyphens (OpenAI's rule)."""
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from agent_kv.errors import AgentKVError
+from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ReplySpec, ToolCall, ToolCallStream
 from agent_kv.serving.chat_service import ChatService, ChatTurn
@@ -161,7 +161,7 @@ class ChatAgentKV(BaseChatModel):
     @classmethod
     def _valid_pin(cls, pin: dict | None) -> dict | None:
         if pin is not None:
-            PinRules.from_fields(**pin)
+            _pin_rules(pin)
         return pin
 
     @model_validator(mode="before")
@@ -429,7 +429,7 @@ class ChatAgentKV(BaseChatModel):
             _dicts(messages),
             params,
             session_id=session_id,
-            rules=None if pin is None else PinRules.from_fields(**pin),
+            rules=None if pin is None else _pin_rules(pin),
             on_text=on_text,
             reply=reply or _reply_spec(kwargs),
         )
@@ -490,6 +490,7 @@ class ChatAgentKV(BaseChatModel):
         }
         body |= {key: kwargs[key] for key in REPLY_KWARGS if kwargs.get(key) is not None}
         if (pin := kwargs.get("pin", self.pin)) is not None:
+            _pin_rules(pin)  # a call's own rules fail here, as the field's do
             body["pin"] = pin
         if stream:
             body["stream_options"] = {"include_usage": True}
@@ -532,6 +533,17 @@ class ChatAgentKV(BaseChatModel):
             async for line in _checked(response).aiter_lines():
                 if (chunk := _sse_chunk(line)) is not None:
                     yield chunk
+
+
+def _pin_rules(pin: Any) -> PinRules:
+    """`pin` (the field, or a call's) as checked rules.
+
+    Raises:
+        ConfigError: `pin` is not a dict, or `PinRules.from_fields` refuses it.
+    """
+    if not isinstance(pin, dict):
+        raise ConfigError(f"pin must be a dict of pin rules, got {type(pin).__name__}")
+    return PinRules.from_fields(**pin)
 
 
 def _reply_spec(kwargs: dict) -> ReplySpec:

@@ -32,7 +32,7 @@ import re2
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.tool_calls import Tool
+from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN, Tool
 from agent_kv.valid_text import check_unicode
 
 MAX_PATTERNS = 16
@@ -83,7 +83,8 @@ class PinRules:
 
         Raises:
             ConfigError: a field the rules do not have, a value of the wrong type, a role
-                that is not a chat role, or rules that cannot apply (`validate`).
+                that is not a chat role, a tool name that is no function name, or rules that
+                cannot apply (`validate`).
         """
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
@@ -101,6 +102,10 @@ class PinRules:
             elif name == "latest_observations" and type(value) is not int:
                 raise ConfigError("pin rule latest_observations must be a whole number")
             converted[name] = value
+        names = converted.get("tool_names", ())
+        bad_names = [name for name in names if not re2.match(TOOL_NAME_PATTERN, name)]
+        if bad_names:
+            raise ConfigError(f"pin rule tool_names: {bad_names[0]!r} is not a function name")
         for name in ("roles", "observation_roles"):
             unknown = sorted(set(converted.get(name, ())) - set(CHAT_ROLES))
             if unknown:
