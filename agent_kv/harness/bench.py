@@ -1260,7 +1260,7 @@ class EpisodeRunner:
         if summary["end_reason"] == "error" and "browser" in (summary["error"] or ""):
             self._drop_browser()
         if self.settings.agreement and job.policy != "full":
-            summary.update(self._agreement(task, job, engine, config, trace_dir.parent))
+            summary.update(self._agreement(task, engine, config, trace_dir.parent))
         if self.settings.reference_accuracy and task.reference_actions:
             try:
                 env, _ = self.start(task.sites)
@@ -1291,15 +1291,15 @@ class EpisodeRunner:
         failed = record["error"] is not None
         return {**record, "end_reason": "error" if failed else "stop", "steps": 1}
 
-    def _agreement(self, task: Task, job: Job, engine, config, traces: Path) -> dict[str, Any]:
+    def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
         """The agreement fields of `agreement_summary` for `engine` against the full-KV
-        trace of the job's task and agent under `traces`, or `agreement_error` when there is
-        none to replay."""
+        trace of the task and `config.agent` under `traces`, or `agreement_error` when there
+        is none to replay."""
         from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
         from agent_kv.kv.policies import make_policy
         from agent_kv.runtime.engine import Engine
 
-        reference = traces / full_job(task.task_id, job.agent).name
+        reference = traces / full_job(task.task_id, config.agent).name
         try:
             trajectory = read_trajectory(reference)
             model, tokenizer = engine.model, engine.tokenizer
