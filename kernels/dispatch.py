@@ -3,7 +3,7 @@ write-side operations (quantize-on-append, compaction).
 
 `AGENT_KV_KERNELS` (read at every call) chooses:
 - `auto` (default): the Triton kernels (`kernels.triton_attention`) for CUDA tensors, the
-  PyTorch path (`kernels.reference`) elsewhere;
+  PyTorch path (`kernels.reference.single_pass_attention`) elsewhere;
 - `triton`: the Triton kernels on any device (CPU tensors need `TRITON_INTERPRET=1` set
   before `kernels.triton_attention` is imported, see `kernels.triton_device`);
 - `torch`: the PyTorch path everywhere.
@@ -19,7 +19,7 @@ import os
 import torch
 
 from kernels.formats import QuantFormat
-from kernels.reference import Segment, segmented_attention
+from kernels.reference import Segment, single_pass_attention
 
 ENV = "AGENT_KV_KERNELS"
 MODES = ("auto", "triton", "torch")
@@ -60,7 +60,7 @@ def decode_attention(
 
         if triton_attention.unsupported(query, segments) is None:
             return triton_attention.segmented_attention(query, segments, scaling)
-    return segmented_attention(query, segments, scaling)
+    return single_pass_attention(query, segments, scaling)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:

@@ -86,20 +86,20 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rotated_half * sin[:, None]
 
 
-def _visibility(
-    segment: Segment, q_len: int, group: int, device: torch.device
-) -> torch.Tensor | None:
-    """`[B, 1, G*q, width]` bool: may each query row see each slot; None when all may (every
-    row at full width, and no causal constraint beyond the end: one query or none new)."""
+def _visibility(segment: Segment, q_len: int, group: int) -> torch.Tensor:
+    """`[B, 1, G*q, width]` bool: may each query row see each slot of the segment (slots at or
+    past a row's length never; in a causal segment query i of a row of length n sees slots
+    `j <= n - q + i`). Built from the length tensor alone: no host synchronisation."""
     width = segment.keys.shape[2]
-    ragged = any(length < width for length in segment.lengths)
-    if not ragged and not (segment.causal and q_len > 1):
-        return None
-    lengths = torch.tensor(segment.lengths, device=device)[:, None, None]  # [B, 1, 1]
-    limit = lengths.expand(-1, group * q_len, 1)  # [B, G*q, 1]: slots below are visible
+    device = segment.keys.device
+    if segment.bias is not None:
+        return (segment.bias == 0).expand(-1, -1, group * q_len, -1)
+    lengths = segment.lengths[:, None, None]  # [B, 1, 1]
     if segment.causal:
         query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
-        limit = lengths - q_len + 1 + query_index[None, :, None]
+        limit = lengths - q_len + 1 + query_index[None, :, None]  # [B, G*q, 1]
+    else:
+        limit = lengths.expand(-1, group * q_len, 1)
     return (torch.arange(width, device=device) < limit)[:, None]
 
 
@@ -108,24 +108,34 @@ class Segment:
     """A run of stored tokens that attention reads, for a batch of rows.
 
     Attributes:
-        keys, values: `[B, Hkv, L, D]`, floating point, or int8 with scales.
-        lengths: live slots per row (`len == B`); slots at or past a row's length are masked.
+        keys, values: `[B, Hkv, L, D]`, floating point, or int8 with scales; `L` is the
+            segment's width, what a read covers.
+        lengths: int64 `[B]`, live slots per row (a list is taken too); slots at or past a
+            row's length are masked.
         causal: the segment ends with the new tokens (their queries see only their past).
         key_scales, value_scales: `[B, Hkv, S, D]` float16 INT8 scales, or None.
         scale_index: `[B, L]` int64, the scale row of each slot, or None.
         cos, sin: `[B, L, D]` rotation applied to the keys after dequantization (the store's
             rerotate mode), or None.
+        bias: `[B, 1, 1, L]` float32, 0 for the slots below each row's length and -inf past
+            it, when the caller has it already (a non-causal segment: added to the logits,
+            it saves building the mask from `lengths`).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
-    lengths: list[int]
+    lengths: torch.Tensor
     causal: bool = False
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
     scale_index: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lengths, torch.Tensor):
+            self.lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.keys.device)
 
     def needs_conversion(self) -> bool:
         """Whether reading costs a copy (dequantization, upcast or rotation)."""
@@ -135,10 +145,11 @@ class Segment:
 
     def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 keys and values of slots `[start, end)`, `[B, Hkv, end - start, D]` each."""
-        keys = self.keys[:, :, start:end]
-        values = self.values[:, :, start:end]
+        keys, values = self.keys, self.values
+        if start or end != keys.shape[2]:
+            keys, values = keys[:, :, start:end], values[:, :, start:end]
         if self.scale_index is None:
-            keys, values = keys.float(), values.float()
+            keys, values = _as_float(keys), _as_float(values)
         else:
             index = self.scale_index[:, start:end]  # [B, span]
             keys = dequantize(keys, _per_slot(self.key_scales, index))
@@ -146,6 +157,11 @@ class Segment:
         if self.cos is not None:
             keys = apply_rotation(keys, self.cos[:, start:end], self.sin[:, start:end])
         return keys, values
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32 (itself when it is already: no operation)."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def _per_slot(scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -164,14 +180,14 @@ def check_segments(query: torch.Tensor, segments: list[Segment]) -> int:
 
     Raises:
         ValueError: head counts that do not divide, or a last segment that is not causal or
-            holds fewer live tokens than there are queries in some row.
+            narrower than the queries (checked on shapes alone: no host synchronisation).
     """
     q_heads, q_len = query.shape[1], query.shape[2]
     kv_heads = segments[0].keys.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads cannot share {kv_heads} KV heads")
     last = segments[-1]
-    if not last.causal or min(last.lengths) < q_len:
+    if not last.causal or last.keys.shape[2] < q_len:
         raise ValueError("the last segment must be causal and hold every row's new tokens")
     return q_heads // kv_heads
 
@@ -207,24 +223,20 @@ def segmented_attention(
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
     group = check_segments(query, segments)
-    device = query.device
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
     grouped = grouped * scaling
     running_max = normaliser = acc = None  # [B, Hkv, G*q, 1], same, [B, Hkv, G*q, D]
     blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unnormalised probs, their shift)
-    widths = []
     for segment in segments:
-        visible = _visibility(segment, q_len, group, device)  # None: every slot visible
-        live = max(segment.lengths, default=0)
-        widths.append(live)
+        visible = _visibility(segment, q_len, group)  # [B, 1, G*q, width]
+        width = segment.keys.shape[2]
         # float32 keys read as they are cost no copy: one block for the whole segment
-        step = block if segment.needs_conversion() else max(live, 1)
-        for start in range(0, live, step):
-            end = min(start + step, live)
+        step = block if segment.needs_conversion() else max(width, 1)
+        for start in range(0, width, step):
+            end = min(start + step, width)
             keys, values = segment.read(start, end)
             logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, n]
-            if visible is not None:
-                logits = logits.masked_fill(~visible[..., start:end], float("-inf"))
+            logits = logits.masked_fill(~visible[..., start:end], float("-inf"))
             block_max = logits.amax(dim=-1, keepdim=True)
             if running_max is None:
                 # a row that sees nothing yet has max -inf; shifting by -1e30 keeps exp at 0
@@ -250,22 +262,51 @@ def segmented_attention(
             for probs, shift in blocks
         ],
         dim=-1,
-    ).squeeze(-2)  # [B, Hkv, sum of live widths]
-    return out, _per_segment(mass, segments, widths)
+    ).squeeze(-2)  # [B, Hkv, sum of widths]
+    widths = [segment.keys.shape[2] for segment in segments]
+    return out, list(mass.split(widths, dim=-1))
 
 
-def _per_segment(
-    mass: torch.Tensor, segments: list[Segment], widths: list[int]
-) -> list[torch.Tensor]:
-    """The mass `[B, Hkv, sum of widths]` over the segments' live slots joined, split back
-    into one `[B, Hkv, L_s]` tensor per segment (zero past its live width `widths[s]`)."""
-    batch, kv_heads, _ = mass.shape
-    masses = []
-    for segment, part in zip(segments, mass.split(widths, dim=-1), strict=True):
-        padded = part.new_zeros(batch, kv_heads, segment.keys.shape[2])
-        padded[..., : part.shape[-1]] = part
-        masses.append(padded)
-    return masses
+def single_pass_attention(
+    query: torch.Tensor, segments: list[Segment], scaling: float
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`segmented_attention`'s contract in one softmax over every segment's logits at once, for
+    calls of a few queries (decode steps): their logits are small, and one pass takes a fraction
+    of the operations of the block-wise online softmax. Each segment is read whole (quantized
+    codes dequantized: a transient float copy of that segment). A one-slot segment (a decode
+    step's own token) is read with an elementwise product instead of a matrix product.
+
+    Args, returns and raises: as `segmented_attention`.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = segments[0].keys.shape[1]
+    group = check_segments(query, segments)
+    grouped = _as_float(query.reshape(batch, kv_heads, group * q_len, head_dim)) * scaling
+    logits, values, widths = [], [], []
+    for segment in segments:
+        width = segment.keys.shape[2]
+        keys, vals = segment.read(0, width)
+        if width == 1:
+            logit = (grouped * keys).sum(dim=-1, keepdim=True)  # [B, Hkv, G*q, 1]
+        else:
+            logit = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, width]
+        if segment.bias is not None:
+            logit = logit + segment.bias
+        elif width > 1 or q_len > 1:
+            logit = logit.masked_fill(~_visibility(segment, q_len, group), float("-inf"))
+        logits.append(logit)
+        values.append(vals)
+        widths.append(width)
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    parts = probs.split(widths, dim=-1)
+    out = None
+    for part, vals in zip(parts, values, strict=True):
+        term = part * vals if vals.shape[2] == 1 else torch.matmul(part, vals)
+        out = term if out is None else out + term
+    if out.dtype != query.dtype:
+        out = out.to(query.dtype)
+    out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)
+    return out, [part.sum(dim=-2) for part in parts]
 
 
 def read_whole(
@@ -277,17 +318,10 @@ def read_whole(
     `segmented_attention`)."""
     keys, values, masks = [], [], []
     for segment in segments:
-        live = max(segment.lengths, default=0)
-        if live == 0:
-            continue
-        segment_keys, segment_values = segment.read(0, live)
+        segment_keys, segment_values = segment.read(0, segment.keys.shape[2])
         keys.append(segment_keys)
         values.append(segment_values)
-        visible = _visibility(segment, q_len, 1, device)
-        if visible is None:
-            batch = segment_keys.shape[0]
-            visible = torch.ones(batch, 1, q_len, live, dtype=torch.bool, device=device)
-        masks.append(visible[..., :live])
+        masks.append(_visibility(segment, q_len, 1))
     return torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(masks, dim=-1)
 
 
@@ -366,8 +400,8 @@ def sampled_mass(
             mass = torch.maximum(mass, probs.amax(dim=-2))
         else:
             mass += probs.sum(dim=-2)
-    widths = [max(segment.lengths, default=0) for segment in segments]
-    return _per_segment(mass, segments, widths)
+    widths = [segment.keys.shape[2] for segment in segments]
+    return list(mass.split(widths, dim=-1))
 
 
 def attention_profile(

@@ -123,12 +123,12 @@ def segmented_attention(
         "BLOCK_M": max(16, triton.next_power_of_2(rows)),
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
     }
-    # one pinned host tensor copied without blocking: a blocking copy would sync the stream
-    lengths = torch.tensor(
-        [s.lengths for s in segments], dtype=torch.int32, pin_memory=device.type == "cuda"
-    ).to(device, non_blocking=True)  # [segments, B]
-    splits = [split or _split_tokens(max(s.lengths), programs, device) for s in segments]
-    counts = [triton.cdiv(max(s.lengths), size) for s, size in zip(segments, splits, strict=True)]
+    # the lengths are device tensors already: no host copy, no synchronisation; the grid
+    # follows the segments' widths (static), programs past a row's length mask everything
+    lengths = torch.stack([s.lengths.to(torch.int32) for s in segments])  # [segments, B]
+    widths = [s.keys.shape[2] for s in segments]
+    splits = [split or _split_tokens(width, programs, device) for width in widths]
+    counts = [triton.cdiv(width, size) for width, size in zip(widths, splits, strict=True)]
     total = sum(counts)
     partial_acc = torch.empty(programs, total, shape["BLOCK_M"], shape["BLOCK_D"], device=device)
     partial_max = torch.empty(programs, total, shape["BLOCK_M"], device=device)
@@ -183,7 +183,7 @@ def segmented_attention(
 
 
 def _split_tokens(live: int, programs: int, device: torch.device) -> int:
-    """Slots per split program for a segment of at most `live` slots per row, read by
+    """Slots per split program for a segment `live` slots wide, read by
     `programs` (batch rows x KV heads): on CUDA enough splits for `PROGRAMS_PER_SM` programs
     per SM, elsewhere (the interpreter) one split per row and head."""
     splits = 1

@@ -11,22 +11,15 @@ def append_tokens(
     store: KVStore, keys: torch.Tensor, values: torch.Tensor | None = None, rows: range = range(1)
 ) -> None:
     """Append `keys`/`values` `[len(rows), H, n, D]` to every layer, as one forward call."""
-    store.begin_forward(rows, keys.shape[2])
-    for idx in range(len(store.layers)):
-        store.append(idx, keys, -keys if values is None else values)
+    store.append(keys, -keys if values is None else values, rows)
 
 
 def random_tokens(store: KVStore, n: int, rows: range = range(1)) -> None:
     """Append `n` random tokens to every layer of `rows`."""
-    layer = store.layers[0]
-    append_tokens(
-        store,
-        torch.randn(len(rows), layer.kv_heads, n, layer.head_dim),
-        torch.randn(len(rows), layer.kv_heads, n, layer.head_dim),
-        rows,
-    )
+    shape = (len(rows), store.kv_heads, n, store.head_dim)
+    append_tokens(store, torch.randn(shape), torch.randn(shape), rows)
 
 
 def kept_positions(store: KVStore, layer_idx: int = 0, row: int = 0) -> list[int]:
     """Original positions of a layer's live tokens, in logical order."""
-    return store.layers[layer_idx].live_positions(row).tolist()
+    return store.live_positions(layer_idx, row).tolist()

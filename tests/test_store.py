@@ -1,4 +1,4 @@
-"""KVStore bookkeeping: append, compaction, scores, pins and exact byte accounting."""
+"""KVStore bookkeeping: append, compaction, scores, pins, capacities and exact byte accounting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from helpers import append_tokens, kept_positions
 
 from agent_kv.errors import ConfigError, ContextOverflowError
-from agent_kv.kv.store import CAPACITY_STEP, Int8Config, KVStore
+from agent_kv.kv.store import CAPACITY_GRAIN, CAPACITY_STEP, Int8Config, KVStore
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:
@@ -18,23 +18,21 @@ def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> 
     return store
 
 
-def live(store: KVStore, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    layer = store.layers[layer_idx]
-    return layer.keys[:, :, : layer.fp_len[0]], layer.values[:, :, : layer.fp_len[0]]
+def live(store: KVStore, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = store.fp.lengths[layer][0]
+    return store.fp["keys"][layer, :1, :, :n], store.fp["values"][layer, :1, :, :n]
 
 
 def live_tensor_bytes(store: KVStore) -> int:
-    return sum(k.nbytes + v.nbytes for k, v in (live(store, i) for i in range(len(store.layers))))
+    return sum(k.nbytes + v.nbytes for k, v in (live(store, i) for i in range(store.num_layers)))
 
 
-def test_append_returns_live_views_and_positions():
+def test_append_keeps_positions_and_lengths():
     store = KVStore(2, 3, 4)
     keys = torch.randn(1, 3, 5, 4)
-    store.begin_forward(range(1), 5)
-    returned = store.append(0, keys, -keys)
-    assert torch.equal(returned[0], keys) and torch.equal(returned[1], -keys)
-    store.append(1, keys, -keys)
-    assert store.seen_tokens == 5
+    append_tokens(store, keys)
+    assert torch.equal(live(store, 1)[0], keys) and torch.equal(live(store, 0)[1], -keys)
+    assert store.seen_tokens == 5 and store.lengths() == [5, 5]
     assert kept_positions(store) == [0, 1, 2, 3, 4]
 
 
@@ -64,61 +62,103 @@ def test_bytes_are_exactly_the_live_tensors():
     assert store.full_kv_nbytes() == 300 * per_token
 
 
-def test_buffers_shrink_after_heavy_eviction():
-    store = filled_store(4 * CAPACITY_STEP)
+def test_an_unbounded_store_grows_by_doubling_and_keeps_its_buffers():
+    store = filled_store(CAPACITY_STEP + 1)
+    assert store.fp.capacity == 2 * CAPACITY_STEP
+    buffer = store.fp["keys"]
     store.compact(0, torch.arange(10))
-    assert store.layers[0].capacity == 64  # 10 live + a free grain of 32, in whole grains
-    assert store.layers[1].capacity == 4 * CAPACITY_STEP
+    assert store.fp["keys"] is buffer  # compaction moves slots in place
     assert live(store, 0)[0][0, 0, :, 0].tolist() == [float(i) for i in range(10)]
 
 
+def test_a_bound_fixes_the_capacity_and_a_small_change_keeps_it():
+    store = filled_store(100)
+    store.bound_capacity(fp_tokens=200, q_tokens=0, chunk=64)
+    append_tokens(store, torch.zeros(1, 3, 1, 4))
+    bound = 200 + 64  # no pins yet
+    assert store.fp.capacity == -(-bound // CAPACITY_GRAIN) * CAPACITY_GRAIN == 320
+    buffer = store.fp["keys"]
+    for _ in range(20):  # decode steps: the capacity, and so every shape, stays
+        append_tokens(store, torch.zeros(1, 3, 1, 4))
+    assert store.fp["keys"] is buffer
+    store.pin(0, 10)  # 10 more tokens to hold: within the slack, nothing reallocated
+    store.bound_capacity(fp_tokens=200, q_tokens=0, chunk=64)
+    append_tokens(store, torch.zeros(1, 3, 1, 4))
+    assert store.fp["keys"] is buffer
+    store.bound_capacity(fp_tokens=100, q_tokens=0, chunk=64)  # far less: shrink to the bound
+    append_tokens(store, torch.zeros(1, 3, 1, 4))
+    assert store.fp.capacity == 192
+    assert store.allocated_nbytes() == 2 * 2 * 3 * 192 * 4 * 4
+    assert store.decode_widths()["fp"] == 128  # 10 pinned + 100, in whole grains
+
+
+def scored_call(store: KVStore, n: int, masses: list[torch.Tensor], scored=None) -> None:
+    """One forward call of `n` zero tokens on a one-layer store, with the given attention
+    masses (stored FP segment, then the new tokens) recorded."""
+    call = store.begin_forward(range(1), n)
+    zeros = torch.zeros(1, store.kv_heads, n, store.head_dim)
+    call.segments(0)
+    call.stage(0, zeros, zeros)
+    call.record_attention(0, masses, group=1, scored=scored)
+    call.commit()
+    store.end_forward(call)
+
+
 def test_scores_normalise_by_visible_queries():
-    store = filled_store(4, layers=1, heads=1)
+    store = filled_store(2, layers=1, heads=1)
+    store.fp["scores"][0, 0, :, :2] = 1.0
     # a 2-query chunk (tokens 2, 3) on top of 2 old tokens, group of 1
-    mass = torch.tensor([[[0.8, 0.4, 0.6, 0.2]]])
-    store.layers[0].scores[0, :, :2] = 1.0
-    store.record_attention(0, [mass], query_len=2, group=1)
+    scored_call(store, 2, [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])])
     decay = store.ema_decay
     expected = [decay + (1 - decay) * 0.4, decay + (1 - decay) * 0.2, 0.6 / 2, 0.2 / 1]
-    torch.testing.assert_close(store.layers[0].scores[0, 0, :4], torch.tensor(expected))
+    torch.testing.assert_close(store.live_meta("scores", 0)[0], torch.tensor(expected))
 
 
 def test_scores_from_a_sample_of_queries_normalise_by_the_queries_that_see_each_token():
-    store = filled_store(6, layers=1, heads=1)
+    store = filled_store(2, layers=1, heads=1)
+    store.fp["scores"][0, 0, :, :2] = 1.0
     # a 4-query chunk (tokens 2..5) whose mass was measured over queries 1 and 3 of the call
-    mass = torch.tensor([[[0.6, 0.2, 0.4, 0.2, 0.4, 0.2]]])
-    store.layers[0].scores[0, :, :2] = 1.0
-    store.record_attention(0, [mass], query_len=4, group=1, scored_offsets=torch.tensor([1, 3]))
+    masses = [torch.tensor([[[0.6, 0.2]]]), torch.tensor([[[0.4, 0.2, 0.4, 0.2]]])]
+    scored_call(store, 4, masses, scored=torch.tensor([1, 3]))
     decay = store.ema_decay
     old = [decay + (1 - decay) * 0.3, decay + (1 - decay) * 0.1]
     # tokens 2, 3 are seen by both scored queries, tokens 4, 5 by the last one only
     expected = [*old, 0.4 / 2, 0.2 / 2, 0.4 / 1, 0.2 / 1]
-    torch.testing.assert_close(store.layers[0].scores[0, 0, :6], torch.tensor(expected))
+    torch.testing.assert_close(store.live_meta("scores", 0)[0], torch.tensor(expected))
     # H2O's accumulated mass counts each sampled query for the 4 / 2 queries it stands for
-    torch.testing.assert_close(store.layers[0].accumulated[0, 0, :6], mass[0, 0] * 2)
+    accumulated = store.live_meta("accumulated", 0)[0]
+    torch.testing.assert_close(accumulated, torch.cat([masses[0][0, 0], masses[1][0, 0]]) * 2)
+
+
+def test_a_policy_that_ranks_by_nothing_records_nothing():
+    store = filled_store(2, layers=1, heads=1)
+    store.statistics = frozenset()
+    scored_call(store, 2, [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])])
+    assert not store.live_meta("scores", 0).any() and not store.live_meta("accumulated", 0).any()
 
 
 def test_pins_follow_positions_through_compaction():
     store = filled_store(8, layers=1)
     store.pin(2, 4)
     assert store.pinned_mask(0).tolist() == [False, False, True, True, False, False, False, False]
+    assert store.pinned_live() == [[2]]
     store.compact(0, torch.tensor([0, 3, 7]))
     assert store.pinned_mask(0).tolist() == [False, True, False]
+    assert store.pinned_live() == [[1]]
     store.unpin(3, 4)
-    assert not store.pinned_mask(0).any()
+    assert not store.pinned_mask(0).any() and store.pinned_live() == [[0]]
 
 
-def test_rejects_bad_rows_and_shapes():
+def test_rejects_bad_rows_and_sizes():
     store = KVStore(1, 3, 4, batch=2)
     with pytest.raises(ValueError, match="ascending range"):
         store.begin_forward(range(1, 3), 1)
-    store.begin_forward(range(2), 1)
-    with pytest.raises(ValueError, match="expected keys"):
-        store.append(0, torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
-    with pytest.raises(ValueError, match="expected keys"):
-        store.append(0, torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    with pytest.raises(ValueError, match="ascending range"):
+        store.begin_forward(range(2), 0)
     with pytest.raises(ValueError, match="ema_decay"):
         KVStore(1, 1, 1, ema_decay=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        KVStore(0, 1, 1)
 
 
 def test_pin_spans_are_validated_and_pins_grow_with_the_episode():
@@ -132,6 +172,7 @@ def test_pin_spans_are_validated_and_pins_grow_with_the_episode():
         append_tokens(store, torch.zeros(1, 3, 1, 4))
     mask = store.pinned_mask(0)
     assert mask.sum().item() == 1 and mask[1000]
+    assert store.pinned_live() == [[1]]  # counted as it arrived
 
 
 def int8_store(tokens: int, window: int = 8, group: int = 4) -> KVStore:
@@ -141,38 +182,40 @@ def int8_store(tokens: int, window: int = 8, group: int = 4) -> KVStore:
     return store
 
 
+def quantized_keys(store: KVStore, n: int) -> torch.Tensor:
+    """`[H, n, D]` float: the first `n` quantized keys of layer 0, row 0, dequantized."""
+    codes = store.q["keys"][0, 0, :, :n].float()
+    return codes * store.scales["keys"][0, 0][:, store.q["group"][0, 0, :n]].float()
+
+
 def test_tokens_leaving_the_fp_window_move_to_int8_in_whole_groups():
     store = int8_store(30)
     store.pin(2, 4)
-    moved = store.quantize_stale(0)
-    layer = store.layers[0]
+    moved = store.quantize_stale()
     # 28 unpinned, 8 stay in the window: 20 stale, moved as 5 groups of 4
-    assert moved == 20 and layer.q_len[0] == 20 and layer.fp_len[0] == 10
-    assert layer.n_groups[0] == 5
+    assert moved == 20 and store.q.lengths == [[20]] and store.fp.lengths == [[10]]
+    assert store.scales.lengths == [[5]]
     assert kept_positions(store) == [0, 1, *range(4, 22), 2, 3, *range(22, 30)]
     assert store.pinned_mask(0).tolist() == [False] * 20 + [True, True] + [False] * 8
     # INT8 keys read back as their positions, to within half a quantization step
-    deq = layer.q_keys[0, :, :20].float() * layer.key_scales[0, :, layer.q_group[0, :20]].float()
     expected = torch.tensor([0, 1, *range(4, 22)], dtype=torch.float32)
-    assert (deq[0, :, 0] - expected).abs().max() <= 21 / 127 / 2 + 1e-3
-    assert store.quantize_stale(0) == 0  # nothing more until a whole group is stale
+    assert (quantized_keys(store, 20)[0, :, 0] - expected).abs().max() <= 21 / 127 / 2 + 1e-3
+    assert store.quantize_stale() == 0  # nothing more until a whole group is stale
 
 
 def test_int8_bytes_count_int8_values_and_scales_exactly():
     store = int8_store(30)
-    store.quantize_stale(0)
-    layer = store.layers[0]
-    fp_bytes = 2 * layer.keys[0, :, :10].nbytes  # keys + values, fp32
-    int8_bytes = 2 * layer.q_keys[0, :, :20].nbytes
-    scale_bytes = 2 * layer.key_scales[0, :, :5].nbytes  # float16, 5 groups
+    store.quantize_stale()
+    fp_bytes = 2 * 10 * 2 * 4 * 4  # keys + values, 10 tokens, fp32
+    int8_bytes = 2 * 20 * 2 * 4
+    scale_bytes = 2 * 5 * 2 * 4 * 2  # float16, 5 groups
     assert store.nbytes() == fp_bytes + int8_bytes + scale_bytes == 640 + 320 + 160
     # evicting every token of two groups drops their scales
     keep = torch.tensor([*range(8, 20), *range(20, 30)])
     store.compact(0, keep)
-    assert layer.n_groups[0] == 3 and layer.q_len[0] == 12
+    assert store.scales.lengths == [[3]] and store.q.lengths == [[12]]
     assert store.nbytes() == 640 + 2 * 12 * 2 * 4 + 2 * 3 * 2 * 4 * 2
-    deq = layer.q_keys[0, 0, :12, 0].float() * layer.key_scales[0, 0, layer.q_group[0, :12], 0]
-    assert (deq - torch.arange(8, 20)).abs().max() < 0.1
+    assert (quantized_keys(store, 12)[0, :, 0] - torch.arange(8, 20)).abs().max() < 0.1
 
 
 def test_rows_keep_their_own_lengths_and_bytes():
@@ -208,3 +251,20 @@ def test_no_forward_call_passes_the_context():
     append_tokens(store, torch.zeros(1, 1, 10, 4))
     with pytest.raises(ContextOverflowError, match="position 10 is past the model's 10-token"):
         store.begin_forward(range(1), 1)
+
+
+def test_a_saved_store_loads_back_with_its_capacity_and_contents():
+    store = int8_store(30)
+    store.pin(2, 4)
+    store.quantize_stale()
+    store.bound_capacity(fp_tokens=40, q_tokens=64, chunk=8)
+    append_tokens(store, torch.ones(1, 2, 1, 4))
+    trimmed = store.state(trim=True)
+    assert trimmed["fp"]["keys"].shape[3] == store.fp.most()  # only live slots saved
+    loaded = KVStore.from_state(trimmed)
+    assert loaded.fp.capacity == store.fp.capacity and loaded.q.capacity == store.q.capacity
+    assert loaded.allocated_nbytes() == store.allocated_nbytes()
+    assert loaded.nbytes() == store.nbytes() and loaded.seen_tokens == 31
+    assert kept_positions(loaded) == kept_positions(store)
+    assert torch.equal(quantized_keys(loaded, 20), quantized_keys(store, 20))
+    assert loaded.pinned_live() == [[2]]

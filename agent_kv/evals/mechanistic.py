@@ -151,8 +151,8 @@ def fork_evicted(session: Sequence, rule: EvictRule) -> tuple[Sequence, int]:
     store = fork.store
     seen = store.seen(0)
     evicted = 0
-    for idx, layer in enumerate(store.layers):
-        evict = rule(layer.live_positions(0), seen)  # [length] bool
+    for idx in range(store.num_layers):
+        evict = rule(store.live_positions(idx, 0), seen)  # [length] bool
         if idx == 0:
             evicted = int(evict.sum())
         if bool(evict.any()):

@@ -108,7 +108,7 @@ def step_cache_fields(chat: Conversation, first_token: int, observation: int) ->
         "tokens": token_pieces(chat.engine.tokenizer, chat.sequence.token_ids[first_token:seen]),
         "observation_span": list(chat.spans[observation]),
         "reply_span": list(chat.spans[len(chat.messages) - 1]),
-        "kv_layers": len(store.layers),
+        "kv_layers": store.num_layers,
         "kv_bytes_per_token": store.bytes_per_token(),
         "kv_quantized_format": store.quantized_format(),
         "kv_states": _runs(list(zip(fp.tolist(), quantized.tolist(), strict=True))),

@@ -1,17 +1,19 @@
 """Route a transformers model's attention through the KV store.
 
 `register_attention()` registers, under the name `"agent_kv"`:
-- an attention function (transformers `AttentionInterface`) that reads the layer's segments
-  from the store given as the `kv_store` keyword of the model call (quantized segment, then
-  FP segment ending with the new tokens) — decode steps and chunks of up to
+- an attention function (transformers `AttentionInterface`) that reads the layer's stored
+  segments through the call given as the `kv_store` keyword of the model call
+  (`KVStore.begin_forward`: quantized segment, FP segment, then the call's own new tokens,
+  which it stages for the call's commit) — decode steps and chunks of up to
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
   CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks through
   torch's fused attention with the mass from a strided sample of the chunk's queries
   (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
   calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`,
-  and the mass from the last `kv_store.observation_window` queries: `KVStore.record_window`);
-- before reading, when the store recalls in this call (`KVStore.recall_due`), the best cold
-  pages of the layer back into the hot store (`KVStore.recall`, `agent_kv.kv.policies.cold_recall`);
+  and the mass from the last `observation_window` queries: `ForwardCall.record_window`);
+- before reading, when the store recalls in this call (`KVStore.recall_due`; never in a static
+  call), the best cold pages of the layer back into the hot store (`KVStore.recall`,
+  `agent_kv.kv.policies.cold_recall`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -24,6 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from agent_kv.kv.store import ForwardCall
 from kernels.dispatch import decode_attention
 from kernels.reference import (
     attention_profile,
@@ -69,22 +72,23 @@ def store_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kv_store=None,
+    kv_store: ForwardCall | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function over the store.
 
     Args:
         module: the attention module; `module.layer_idx` names the layer.
-        query: `[B, Hq, q, D]`; key, value: the FP segment the cache returned (unused: the
-            store's segments are read instead).
+        query: `[R, Hq, q, D]`; key, value: `[R, Hkv, q, D]`, the call's new tokens (the
+            cache adapter hands them through: `agent_kv.kv.cache`).
         attention_mask: must be None (the store's causality and row lengths apply); a 4D mask
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
-        kv_store: the `agent_kv.kv.store.KVStore` of the call, read and given the attention mass.
+        kv_store: the call (`agent_kv.kv.store.ForwardCall`, from `KVStore.begin_forward`):
+            read, given the new tokens and the attention mass.
 
     Returns:
-        `(out [B, q, Hq, D], None)`.
+        `(out [R, q, Hq, D], None)`.
 
     Raises:
         ValueError: no `kv_store`, an explicit attention mask, dropout, or a feature in
@@ -102,13 +106,17 @@ def store_attention(
             f"agent_kv attention does not implement {', '.join(unsupported)} "
             "(sliding-window layers, logit soft-capping, attention sinks)"
         )
+    call = kv_store
+    store = call.store
+    layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_len = query.shape[2]
-    if kv_store.reconstructing:
-        return _reconstruction_attention(module, query, kv_store, scale), None
-    if kv_store.recall_due(query_len):
-        kv_store.recall(module.layer_idx, query, scale)
-    segments = kv_store.segments(module.layer_idx)
+    if store.reconstructing:
+        return _reconstruction_attention(call, layer, query, key, value, scale), None
+    if not call.static and store.recall_due(query_len):
+        store.recall(layer, query, scale)
+    call.stage(layer, key, value)
+    segments = [*call.segments(layer), call.new_segment(key, value)]
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
     offsets = None  # every query scored (the store's default)
     if query_len > SCORED_QUERIES:
@@ -118,34 +126,38 @@ def store_attention(
         masses = sampled_mass(query, offsets, segments, scale, whole)
     else:
         out, masses = decode_attention(query, segments, scale)
-    group = query.shape[1] // key.shape[1]
-    kv_store.record_attention(module.layer_idx, masses, query_len, group, offsets)
-    if query_len > 1 and kv_store.observation_window:
-        observed = min(query_len, kv_store.observation_window)
+    call.record_attention(layer, masses, query.shape[1] // key.shape[1], offsets)
+    if query_len > 1 and store.observation_window:
+        observed = min(query_len, store.observation_window)
         if observed != query_len or query_len > SCORED_QUERIES:
             _, masses = segmented_attention(query[:, :, -observed:], segments, scale)
-        kv_store.record_window(module.layer_idx, masses, observed)
-    if query_len > 1 and kv_store.profile_prefill:
+        call.record_window(layer, masses, observed)
+    if query_len > 1 and store.profile_prefill:
         window = query[:, :, -PROFILED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole)
-        kv_store.record_profile(module.layer_idx, stats)
+        store.record_profile(layer, stats)
     return out, None
 
 
 def _reconstruction_attention(
-    module: torch.nn.Module, query: torch.Tensor, kv_store, scale: float
+    call: ForwardCall,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """A reconstruction call's attention (`KVStore.reconstructing`, KVzip): the output, and
-    for the store every cached token's largest attention probability over all the call's
-    queries and query heads (`KVStore.record_reconstruction`); no other statistic, no
-    recall."""
-    segments = kv_store.segments(module.layer_idx)
+    for the store every stored token's largest attention probability over all the call's
+    queries and query heads (`ForwardCall.record_reconstruction`); no other statistic, no
+    recall, and the call's own tokens are not kept."""
+    segments = [*call.segments(layer), call.new_segment(key, value)]
     query_len = query.shape[2]
     whole = read_whole(segments, query_len, query.device)
     out = fused_attention(query, segments, scale, whole)
     offsets = torch.arange(query_len, device=query.device)
     maxes = sampled_mass(query, offsets, segments, scale, whole, reduce="max")
-    kv_store.record_reconstruction(module.layer_idx, maxes, query_len)
+    call.record_reconstruction(layer, maxes)
     return out
 
 

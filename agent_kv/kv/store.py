@@ -1,22 +1,34 @@
-"""The KV store: dense per-layer buffers in two precisions, scores, pins, exact accounting.
+"""The KV store: static-shape buffers in two precisions, per-token statistics, pins, exact
+accounting.
 
-Layout (docs/architecture.md, Decisions, "Layout"): each layer holds, for a batch of `B` rows,
-- an FP segment `[B, kv_heads, capacity, head_dim]` in the model's dtype: pinned tokens, the
-  newest tokens, and (without INT8) everything;
-- a quantized segment of the same shape, in int8 or float8_e4m3fn (`kernels.formats`), with
-  float16 scales per KV head and channel for each group of tokens quantized together, and
-  each slot's group index (`kernels.int8`). Tokens reach it by age (`Int8Config`, CONF-KV's
-  mixed precision: `quantize_stale`) or chosen by a policy (`quantize_slots`, ARKV's
-  tri-state cache); one store holds one format.
-A row's live tokens are its first `q_len[row]` quantized slots followed by its first
-`fp_len[row]` FP slots; that concatenation is the row's *logical order*, the order of the
-per-token metadata (original positions, scores). Rows have their own lengths: slots past a
-row's length are masked by the attention read, never zero-padded into the softmax.
+Layout (docs/architecture.md, Decisions, "Layout"): two segments, each a `SlotTable` stacked
+over layers and rows (`[L, B, ...]`), every per-token field aligned with its segment's slots:
+- the FP segment, capacity `C`: keys and values `[L, B, kv_heads, C, head_dim]` in the model's
+  dtype (pinned tokens, the newest tokens, and without INT8 everything), their original
+  positions and statistics;
+- the quantized segment, capacity `Cq`: codes in int8 or float8_e4m3fn (`kernels.formats`),
+  each slot's scale row (`q_group`), positions and statistics; and its scales `[L, B,
+  kv_heads, G, head_dim]` float16, one row per group of tokens quantized together
+  (`kernels.int8`). Tokens reach it by age (`Int8Config`, CONF-KV's mixed precision) or chosen
+  by a policy (ARKV's tri-state cache); one store holds one format.
+A row's live tokens are its first `q_len` quantized slots followed by its first `fp_len` FP
+slots: its *logical order*. The *joint slot space* of a layer's row is the quantized slots
+followed by the FP slots, `[Cq + C]`: the logical order is its live slots in order, and
+policies rank and choose over it for every layer and row at once.
 
-Eviction gathers the kept slots into the front of the same buffers (contiguous compaction,
-CONF-KV §4), so attention reads dense prefixes and never an indirection table. Tokens that
-leave the FP window move to the INT8 segment in groups (`quantize_stale`); pinned tokens
-never do.
+Capacities are set by what the store must hold, not by what it holds: `bound_capacity` (the
+engine calls it with the policy's bound) fixes them at the pinned tokens plus the policy's
+budget plus one prefill chunk, allocated once and kept while that bound holds; a store without
+a bound (full KV) grows by doubling. Between capacity changes every tensor keeps its shape, so
+a decode step is static-shape: its lengths and positions are tensors (`ForwardCall`), and it
+can run as one captured or compiled graph with no host synchronisation.
+
+A forward call goes `begin_forward` (host: positions, lengths uploaded, room made) -> the
+model, whose attention reads the stored segments and the call's own new tokens through the
+`ForwardCall` and stages them there -> `ForwardCall.commit` (every layer's new tokens written
+and its attention folded into the statistics, for all layers at once) -> `end_forward` (host
+lengths and peaks). Eviction gathers the kept slots to the front of each segment (contiguous
+compaction, CONF-KV §4), so attention reads dense prefixes, never an indirection table.
 
 Positions: by default keys are stored rotated at their original positions and the next
 token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
@@ -34,47 +46,39 @@ import torch
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
+from agent_kv.kv.forward_call import CallTensors, ForwardCall
 from agent_kv.kv.rope import Rotary
+from agent_kv.kv.slot_table import FieldSpec, SlotTable, bytes_view
 from kernels import dispatch
 from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
 from kernels.int8 import SCALE_DTYPE, dequantize
-from kernels.reference import Segment, apply_rotation
+from kernels.reference import apply_rotation
 
-CAPACITY_STEP = 256  # tokens; buffers grow to multiples of this, by doubling
-SCALE_CAPACITY_STEP = 16  # scale groups; the quantized segment's scales grow in these
-SHRINK_GRAIN = 8
-"""A buffer shrinks to whole grains of `step // SHRINK_GRAIN` slots (32 tokens, 2 scale
-groups), keeping at least one grain free: finer than growth, so a shrunk buffer holds close to
-its live bytes, and a free grain is one default INT8 group, so the decode sawtooth of mixed
-precision (up to a group waiting in FP, then moving to INT8) fits without growing again."""
-ALLOCATED_BUFFERS = ("keys", "values", "q_keys", "q_values", "key_scales", "value_scales")
-"""The buffers of `LayerStore` that hold keys, values and scales (what `allocated_nbytes`
-counts)."""
-SEGMENT_OF_BUFFER = {
-    "keys": ("fp", 2), "values": ("fp", 2), "q_keys": ("q", 2), "q_values": ("q", 2),
-    "q_group": ("q", 1), "key_scales": ("scales", 2), "value_scales": ("scales", 2),
-}  # fmt: skip
-"""Each buffer of `LayerStore` (besides the metadata): the segment whose slots it holds and
-the dimension of those slots."""
+CAPACITY_STEP = 256
+"""Tokens; a store without a bound grows its FP and quantized segments to multiples of this,
+by doubling."""
+CAPACITY_GRAIN = 64
+"""Tokens; a bounded segment's capacity is its bound rounded up to a multiple of this."""
+SCALE_CAPACITY_STEP = 16
+"""Scale groups; the scale table grows in multiples of these, by doubling."""
+SHRINK_SLACK = 0.1
+"""A bounded segment is reallocated down to its bound only when it holds more than this share
+above it, so a bound that moves a little between turns (pins released and taken) keeps the
+buffers, and a compiled decode step its shapes."""
+STATISTICS = ("scores", "accumulated", "welford")
+"""What a forward call can fold into the per-token statistics (`KVStore.statistics`):
+CONF-KV's EMA of normalised mass, H2O's accumulated mass, ARKV's Welford mean and variance."""
 META_FIELDS = (
-    "positions", "scores", "accumulated", "hits", "hit_mean", "hit_m2", "window_mass",
-    "reconstruction",
+    "scores", "accumulated", "hit_mean", "hit_m2", "window_mass", "reconstruction",
 )  # fmt: skip
-"""Per-token metadata of `LayerStore`, each with the token (logical order) as last dimension."""
+"""Per-token float32 statistics of both segments, one value per KV head (`[L, B, H, S]`)."""
+ALLOCATED_FIELDS = {"fp": ("keys", "values"), "q": ("keys", "values"), "scales": ("keys", "values")}
+"""The fields of each segment that hold keys, values and scales: what `allocated_nbytes`
+counts (positions, statistics and scale indices are bookkeeping, not KV)."""
 
 
-def _round_up(n: int, step: int = CAPACITY_STEP) -> int:
+def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
-
-
-def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """A copy of `tensor` with `size` entries along `dim`, the first ones carried over."""
-    shape = list(tensor.shape)
-    shape[dim] = size
-    out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
-    keep = min(size, tensor.shape[dim])
-    out.narrow(dim, 0, keep).copy_(tensor.narrow(dim, 0, keep))
-    return out
 
 
 def _grown_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
@@ -85,24 +89,27 @@ def _grown_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int
     return _round_up(max(needed, 2 * (current - current % step)), step)
 
 
-def _new_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
-    """The capacity to reallocate to, or None to keep `current`: grow as `_grown_capacity`
-    when `needed` exceeds it; shrink to `needed` plus one grain of `step // SHRINK_GRAIN`,
-    rounded up to whole grains, when `current` is larger than what one growth from that
-    shrunk capacity would give.
+def _fitted_capacity(current: int, needed: int, bound: int | None, step: int) -> int:
+    """The capacity a segment should have: with a `bound` (the most it must hold before the
+    next eviction), the bound (or `needed`, if larger) rounded up to `CAPACITY_GRAIN`, where
+    `current` is kept while it holds that with at most `SHRINK_SLACK` to spare; without one,
+    `current` grown by doubling (`_grown_capacity`) when `needed` passes it."""
+    if bound is None:
+        return _grown_capacity(current, needed, step) or current
+    want = _round_up(max(needed, bound), CAPACITY_GRAIN)
+    if want <= current <= want * (1 + SHRINK_SLACK):
+        return current
+    return want
 
-    So growth's own slack is never shrunk: a length that swings across a capacity (a decode
-    sawtooth of quantized groups or of evictions) grows once and then keeps that capacity
-    instead of reallocating back and forth, whatever the swing; a buffer of one `step` or less
-    never shrinks. The price: a buffer may keep up to about twice its live slots, as growth
-    leaves them (512 slots stay for 193 to 512 live: their fitted 256 or more grows to 512).
-    """
-    grown = _grown_capacity(current, needed, step)
-    if grown is not None:
-        return grown
-    grain = step // SHRINK_GRAIN
-    fitted = _round_up(needed + grain, grain)
-    return fitted if current > _grown_capacity(fitted, fitted + 1, step) else None
+
+def _capacity_bound(current: int, most: int, step: int) -> int:
+    """The largest capacity the store can reach from `current` while never more than `most`
+    slots are needed: doubling from a capacity `c < n <= most` goes to at most
+    `round_up(most) - step` doubled; a bounded segment to `round_up(most, CAPACITY_GRAIN)` plus
+    the slack it may keep."""
+    top = _round_up(most, step)
+    grain = _round_up(most, CAPACITY_GRAIN)
+    return max(current, top, 2 * (top - step), int(grain * (1 + SHRINK_SLACK)))
 
 
 def _live_bytes(
@@ -113,20 +120,21 @@ def _live_bytes(
     return channels * (fp_tokens * fp_elem + q_tokens + groups * scale_elem)
 
 
-def _capacity_bound(current: int, most: int, step: int) -> int:
-    """The largest capacity `_new_capacity` can reach from `current` while never more than
-    `most` slots are needed. A growth from a capacity `c < n <= most` goes to
-    `max(round_up(n), 2f)`, `f` the whole steps of `c`: a multiple of `step` below `most`, so
-    at most `round_up(most) - step`; a shrink only lowers the capacity (and a later growth
-    starts from lower)."""
-    top = _round_up(most, step)
-    return max(current, top, 2 * (top - step))
+def _segment_specs(heads: int, dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
+    """A token segment's fields: keys and values in `dtype`, positions, statistics."""
+    return {
+        "keys": FieldSpec((heads,), (dim,), dtype),
+        "values": FieldSpec((heads,), (dim,), dtype),
+        "positions": FieldSpec((), (), torch.long),
+        "hits": FieldSpec((), (), torch.float32),
+        **{name: FieldSpec((heads,), (), torch.float32) for name in META_FIELDS},
+    }
 
 
 @dataclass(frozen=True)
 class StoreFootprint:
-    """How much a store holds and has allocated, per layer: enough to bound what it can grow
-    to without the store itself (a session saved to disk is described by one).
+    """How much a store holds and has allocated: enough to bound what it can grow to without
+    the store itself (a session saved to disk is described by one).
 
     Attributes:
         lengths: live tokens per layer (the longest row).
@@ -141,9 +149,9 @@ class StoreFootprint:
     """
 
     lengths: tuple[int, ...]
-    fp_capacity: tuple[int, ...]
-    q_capacity: tuple[int, ...]
-    scale_capacity: tuple[int, ...]
+    fp_capacity: int
+    q_capacity: int
+    scale_capacity: int
     batch: int
     fp_token_bytes: int
     q_token_bytes: int
@@ -153,35 +161,32 @@ class StoreFootprint:
 
     @classmethod
     def of_state(cls, state: dict) -> StoreFootprint:
-        """The footprint of a `KVStore.state()` (reads only tensor shapes, so a state loaded
-        with `torch.load(mmap=True)` is not read into memory)."""
-        layers = state["layers"]
-        first = layers[0]
-        batch, heads, _, dim = first["keys"].shape
+        """The footprint of a `KVStore.state()` (reads only tensor shapes and lengths, so a
+        state loaded with `torch.load(mmap=True)` is not read into memory)."""
+        layers, heads, dim = state["shape"]
+        batch = state["batch"]
+        fp_keys, q_keys = state["fp"]["keys"], state["q"]["keys"]
+        scales = state["scales"]["keys"]
         channels = 2 * heads * dim
-        fp_elem = first["keys"].element_size()
-        scale_elem = first["key_scales"].element_size()
-        live = sum(
-            _live_bytes(
-                channels, fp_elem, scale_elem, sum(lay["fp_len"]), sum(lay["q_len"]),
-                sum(lay["n_groups"]),
-            )
-            for lay in layers
+        fp_elem, scale_elem = fp_keys.element_size(), scales.element_size()
+        lengths = state["lengths"]
+        live = _live_bytes(
+            channels, fp_elem, scale_elem,
+            sum(map(sum, lengths["fp"])), sum(map(sum, lengths["q"])),
+            sum(map(sum, lengths["scales"])),
         )  # fmt: skip
-        capacity = [_capacities(lay) for lay in layers]
-        q_bytes = channels * first["q_keys"].element_size()
-        allocated = batch * sum(
-            c["fp"] * channels * fp_elem + c["q"] * q_bytes + c["scales"] * channels * scale_elem
-            for c in capacity
-        )
+        capacity = state["capacity"]
+        q_bytes = channels * q_keys.element_size()
+        per_slot = capacity["fp"] * channels * fp_elem + capacity["q"] * q_bytes
+        allocated = layers * batch * (per_slot + capacity["scales"] * channels * scale_elem)
         return cls(
             lengths=tuple(
-                max(q + f for q, f in zip(lay["q_len"], lay["fp_len"], strict=True))
-                for lay in layers
+                max(q + f for q, f in zip(q_row, f_row, strict=True))
+                for q_row, f_row in zip(lengths["q"], lengths["fp"], strict=True)
             ),
-            fp_capacity=tuple(c["fp"] for c in capacity),
-            q_capacity=tuple(c["q"] for c in capacity),
-            scale_capacity=tuple(c["scales"] for c in capacity),
+            fp_capacity=capacity["fp"],
+            q_capacity=capacity["q"],
+            scale_capacity=capacity["scales"],
             batch=batch,
             fp_token_bytes=channels * fp_elem,
             q_token_bytes=q_bytes,
@@ -195,7 +200,7 @@ class StoreFootprint:
         than `max_tokens[i]` tokens in a row (FP and quantized together), whatever is appended,
         evicted or quantized in between. `quantizes`: whether tokens may move to the quantized
         segment (mixed precision or a policy's quantized tier); its buffers stay as they are
-        otherwise.
+        otherwise. Every layer has the capacity of the largest.
 
         Raises:
             ValueError: `max_tokens` does not have one entry per layer.
@@ -204,16 +209,14 @@ class StoreFootprint:
             raise ValueError(
                 f"need {len(self.lengths)} per-layer token bounds, got {len(max_tokens)}"
             )
-        total = 0
-        for i, most in enumerate(max_tokens):
-            fp = _capacity_bound(self.fp_capacity[i], most, CAPACITY_STEP)
-            q, groups = self.q_capacity[i], self.scale_capacity[i]
-            if quantizes:
-                q = _capacity_bound(q, most, CAPACITY_STEP)
-                groups = _capacity_bound(groups, most, SCALE_CAPACITY_STEP)
-            per_row = fp * self.fp_token_bytes + q * self.q_token_bytes
-            total += self.batch * (per_row + groups * self.scale_group_bytes)
-        return total
+        most = max(max_tokens)
+        fp = _capacity_bound(self.fp_capacity, most, CAPACITY_STEP)
+        q, groups = self.q_capacity, self.scale_capacity
+        if quantizes:
+            q = _capacity_bound(q, most, CAPACITY_STEP)
+            groups = _capacity_bound(groups, most, SCALE_CAPACITY_STEP)
+        per_row = fp * self.fp_token_bytes + q * self.q_token_bytes
+        return len(max_tokens) * self.batch * (per_row + groups * self.scale_group_bytes)
 
 
 @dataclass(frozen=True)
@@ -245,293 +248,6 @@ class Int8Config:
             raise ConfigError(f"int8 group must be a whole number >= 1, got {self.group!r}")
 
 
-class LayerStore:
-    """One layer's live tokens for `batch` rows.
-
-    Attributes:
-        keys, values: FP segment `[B, kv_heads, capacity, head_dim]`, model dtype.
-        fp_len: live FP slots per row.
-        q_keys, q_values: quantized segment `[B, kv_heads, q_capacity, head_dim]`, int8 or
-            float8_e4m3fn.
-        q_len: live quantized slots per row.
-        q_group: `[B, q_capacity]` int64, the scale index of each quantized slot.
-        key_scales, value_scales: `[B, kv_heads, groups, head_dim]` float16.
-        n_groups: scale rows in use per row.
-        positions: `[B, meta_capacity]` int64, original position of each slot in logical order.
-        scores: `[B, kv_heads, meta_capacity]` float32, EMA of normalised attention mass.
-        accumulated: same shape, attention mass summed over every query since the token
-            arrived (H2O's accumulated score; favours old tokens by design).
-        hits: `[B, meta_capacity]` float32, forward calls that have scored each token.
-        hit_mean, hit_m2: `[B, kv_heads, meta_capacity]` float32, Welford's running mean and
-            sum of squared deviations of the relative attention each token received per call
-            (ARKV's heavy-hitter statistics, see `KVStore.record_attention`).
-        window_mass: `[B, kv_heads, meta_capacity]` float32, the attention each token received
-            from the last observation window (SnapKV, see `KVStore.record_window`); 0 for
-            tokens that arrived after it.
-        reconstruction: same shape, the largest attention probability each token received
-            from a reconstruction pass (KVzip, `KVStore.record_reconstruction`); 0 for
-            tokens no pass has seen.
-        appended: tokens ever appended per row (the next original position).
-    """
-
-    def __init__(
-        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ):
-        self.batch = batch
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = device
-        self.fp_len = [0] * batch
-        self.q_len = [0] * batch
-        self.n_groups = [0] * batch
-        self.appended = [0] * batch
-        shape = (batch, kv_heads, 0, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.q_keys = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.q_values = torch.zeros_like(self.q_keys)
-        self.q_group = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.key_scales = torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
-        self.value_scales = torch.zeros_like(self.key_scales)
-        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.scores = torch.zeros(batch, kv_heads, 0, device=device)
-        self.accumulated = torch.zeros_like(self.scores)
-        self.hits = torch.zeros(batch, 0, device=device)
-        self.hit_mean = torch.zeros_like(self.scores)
-        self.hit_m2 = torch.zeros_like(self.scores)
-        self.window_mass = torch.zeros_like(self.scores)
-        self.reconstruction = torch.zeros_like(self.scores)
-        self._fit_fp(CAPACITY_STEP)
-        self._fit_meta(CAPACITY_STEP)
-
-    def length(self, row: int = 0) -> int:
-        """Live tokens of a row (quantized + FP)."""
-        return self.q_len[row] + self.fp_len[row]
-
-    @property
-    def capacity(self) -> int:
-        """FP slots allocated per row."""
-        return self.keys.shape[2]
-
-    def _fit_fp(self, needed: int, shrink: bool = False) -> None:
-        """Grow the FP segment to hold `needed` slots per row; with `shrink`, also shrink it
-        (`_new_capacity`)."""
-        size = (_new_capacity if shrink else _grown_capacity)(self.keys.shape[2], needed)
-        if size is not None:
-            self.keys, self.values = (_resized(t, 2, size) for t in (self.keys, self.values))
-
-    def _fit_meta(self, needed: int, shrink: bool = False) -> None:
-        """`_fit_fp` for the per-token metadata."""
-        size = (_new_capacity if shrink else _grown_capacity)(self.positions.shape[1], needed)
-        if size is not None:
-            for name in META_FIELDS:
-                tensor = getattr(self, name)
-                setattr(self, name, _resized(tensor, tensor.dim() - 1, size))
-
-    def _reorder_meta(self, row: int, order: torch.Tensor) -> None:
-        """Put the row's per-token metadata in `order` (logical slots, int64 `[k]`) at its
-        first `k` slots."""
-        k = order.numel()
-        for name in META_FIELDS:
-            tensor = getattr(self, name)[row]
-            tensor[..., :k] = tensor[..., order]
-
-    def _fit_quantized(self, needed: int, groups: int, shrink: bool = False) -> None:
-        """`_fit_fp` for the quantized segment (`needed` slots) and its scales (`groups`)."""
-        rule = _new_capacity if shrink else _grown_capacity
-        size = rule(self.q_keys.shape[2], needed)
-        if size is not None:
-            self.q_keys, self.q_values = (
-                _resized(t, 2, size) for t in (self.q_keys, self.q_values)
-            )
-            self.q_group = _resized(self.q_group, 1, size)
-        size = rule(self.key_scales.shape[2], groups, step=SCALE_CAPACITY_STEP)
-        if size is not None:
-            self.key_scales, self.value_scales = (
-                _resized(t, 2, size) for t in (self.key_scales, self.value_scales)
-            )
-
-    def append(self, rows: range, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append `n` new tokens to each of `rows`; `keys`, `values`: `[len(rows), H, n, D]`."""
-        n = keys.shape[2]
-        # buffers are shared by every row: size them for the longest row after this append
-        grow = [n if r in rows else 0 for r in range(self.batch)]
-        self._fit_fp(max(f + g for f, g in zip(self.fp_len, grow, strict=True)))
-        self._fit_meta(max(self.length(r) + g for r, g in enumerate(grow)))
-        for i, row in enumerate(rows):
-            fp, logical = self.fp_len[row], self.length(row)
-            self.keys[row, :, fp : fp + n] = keys[i]
-            self.values[row, :, fp : fp + n] = values[i]
-            self.positions[row, logical : logical + n] = torch.arange(
-                self.appended[row], self.appended[row] + n, device=self.device
-            )
-            for name in META_FIELDS[1:]:
-                getattr(self, name)[row, ..., logical : logical + n] = 0.0
-            self.fp_len[row] += n
-            self.appended[row] += n
-
-    def live_positions(self, row: int = 0) -> torch.Tensor:
-        """`[length]` original positions of the row's live tokens, in logical order."""
-        return self.positions[row, : self.length(row)]
-
-    def compact(self, row: int, keep: torch.Tensor) -> None:
-        """Keep only the logical slots `keep` (int64 `[k]`, increasing) of `row`.
-
-        Quantized tokens move with their group index; scale rows no kept token uses are
-        dropped. Buffers then shrink to the longest row's live slots by `_new_capacity`'s
-        rule.
-        """
-        q_len = self.q_len[row]
-        kept_q, kept_fp = keep[keep < q_len], keep[keep >= q_len] - q_len
-        self._reorder_meta(row, keep)
-        nf = kept_fp.numel()
-        for buffer in (self.keys, self.values):
-            dispatch.compact(buffer, row, kept_fp)
-        self.fp_len[row] = nf
-        nq = kept_q.numel()
-        for buffer in (self.q_keys, self.q_values):
-            dispatch.compact(buffer, row, kept_q)
-        groups = self.q_group[row, kept_q]
-        used = torch.unique(groups)  # sorted
-        self.q_group[row, :nq] = torch.searchsorted(used, groups)
-        self.key_scales[row, :, : used.numel()] = self.key_scales[row, :, used]
-        self.value_scales[row, :, : used.numel()] = self.value_scales[row, :, used]
-        self.q_len[row] = nq
-        self.n_groups[row] = used.numel()
-        self._fit_fp(max(self.fp_len), shrink=True)
-        self._fit_meta(max(self.length(r) for r in range(self.batch)), shrink=True)
-        self._fit_quantized(max(self.q_len), max(self.n_groups), shrink=True)
-
-    def read_slots(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 keys and values `[H, m, D]` of the row's logical slots `slots` (int64
-        `[m]`), quantized ones dequantized with their group's scales."""
-        q_len = self.q_len[row]
-        quantized, fp = slots[slots < q_len], slots[slots >= q_len] - q_len
-        keys = [self.keys[row, :, fp].float()]
-        values = [self.values[row, :, fp].float()]
-        if quantized.numel():
-            groups = self.q_group[row, quantized]
-            keys.insert(
-                0, dequantize(self.q_keys[row, :, quantized], self.key_scales[row][:, groups])
-            )
-            values.insert(
-                0, dequantize(self.q_values[row, :, quantized], self.value_scales[row][:, groups])
-            )
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    def insert(
-        self, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> None:
-        """Put tokens back into the row's FP segment at their original positions (a recall):
-        the segment stays in position order, so the newest tokens stay last.
-
-        Args:
-            keys, values: `[H, m, D]`, in the store's key convention.
-            positions: `[m]` int64 original positions, all older than the newest token.
-        """
-        m = positions.numel()
-        fp, logical = self.fp_len[row], self.length(row)
-        self._fit_fp(max(max(self.fp_len), fp + m))
-        self._fit_meta(max(max(self.length(r) for r in range(self.batch)), logical + m))
-        self.keys[row, :, fp : fp + m] = keys.to(self.dtype)
-        self.values[row, :, fp : fp + m] = values.to(self.dtype)
-        self.positions[row, logical : logical + m] = positions
-        for name in META_FIELDS[1:]:
-            getattr(self, name)[row, ..., logical : logical + m] = 0.0
-        q_len = self.q_len[row]
-        order = torch.argsort(self.positions[row, q_len : logical + m])
-        for buffer in (self.keys, self.values):
-            buffer[row, :, : fp + m] = buffer[row, :, order]
-        self._reorder_meta(row, torch.cat([torch.arange(q_len, device=self.device), q_len + order]))
-        self.fp_len[row] = fp + m
-
-    def stale_slots(self, row: int, pinned: torch.Tensor, config: Int8Config) -> torch.Tensor:
-        """FP slots (int64, indices into the FP segment, oldest first) that left the FP
-        window: unpinned FP tokens older than the newest `config.fp_window`, in whole groups
-        of `config.group`.
-
-        Args:
-            pinned: `[length]` bool over the row's logical slots.
-        """
-        # the FP segment stays in arrival order: appends go to its end, gathers keep order
-        unpinned = (~pinned[self.q_len[row] :]).nonzero().squeeze(1)  # FP slots, oldest first
-        stale = unpinned[: max(unpinned.numel() - config.fp_window, 0)]
-        return stale[: stale.numel() // config.group * config.group]
-
-    def quantize(self, row: int, moving: torch.Tensor, group: int, fmt: QuantFormat) -> None:
-        """Move the FP slots `moving` (int64 `[m]`, increasing indices into the FP segment,
-        `m` a multiple of `group`) of `row` into the quantized segment, `group` consecutive
-        ones sharing a scale; they go to the end of the quantized segment, so logical order
-        becomes (old quantized, moved, remaining FP). The FP segment shrinks by
-        `_new_capacity`'s rule before the quantized one grows, so the two are never held at
-        their larger sizes together.
-
-        Raises:
-            ValueError: `m` is not a multiple of `group`.
-            ConfigError: the layer already holds tokens in another format (one store, one
-                quantized format).
-        """
-        m = moving.numel()
-        if m % group:
-            raise ValueError(f"{m} tokens do not split into groups of {group}")
-        if self.q_keys.dtype != fmt.dtype:
-            if any(self.q_len):
-                held = format_name(self.q_keys.dtype)
-                raise ConfigError(
-                    f"this cache holds {held} tokens; cannot add {fmt.name} ones (one format "
-                    "per session)"
-                )
-            self.q_keys = self.q_keys.to(fmt.dtype)
-            self.q_values = self.q_values.to(fmt.dtype)
-        q_len, fp_len = self.q_len[row], self.fp_len[row]
-        staying = torch.ones(fp_len, dtype=torch.bool, device=self.device)
-        staying[moving] = False
-        staying = staying.nonzero().squeeze(1)
-        q_keys, k_scales = dispatch.quantize_groups(self.keys[row, :, moving], group, fmt)
-        q_values, v_scales = dispatch.quantize_groups(self.values[row, :, moving], group, fmt)
-        groups, new_groups = self.n_groups[row], m // group
-        for buffer in (self.keys, self.values):
-            dispatch.compact(buffer, row, staying)
-        self.fp_len[row] = fp_len - m
-        self._fit_fp(max(self.fp_len), shrink=True)
-        others = [r for r in range(self.batch) if r != row]
-        self._fit_quantized(
-            max([q_len + m, *(self.q_len[r] for r in others)]),
-            max([groups + new_groups, *(self.n_groups[r] for r in others)]),
-        )
-        self.q_keys[row, :, q_len : q_len + m] = q_keys
-        self.q_values[row, :, q_len : q_len + m] = q_values
-        self.q_group[row, q_len : q_len + m] = groups + torch.arange(m, device=self.device).div(
-            group, rounding_mode="floor"
-        )
-        self.key_scales[row, :, groups : groups + new_groups] = k_scales
-        self.value_scales[row, :, groups : groups + new_groups] = v_scales
-        self.n_groups[row] = groups + new_groups
-        self._reorder_meta(
-            row,
-            torch.cat([torch.arange(q_len, device=self.device), q_len + moving, q_len + staying]),
-        )
-        self.q_len[row] = q_len + m
-
-    def nbytes(self, row: int | None = None) -> int:
-        """Bytes of live tokens: FP keys and values, INT8 keys and values, and the scales
-        in use, for one row or (None) all rows."""
-        rows = range(self.batch) if row is None else [row]
-        return _live_bytes(
-            2 * self.kv_heads * self.head_dim,
-            self.keys.element_size(),
-            self.key_scales.element_size(),
-            sum(self.fp_len[r] for r in rows),
-            sum(self.q_len[r] for r in rows),
-            sum(self.n_groups[r] for r in rows),
-        )
-
-    def allocated_nbytes(self) -> int:
-        """Bytes of the key, value and scale buffers including unused capacity."""
-        return sum(getattr(self, name).nbytes for name in ALLOCATED_BUFFERS)
-
-
 class KVStore:
     """The KV cache of a batch of sequences across all layers of a model.
 
@@ -548,6 +264,16 @@ class KVStore:
             positions.
         max_positions: the model's trained context in tokens (0: unchecked); no forward call
             may place a token past it.
+
+    Attributes:
+        fp, q: the FP and quantized segments (`SlotTable`: fields `keys`, `values`,
+            `positions`, `hits` and `META_FIELDS`; the quantized one also `group`, each slot's
+            scale row); `fp.lengths` / `q.lengths` are the live slots `[L][B]`.
+        scales: the quantized segment's scales (`keys`, `values`: `[L, B, H, G, D]` float16);
+            `scales.lengths` the rows in use.
+        appended: tokens ever appended per row (the next original position).
+        statistics: which of `STATISTICS` forward calls fold into the per-token statistics
+            (the policy says, `Policy.prepare`).
 
     Raises:
         ValueError: non-positive sizes or an `ema_decay` outside [0, 1).
@@ -574,23 +300,39 @@ class KVStore:
         if int8 is not None:
             int8.validate()
         device = torch.device(device)
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
         self.batch = batch
-        self.layers = [
-            LayerStore(batch, kv_heads, head_dim, dtype, device) for _ in range(num_layers)
-        ]
+        self.fp = SlotTable(_segment_specs(kv_heads, head_dim, dtype), num_layers, batch, device)
+        q_specs = _segment_specs(kv_heads, head_dim, torch.int8)
+        self.q = SlotTable(
+            {**q_specs, "group": FieldSpec((), (), torch.long)}, num_layers, batch, device
+        )
+        scale = FieldSpec((kv_heads,), (head_dim,), SCALE_DTYPE)
+        self.scales = SlotTable({"keys": scale, "values": scale}, num_layers, batch, device)
+        self.fp.resize(CAPACITY_STEP)
+        self.appended = [0] * batch
         self.ema_decay = ema_decay
         self.int8 = int8
         self.rotary = rotary
-        self._pinned = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.max_positions = max_positions
+        self.statistics = frozenset(STATISTICS)
+        self._pinned = torch.zeros(batch, 0, dtype=torch.bool)  # host: positions pinned
+        self._pinned_device: torch.Tensor | None = None
+        self._pinned_live: list[list[int]] | None = [[0] * batch for _ in range(num_layers)]
+        self._bounds: tuple[int | None, int | None] = (None, None)
+        self._decode_bounds: tuple[int | None, int | None] = (None, None)
         self._rows = range(batch)
         self._query_positions = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        self.max_positions = max_positions
         self.peak_bytes = 0
         """The most live bytes (`nbytes`) the store has held, after any forward call's append."""
         self.row_peak_bytes = [0] * batch
         self.peak_allocated_bytes = self.allocated_nbytes()
-        """The most bytes its buffers have held (`allocated_nbytes`): taken after every append
-        and every quantization, the only operations that grow them."""
+        """The most bytes its buffers have held (`allocated_nbytes`): taken after every change
+        of capacity."""
         self.call_allocated_bytes = self.peak_allocated_bytes
         """The most bytes its buffers have held since the last `begin_forward`: over one
         forward call and the policy step after it."""
@@ -606,7 +348,7 @@ class KVStore:
         self.profile: torch.Tensor | None = None
         """`[num_layers, 4]`: sums of the three prefill statistics and the calls counted."""
         self.observation_window = 0
-        """How many of a multi-token forward call's last queries `record_window` measures
+        """How many of a multi-token forward call's last queries measure `window_mass`
         (SnapKV's observation window; 0: none); a policy that ranks by it sets it
         (`Policy.prepare`)."""
         self.observed_from = [0] * batch
@@ -616,7 +358,7 @@ class KVStore:
         """Where evicted tokens go instead of being lost (`attach_cold`), or None."""
         self.reconstructing = False
         """Whether the current forward call is a reconstruction pass (KVzip): its attention
-        only records `reconstruction` maxima, and its tokens are truncated away after it."""
+        only records `reconstruction` maxima, and its own tokens are not kept."""
         self.recalling = False
         """Whether the current forward call and policy step use the cold tier: evictions go
         there and recalls come from it. The policy says so before every call
@@ -637,6 +379,8 @@ class KVStore:
         kwargs.setdefault("max_positions", int(getattr(cfg, "max_position_embeddings", 0) or 0))
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, **kwargs)
 
+    # -- shape and lengths -------------------------------------------------------------------
+
     @property
     def positions_mode(self) -> str:
         """ "original" or "rerotate"."""
@@ -649,30 +393,140 @@ class KVStore:
 
     def seen(self, row: int) -> int:
         """Tokens appended to a row so far (its next original position)."""
-        return self.layers[0].appended[row]
+        return self.appended[row]
+
+    def length(self, layer: int, row: int = 0) -> int:
+        """Live tokens of a row in one layer (quantized + FP)."""
+        return self.q.lengths[layer][row] + self.fp.lengths[layer][row]
+
+    def lengths(self, row: int = 0) -> list[int]:
+        """Live tokens per layer for a row."""
+        return [self.length(layer, row) for layer in range(self.num_layers)]
+
+    def quantized_lengths(self, row: int = 0) -> list[int]:
+        """Live quantized tokens per layer for a row."""
+        return [self.q.lengths[layer][row] for layer in range(self.num_layers)]
 
     def bytes_per_token(self) -> int:
         """Key + value bytes one token costs across all layers at full precision."""
-        layer = self.layers[0]
-        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * layer.keys.element_size()
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * element
 
     def int8_bytes_per_token(self, group: int) -> float:
         """Bytes one INT8 token costs across all layers, with its `1/group` share of the
         float16 scales of its group."""
-        layer = self.layers[0]
-        per_channel = 1 + layer.key_scales.element_size() / group
-        return 2 * len(self.layers) * layer.kv_heads * layer.head_dim * per_channel
+        per_channel = 1 + torch.empty(0, dtype=SCALE_DTYPE).element_size() / group
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * per_channel
 
-    def begin_forward(self, rows: range, n: int, start: int | None = None) -> torch.Tensor:
+    def valid(self, layers: slice, rows: slice) -> torch.Tensor:
+        """`[L', R, Cq + C]` bool over the joint slot space: which slots of `layers` x `rows`
+        are live."""
+        return torch.cat([self.q.valid(layers, rows), self.fp.valid(layers, rows)], dim=-1)
+
+    def joint(self, name: str, layers: slice = slice(None), rows: slice = slice(None)):
+        """Field `name` of both segments over the joint slot space, `[L', R, ..., Cq + C]` (a
+        copy; the statistics and `positions`)."""
+        return torch.cat([self.q[name][layers, rows], self.fp[name][layers, rows]], dim=-1)
+
+    def live_positions(self, layer: int, row: int = 0) -> torch.Tensor:
+        """`[length]` original positions of the row's live tokens in one layer, logical
+        order."""
+        q_len, fp_len = self.q.lengths[layer][row], self.fp.lengths[layer][row]
+        return torch.cat(
+            [self.q["positions"][layer, row, :q_len], self.fp["positions"][layer, row, :fp_len]]
+        )
+
+    def live_meta(self, name: str, layer: int, row: int = 0) -> torch.Tensor:
+        """A statistic over the row's live tokens in one layer, logical order: `[H, length]`
+        (`[length]` for `hits`)."""
+        q_len, fp_len = self.q.lengths[layer][row], self.fp.lengths[layer][row]
+        return torch.cat(
+            [self.q[name][layer, row, ..., :q_len], self.fp[name][layer, row, ..., :fp_len]],
+            dim=-1,
+        )
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    def bound_capacity(self, fp_tokens: int | None, q_tokens: int | None, chunk: int) -> None:
+        """Fix the segments' capacities from now on by what they must hold, not by what they
+        hold: per row, the pinned tokens plus `fp_tokens` unpinned FP tokens plus one forward
+        call's `chunk` (the FP segment), and `q_tokens` (the quantized one). None leaves a
+        segment to grow by doubling. Applied at the next `begin_forward`.
+
+        Also sets what a static decode step reads (`decode_widths`): a row that has been
+        stepped holds at most the pinned tokens plus `fp_tokens` FP tokens before a decode
+        call appends one, so the step reads that much of the FP segment, not the chunk's room.
+        """
+        pinned = max(max(row) for row in self.pinned_live())
+        fp = None if fp_tokens is None else pinned + fp_tokens + chunk
+        self._bounds = (fp, q_tokens)
+        self._decode_bounds = (
+            q_tokens,
+            None if fp_tokens is None else _round_up(pinned + fp_tokens, CAPACITY_GRAIN),
+        )
+
+    def decode_widths(self) -> dict[str, int]:
+        """The slots of each segment a static decode step reads (`ForwardCall(static=True)`):
+        its capacity, or less under a bound (`bound_capacity`) that every row's length keeps
+        within.
+
+        Raises:
+            ValueError: a row holds more than the width (the bound was not kept).
+        """
+        widths = {}
+        for name, bound in zip(("q", "fp"), self._decode_bounds, strict=True):
+            table = getattr(self, name)
+            width = table.capacity if bound is None else min(table.capacity, bound)
+            if table.most() > width:
+                raise ValueError(
+                    f"a row holds {table.most()} {name} slots, past the decode read of {width}"
+                )
+            widths[name] = width
+        return widths
+
+    def _fit(self, n: int) -> None:
+        """Give the segments the capacities the next call of `n` new tokens per row needs."""
+        fp_bound, q_bound = self._bounds
+        needed = self.fp.most() + n
+        self._resize(self.fp, _fitted_capacity(self.fp.capacity, needed, fp_bound, CAPACITY_STEP))
+        if q_bound is not None and (self.q.capacity or self.q.most()):
+            fitted = _fitted_capacity(self.q.capacity, self.q.most(), q_bound, CAPACITY_STEP)
+            self._resize(self.q, fitted)
+
+    def _resize(self, table: SlotTable, capacity: int) -> None:
+        if capacity != table.capacity:
+            table.resize(capacity)
+            self._note_allocated()
+
+    def _room(self, q_slots: int, groups: int) -> None:
+        """Grow the quantized segment and its scale table to hold `q_slots` slots and
+        `groups` scale rows per row (by doubling, or to the bound)."""
+        self._resize(
+            self.q, _fitted_capacity(self.q.capacity, q_slots, self._bounds[1], CAPACITY_STEP)
+        )
+        grown = _grown_capacity(self.scales.capacity, groups, SCALE_CAPACITY_STEP)
+        if grown is not None:
+            self._resize(self.scales, grown)
+
+    # -- forward calls -----------------------------------------------------------------------
+
+    def begin_forward(
+        self, rows: range, n: int, start: int | None = None, static: bool = False
+    ) -> ForwardCall:
         """Declare the next model call: `n` new tokens for each of the contiguous `rows`.
 
         Args:
             start: the first rotary position of the call for every row, instead of the
                 default (a reconstruction pass that must stay inside the trained context).
+            static: read each segment at its fixed decode width (`decode_widths`, masked by
+                the lengths), so the call's shapes depend on the capacities and bounds alone
+                (a compiled or captured decode step); otherwise each segment is read up to
+                its longest row.
 
         Returns:
-            `position_ids` `[len(rows), n]` for the call: tokens seen onward (original
-            positions), or the most live tokens of any layer onward (rerotate).
+            The call (`ForwardCall`): its `position_ids` `[len(rows), n]` are the tokens seen
+            onward (original positions), or the most live tokens of any layer onward
+            (rerotate).
 
         Raises:
             ValueError: rows out of range or not contiguous ascending, or `n < 1`.
@@ -685,15 +539,70 @@ class KVStore:
         elif self.rotary is None:
             starts = [self.seen(r) for r in rows]
         else:
-            starts = [max(layer.length(r) for layer in self.layers) for r in rows]
+            starts = [max(self.lengths(r)) for r in rows]
         self.check_context(max(starts) + n)
-        device = self.layers[0].device
         self._rows = rows
-        self.call_allocated_bytes = 0  # appends only grow buffers: `_note_peak` takes the most
-        self._query_positions = torch.tensor(starts, device=device)[:, None] + torch.arange(
-            n, device=device
+        self.call_allocated_bytes = 0
+        if not self.reconstructing:
+            self._fit(n)
+        self._note_allocated()
+        self._query_positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(
+            n, device=self.device
         )
-        return self._query_positions
+        layers, span = slice(None), slice(rows.start, rows.stop)
+        tensors = CallTensors(
+            position_ids=self._query_positions,
+            q_lengths=self.q.length_tensor(layers, span),
+            fp_lengths=self.fp.length_tensor(layers, span),
+            origin=torch.tensor([self.appended[r] for r in rows], device=self.device),
+        )
+        return ForwardCall(self, rows, n, tensors, static)
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: range | None = None
+    ) -> None:
+        """Append `n` tokens to every layer of `rows` (default: all) outside a model call:
+        one `begin_forward`, the tokens staged and committed, `end_forward`. Their statistics
+        start at 0 (no attention was read).
+
+        Args:
+            keys, values: `[L, R, H, n, D]`, or `[R, H, n, D]` for the same tokens in every
+                layer; keys rotated as a model call would give them.
+        """
+        rows = range(self.batch) if rows is None else rows
+        if keys.dim() == 4:
+            keys = keys.expand(self.num_layers, *keys.shape)
+            values = values.expand(self.num_layers, *values.shape)
+        call = self.begin_forward(rows, keys.shape[-2])
+        for layer in range(self.num_layers):
+            call.stage(layer, keys[layer], values[layer])
+        call.commit()
+        self.end_forward(call)
+
+    def end_forward(self, call: ForwardCall) -> None:
+        """Account for a committed call on the host: lengths, positions seen, pins, peaks."""
+        if self.reconstructing:
+            return
+        n = call.n
+        pinned = self._pinned_counts(call.rows, n)
+        for lengths in self.fp.lengths:
+            for row in call.rows:
+                lengths[row] += n
+        if self._pinned_live is not None:
+            for layer in self._pinned_live:
+                for i, row in enumerate(call.rows):
+                    layer[row] += pinned[i]
+        for row in call.rows:
+            self.appended[row] += n
+        self._note_peak()
+
+    def _pinned_counts(self, rows: range, n: int) -> list[int]:
+        """Per row of `rows`, how many of its next `n` positions are pinned already."""
+        counts = []
+        for row in rows:
+            start = self.appended[row]
+            counts.append(int(self._pinned[row, start : start + n].sum()))
+        return counts
 
     def check_context(self, end: int) -> None:
         """Raise `ContextOverflowError` if position `end - 1` lies past the model's trained
@@ -708,188 +617,49 @@ class KVStore:
                 f"({self.positions_mode} positions); {hint}"
             )
 
-    def append(
-        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new tokens to one layer, for the rows of the current `begin_forward`.
+    def read_rotation(self, layer: int, rows: slice, widths: tuple[int, int]):
+        """Rerotate tables `(cos_q, sin_q, cos_fp, sin_fp)`, `[R, width, D]` each: every live
+        token at its rank among the row's live tokens, shifted so the new tokens sit at the
+        query positions of this call."""
+        q_width, fp_width = widths
+        positions = torch.cat(
+            [self.q["positions"][layer, rows, :q_width], self.fp["positions"][layer, rows, :fp_width]],
+            dim=-1,
+        )  # [R, q_width + fp_width]
+        shifted = torch.zeros_like(positions)
+        for i, row in enumerate(range(*rows.indices(self.batch))):
+            q_len, fp_len = self.q.lengths[layer][row], self.fp.lengths[layer][row]
+            live = torch.cat([positions[i, :q_len], positions[i, q_width : q_width + fp_len]])
+            rank = torch.argsort(torch.argsort(live))
+            rank = rank + (self._query_positions[i, 0] - live.numel())
+            shifted[i, :q_len] = rank[:q_len]
+            shifted[i, q_width : q_width + fp_len] = rank[q_len:]
+        cos, sin = self.rotary.cos_sin(shifted)
+        return cos[:, :q_width], sin[:, :q_width], cos[:, q_width:], sin[:, q_width:]
+
+    # -- per-token statistics ----------------------------------------------------------------
+
+    def record_profile(self, layer_idx: int, stats: torch.Tensor) -> None:
+        """Add one prefill call's attention shape statistics to the layer's running means.
 
         Args:
-            keys, values: `[len(rows), kv_heads, n, head_dim]`, keys rotated at the positions
-                `begin_forward` returned.
-
-        Returns:
-            The FP segment of those rows, `[len(rows), kv_heads, max fp length, head_dim]`
-            views; attention reads the whole store through `segments`.
-
-        Raises:
-            ValueError: a shape that does not match the rows or the heads.
+            stats: `[rows, kv_heads, 3]` from `kernels.reference.attention_profile`:
+                normalised entropy, log concentration and log kurtosis, each a mean over the
+                scored queries.
         """
-        layer = self.layers[layer_idx]
-        rows = self._rows
-        expected = [len(rows), layer.kv_heads, self._query_positions.shape[1], layer.head_dim]
-        if list(keys.shape) != expected:
-            raise ValueError(f"expected keys {expected}, got {list(keys.shape)}")
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(self._query_positions)
-            keys = Rotary.unrotate(keys.float(), cos, sin).to(keys.dtype)
-        layer.append(rows, keys, values)
-        if layer_idx == len(self.layers) - 1:
-            self._note_peak()
-        fp = max(layer.fp_len[r] for r in rows)
-        rows_slice = slice(rows.start, rows.stop)
-        return layer.keys[rows_slice, :, :fp], layer.values[rows_slice, :, :fp]
+        if self.profile is None:
+            self.profile = torch.zeros(self.num_layers, 4)
+        self.profile[layer_idx, :3] += stats.float().mean(dim=(0, 1)).cpu()
+        self.profile[layer_idx, 3] += 1
 
-    def segments(self, layer_idx: int) -> list[Segment]:
-        """What attention reads for the current rows: the INT8 segment (when any row has one)
-        and the FP segment ending with the new tokens, with rotation tables in rerotate mode."""
-        layer = self.layers[layer_idx]
-        rows = slice(self._rows.start, self._rows.stop)
-        q_lens = layer.q_len[rows]
-        fp_lens = layer.fp_len[rows]
-        cos_q = sin_q = cos_fp = sin_fp = None
-        if self.rotary is not None:
-            cos_q, sin_q, cos_fp, sin_fp = self._read_rotation(layer_idx)
-        fp = Segment(
-            keys=layer.keys[rows, :, : max(fp_lens)],
-            values=layer.values[rows, :, : max(fp_lens)],
-            lengths=fp_lens,
-            causal=True,
-            cos=cos_fp,
-            sin=sin_fp,
-        )
-        if max(q_lens) == 0:
-            return [fp]
-        width = max(q_lens)
-        quantized = Segment(
-            keys=layer.q_keys[rows, :, :width],
-            values=layer.q_values[rows, :, :width],
-            lengths=q_lens,
-            key_scales=layer.key_scales[rows],
-            value_scales=layer.value_scales[rows],
-            scale_index=layer.q_group[rows, :width],
-            cos=cos_q,
-            sin=sin_q,
-        )
-        return [quantized, fp]
+    def profile_means(self) -> torch.Tensor | None:
+        """`[num_layers, 3]` mean prefill attention statistics per layer (normalised entropy,
+        log concentration, log kurtosis), or None before every layer has one."""
+        if self.profile is None or bool((self.profile[:, 3] == 0).any()):
+            return None
+        return self.profile[:, :3] / self.profile[:, 3:]
 
-    def _read_rotation(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """Rerotate tables `(cos_q, sin_q, cos_fp, sin_fp)`, `[rows, width, D]` each: every
-        live token at its rank among the row's live tokens, shifted so the new tokens sit at
-        the query positions of this call."""
-        layer = self.layers[layer_idx]
-        rows = list(self._rows)
-        q_width = max(layer.q_len[r] for r in rows)
-        fp_width = max(layer.fp_len[r] for r in rows)
-        device = layer.device
-        q_pos = torch.zeros(len(rows), q_width, dtype=torch.long, device=device)
-        fp_pos = torch.zeros(len(rows), fp_width, dtype=torch.long, device=device)
-        new = self._query_positions.shape[1]
-        for i, row in enumerate(rows):
-            original = layer.live_positions(row)
-            rank = torch.argsort(torch.argsort(original))
-            shifted = rank + (self._query_positions[i, 0] - (original.numel() - new))
-            q_pos[i, : layer.q_len[row]] = shifted[: layer.q_len[row]]
-            fp_pos[i, : layer.fp_len[row]] = shifted[layer.q_len[row] :]
-        cos_q, sin_q = self.rotary.cos_sin(q_pos)
-        cos_fp, sin_fp = self.rotary.cos_sin(fp_pos)
-        return cos_q, sin_q, cos_fp, sin_fp
-
-    def record_attention(
-        self,
-        layer_idx: int,
-        masses: list[torch.Tensor],
-        query_len: int,
-        group: int,
-        scored_offsets: torch.Tensor | None = None,
-    ) -> None:
-        """Fold one forward call's attention into the layer's scores, for the current rows.
-
-        Args:
-            masses: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
-                attention probability each slot received, summed over the scored queries
-                and the `group` query heads of its KV head.
-            query_len: queries per row in this call (1 in decode, the chunk size in prefill).
-            group: query heads per KV head.
-            scored_offsets: int64 `[S]`, ascending: which of the call's queries (0-based) the
-                mass sums over (`agent_kv.kv.attention.scored_offsets`); default all
-                `query_len`.
-
-        The step's mean attention per query `a_j = mass_j / (group * n_j)`, where `n_j` counts
-        the scored queries that could see token j under the causal mask, removes the bias
-        toward old tokens (docs/methods.md, "Attention-mass statistics"). Tokens already
-        scored update as `s <- d*s + (1-d)*a`; the `query_len` new tokens start at `a`. The
-        mass is also added to `accumulated` (H2O's score), scaled by `query_len / S` so that a
-        sample stands for the whole call's queries.
-
-        ARKV's heavy-hitter statistics (`hits`, `hit_mean`, `hit_m2`) take one observation per
-        call, the relative attention `x_j = a_j * L` (L the row's live tokens: 1.0 is a uniform
-        share), folded in by Welford's update (`count += 1; d = x - mean; mean += d / count;
-        m2 += d * (x - mean)`), so mean and variance do not drift as the context grows.
-        """
-        layer = self.layers[layer_idx]
-        device = masses[0].device
-        # n_j for the new tokens: the scored queries at or after token j's offset in the call
-        if scored_offsets is None:
-            scored = query_len
-            seen_by = torch.arange(query_len, 0, -1, device=device)
-        else:
-            scored = len(scored_offsets)
-            seen_by = scored - torch.searchsorted(
-                scored_offsets.to(device), torch.arange(query_len, device=device)
-            )
-        weight = query_len / scored
-        for i, row in enumerate(self._rows):
-            mass = _logical_mass(layer, masses, i, row)  # [kv_heads, length]
-            n = mass.shape[1]
-            first_new = n - query_len
-            visible = torch.full((n,), float(scored), device=mass.device)
-            visible[first_new:] = seen_by
-            step = mass / (visible * group)
-            scores = layer.scores[row, :, :n]
-            scores[:, :first_new].mul_(self.ema_decay).add_(
-                step[:, :first_new], alpha=1 - self.ema_decay
-            )
-            scores[:, first_new:] = step[:, first_new:]
-            layer.accumulated[row, :, :n].add_(mass, alpha=weight)
-            _welford(layer, row, step * n, first_new)
-
-    def record_reconstruction(
-        self, layer_idx: int, maxes: list[torch.Tensor], query_len: int
-    ) -> None:
-        """Fold a reconstruction pass's attention into the layer's `reconstruction` scores,
-        for the current rows: each token the pass did not add keeps the larger of its score
-        and the pass's (KVzip, Kim et al. 2025, §3.2: a token matters as much as the most any
-        reconstruction query attends to it).
-
-        Args:
-            maxes: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
-                largest attention probability each slot received from the pass's queries and
-                the query heads of its KV head (`kernels.reference.sampled_mass`).
-            query_len: the pass's tokens, the last `query_len` of each row (not scored).
-        """
-        layer = self.layers[layer_idx]
-        for i, row in enumerate(self._rows):
-            best = _logical_mass(layer, maxes, i, row)  # [kv_heads, length]
-            old = best.shape[1] - query_len
-            kept = layer.reconstruction[row, :, :old]
-            torch.maximum(kept, best[:, :old], out=kept)
-
-    def record_window(self, layer_idx: int, masses: list[torch.Tensor], observed: int) -> None:
-        """Keep one forward call's observation-window attention as the layer's `window_mass`
-        (SnapKV, Li et al. 2024, §4.1), for the current rows; the call's last `observed`
-        tokens are the window (`observed_from`).
-
-        Args:
-            masses: per segment of `segments(layer_idx)`, `[rows, kv_heads, width]`: the
-                attention probability each slot received from the call's last `observed`
-                queries, summed over them and the query heads of its KV head.
-            observed: the window's queries, at most the call's.
-        """
-        layer = self.layers[layer_idx]
-        for i, row in enumerate(self._rows):
-            mass = _logical_mass(layer, masses, i, row)
-            layer.window_mass[row, :, : mass.shape[1]] = mass
-            self.observed_from[row] = self.seen(row) - observed
+    # -- pins --------------------------------------------------------------------------------
 
     def pin(self, start: int, end: int, row: int = 0) -> None:
         """Pin positions `[start, end)` of a row: exempt from eviction and quantization until
@@ -898,9 +668,7 @@ class KVStore:
         Raises:
             ValueError: `start < 0`, `end < start`, or a row outside the batch.
         """
-        self._check_span(start, end, row)
-        self._grow_pins(end)
-        self._pinned[row, start:end] = True
+        self._set_pins(start, end, row, True)
 
     def unpin(self, start: int, end: int, row: int = 0) -> None:
         """Release the pin on positions `[start, end)` of a row.
@@ -908,44 +676,382 @@ class KVStore:
         Raises:
             ValueError: `start < 0`, `end < start`, or a row outside the batch.
         """
-        self._check_span(start, end, row)
+        self._set_pins(start, end, row, False)
+
+    def _set_pins(self, start: int, end: int, row: int, value: bool) -> None:
+        if start < 0 or end < start:
+            raise ValueError(f"invalid position span [{start}, {end})")
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is not in this store's {self.batch} rows")
         self._grow_pins(end)
-        self._pinned[row, start:end] = False
+        self._pinned[row, start:end] = value
+        self._pins_changed()
+
+    def _pins_changed(self) -> None:
+        self._pinned_device = None
+        self._pinned_live = None
+
+    def _grow_pins(self, size: int) -> None:
+        if size > self._pinned.shape[1]:
+            grown = torch.zeros(self.batch, size, dtype=torch.bool)
+            grown[:, : self._pinned.shape[1]] = self._pinned
+            self._pinned = grown
+            self._pinned_device = None
 
     def pinned_tokens(self, row: int = 0) -> int:
         """Positions of the row pinned now (pinned tokens are never evicted, so all live)."""
         return int(self._pinned[row, : self.seen(row)].sum())
 
-    def _check_span(self, start: int, end: int, row: int) -> None:
-        if start < 0 or end < start:
-            raise ValueError(f"invalid position span [{start}, {end})")
-        if not 0 <= row < self.batch:
-            raise ValueError(f"row {row} is not in this store's {self.batch} rows")
+    def pinned_positions(self, row: int = 0) -> torch.Tensor:
+        """`[seen]` bool: which positions the row has seen are pinned now."""
+        self._grow_pins(self.seen(row))
+        return self._pinned[row, : self.seen(row)]
 
-    def pinned_mask(self, layer_idx: int, row: int = 0) -> torch.Tensor:
+    def pinned_flags(self) -> torch.Tensor:
+        """`[B, P]` bool on the store's device: which positions of each row are pinned (`P`
+        at least every position seen)."""
+        self._grow_pins(max(self.appended) + 1)
+        if self._pinned_device is None:
+            self._pinned_device = self._pinned.to(self.device)
+        return self._pinned_device
+
+    def pinned_joint(self, layers: slice, rows: slice) -> torch.Tensor:
+        """`[L', R, Cq + C]` bool: which live slots of `layers` x `rows` hold a pinned token
+        (False for free slots)."""
+        flags = self.pinned_flags()[rows]  # [R, P]
+        positions = self.joint("positions", layers, rows).clamp(0, flags.shape[1] - 1)
+        pinned = torch.gather(flags[None].expand(positions.shape[0], -1, -1), 2, positions)
+        return pinned & self.valid(layers, rows)
+
+    def pinned_mask(self, layer: int, row: int = 0) -> torch.Tensor:
         """`[length]` bool: which live slots of the row's layer (logical order) are pinned."""
-        layer = self.layers[layer_idx]
-        self._grow_pins(layer.appended[row])
-        return self._pinned[row, layer.live_positions(row)]
+        return self.pinned_flags()[row, self.live_positions(layer, row)]
 
-    def _grow_pins(self, size: int) -> None:
-        if size > self._pinned.shape[1]:
-            self._pinned = _resized(self._pinned, 1, size)
+    def pinned_live(self) -> list[list[int]]:
+        """`[L][B]` host counts of the pinned tokens each layer's row holds (all of them are
+        in the FP segment: pinned tokens are never quantized)."""
+        if self._pinned_live is None:
+            counts = self.pinned_joint(slice(None), slice(None)).sum(dim=-1)
+            self._pinned_live = counts.tolist()
+        return self._pinned_live
 
-    def compact(self, layer_idx: int, keep: torch.Tensor, row: int = 0) -> None:
-        """Evict every live slot of the row's layer not in `keep` (int64 `[k]`, increasing,
-        logical order); with a cold tier the evicted tokens move there."""
-        layer = self.layers[layer_idx]
-        if keep.numel() < layer.length(row):
-            self.changed_at[row] = self.seen(row)
-            if self.recalling:
-                evicted = torch.ones(layer.length(row), dtype=torch.bool, device=keep.device)
-                evicted[keep] = False
-                slots = evicted.nonzero().squeeze(1)
-                keys, values = layer.read_slots(row, slots)
-                self.cold.add(layer_idx, row, keys, values, layer.live_positions(row)[slots])
-        self.evicted_tokens += layer.length(row) - keep.numel()
-        layer.compact(row, keep)
+    # -- eviction and quantization -----------------------------------------------------------
+
+    def compact_joint(self, keep: torch.Tensor, layers: slice, rows: slice) -> int:
+        """Keep the live slots `keep` marks in each layer's row of `layers` x `rows`, evict the
+        rest (to the cold tier when recalling); returns the tokens evicted.
+
+        Args:
+            keep: `[L', R, Cq + C]` bool over the joint slot space; free slots are ignored.
+
+        Quantized tokens move with their scale rows; scale rows no kept token uses are dropped.
+        """
+        keep = keep & self.valid(layers, rows)
+        if self.recalling:
+            self._to_cold(~keep, layers, rows)
+        before = self._host_lengths(layers, rows)
+        self._compact(keep, layers, rows)
+        evicted = 0
+        for (layer, row), old in before.items():
+            gone = old - self.length(layer, row)
+            if gone:
+                self.changed_at[row] = self.seen(row)
+            evicted += gone
+        self.evicted_tokens += evicted
+        self._pinned_live = None
+        return evicted
+
+    def _host_lengths(self, layers: slice, rows: slice) -> dict[tuple[int, int], int]:
+        return {
+            (layer, row): self.length(layer, row)
+            for layer in range(*layers.indices(self.num_layers))
+            for row in range(*rows.indices(self.batch))
+        }
+
+    def _compact(self, keep: torch.Tensor, layers: slice, rows: slice) -> None:
+        """Gather the live slots `keep` `[L', R, Cq + C]` marks to the front of each segment
+        and set the host lengths."""
+        cq = self.q.capacity
+        keep_q, keep_fp = keep[..., :cq], keep[..., cq:]
+        self.fp.gather(kept_first(keep_fp), layers, rows)
+        tables = [(self.fp, keep_fp)]
+        if cq:
+            self._compact_quantized(keep_q, layers, rows)
+            tables.append((self.q, keep_q))
+        counts = torch.stack([mask.sum(dim=-1) for _, mask in tables]).tolist()
+        for (table, _), per_layer in zip(tables, counts, strict=True):
+            _set_lengths(table, layers, rows, per_layer)
+
+    def _compact_quantized(self, keep: torch.Tensor, layers: slice, rows: slice) -> None:
+        """Compact the quantized segment to the slots `keep` `[L', R, Cq]` marks, and its
+        scale table to the rows those slots use (renumbered in order)."""
+        groups = self.scales.capacity
+        self.q.gather(kept_first(keep), layers, rows)
+        kept = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).values.bool()
+        index = self.q["group"][layers, rows]  # [L', R, Cq], after the gather
+        used = torch.zeros(*index.shape[:2], groups + 1, dtype=torch.bool, device=self.device)
+        used.scatter_(2, torch.where(kept, index, groups), True)
+        used = used[..., :groups]
+        renumber = torch.cumsum(used.long(), dim=-1) - 1
+        index.copy_(torch.where(kept, torch.gather(renumber, 2, index.clamp(0, groups - 1)), 0))
+        self.scales.gather(kept_first(used), layers, rows)
+        _set_lengths(self.scales, layers, rows, used.sum(dim=-1).tolist())
+
+    def _to_cold(self, evicted: torch.Tensor, layers: slice, rows: slice) -> None:
+        """Move the live slots `evicted` `[L', R, Cq + C]` marks into the cold tier."""
+        valid = self.valid(layers, rows)
+        for i, layer in enumerate(range(*layers.indices(self.num_layers))):
+            for j, row in enumerate(range(*rows.indices(self.batch))):
+                slots = evicted[i, j][valid[i, j]].nonzero().squeeze(1)  # logical order
+                if slots.numel():
+                    keys, values = self.read_slots(layer, row, slots)
+                    positions = self.live_positions(layer, row)[slots]
+                    self.cold.add(layer, row, keys, values, positions)
+
+    def compact(self, layer: int, keep: torch.Tensor, row: int = 0) -> int:
+        """Evict every live slot of one layer's row not in `keep` (int64 `[k]`, increasing,
+        logical order); returns the tokens evicted."""
+        layers, rows = slice(layer, layer + 1), slice(row, row + 1)
+        return self.compact_joint(self._joint_mask(keep, layers, rows), layers, rows)
+
+    def _joint_mask(self, slots: torch.Tensor, layers: slice, rows: slice) -> torch.Tensor:
+        """`[1, 1, Cq + C]` bool marking one layer's row's logical slots `slots` (int64)."""
+        valid = self.valid(layers, rows)
+        logical = torch.zeros(int(valid.sum()), dtype=torch.bool, device=self.device)
+        logical[slots] = True
+        joint = torch.zeros_like(valid)
+        joint[valid] = logical
+        return joint
+
+    def quantize_joint(
+        self, move: torch.Tensor, group: int, fmt: str, layers: slice, rows: slice
+    ) -> int:
+        """Move the FP slots `move` marks into the quantized segment, `group` consecutive ones
+        (in slot order) sharing one scale per KV head and channel; they go to the end of the
+        quantized segment, so each row's logical order becomes (quantized before, these, the
+        remaining FP tokens). Returns the tokens moved.
+
+        Args:
+            move: `[L', R, C]` bool over the FP slots of `layers` x `rows`: a multiple of
+                `group` live, unpinned slots in each layer's row.
+            fmt: a `kernels.formats.QUANT_FORMATS` name, `"int8"` or `"fp8"`.
+
+        Raises:
+            ValueError: a count that is not a multiple of `group`; an unknown format.
+            ConfigError: a format other than the one the store already holds.
+        """
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"unknown quantized format {fmt!r}: use {', '.join(QUANT_FORMATS)}")
+        valid = self.fp.valid(layers, rows)
+        move = move & valid
+        counts = move.sum(dim=-1)  # [L', R]
+        host = counts.tolist()
+        flat = [c for per_layer in host for c in per_layer]
+        if not any(flat):
+            return 0
+        if any(c % group for c in flat):
+            raise ValueError(f"tokens to quantize do not split into groups of {group}")
+        quant = QUANT_FORMATS[fmt]
+        self._retype(quant)
+        q_lens = self.q.length_tensor(layers, rows)
+        n_groups = self.scales.length_tensor(layers, rows)
+        self._room(int((q_lens + counts).max()), int((n_groups + counts // group).max()))
+        width = _round_up(max(flat), group)
+        order = kept_first(move)[..., :width]  # the moved slots first, in slot order
+        li, ri, si = (torch.arange(width, device=self.device) < counts[..., None]).nonzero(
+            as_tuple=True
+        )
+        layer_at, row_at = li + (layers.start or 0), ri + (rows.start or 0)
+        dest = q_lens[li, ri] + si
+        scale_row = n_groups[li, ri] + si // group
+        first = si % group == 0  # one scale row per group
+        for part in ("keys", "values"):
+            tokens = self.fp.take(part, order, layers, rows)  # [L', R, H, width, D]
+            flat_tokens = tokens.reshape(-1, width, self.head_dim)
+            codes, scales = dispatch.quantize_groups(flat_tokens, group, quant)
+            codes = codes.view(tokens.shape)
+            scales = scales.view(*tokens.shape[:3], width // group, self.head_dim)
+            bytes_view(self.q[part])[layer_at, row_at, :, dest] = bytes_view(codes)[li, ri, :, si]
+            self.scales[part][layer_at[first], row_at[first], :, scale_row[first]] = scales[
+                li[first], ri[first], :, si[first] // group
+            ]
+        self.q["group"][layer_at, row_at, dest] = scale_row
+        for name, spec in self.fp.specs.items():
+            if name in ("keys", "values"):
+                continue
+            moved = self.fp.take(name, order, layers, rows)
+            if spec.lead:
+                self.q[name][layer_at, row_at, :, dest] = moved[li, ri, :, si]
+            else:
+                self.q[name][layer_at, row_at, dest] = moved[li, ri, si]
+        keep = valid & ~move
+        self.fp.gather(kept_first(keep), layers, rows)
+        _set_lengths(self.fp, layers, rows, keep.sum(dim=-1).tolist())
+        for i, layer in enumerate(range(*layers.indices(self.num_layers))):
+            for j, row in enumerate(range(*rows.indices(self.batch))):
+                self.q.lengths[layer][row] += host[i][j]
+                self.scales.lengths[layer][row] += host[i][j] // group
+                if host[i][j]:
+                    self.changed_at[row] = self.seen(row)
+        moved_total = sum(flat)
+        self.quantized_tokens += moved_total
+        self._note_allocated()
+        return moved_total
+
+    def quantize_slots(
+        self, layer: int, row: int, slots: torch.Tensor, group: int, fmt: str
+    ) -> int:
+        """Quantize chosen live slots of one layer's row (`quantize_joint` for one layer and
+        row); returns the tokens moved.
+
+        Args:
+            slots: int64 `[m]`, increasing logical slots of FP, unpinned tokens; `m` a
+                multiple of `group`.
+
+        Raises:
+            ValueError: a slot already quantized, pinned or out of range; `m` not a multiple
+                of `group`; an unknown format.
+            ConfigError: a format other than the one the store already holds.
+        """
+        q_len, n = self.q.lengths[layer][row], self.length(layer, row)
+        if slots.numel() and (int(slots.min()) < q_len or int(slots.max()) >= n):
+            raise ValueError(f"slots must be FP slots in [{q_len}, {n}) of row {row}")
+        if bool(self.pinned_mask(layer, row)[slots].any()):
+            raise ValueError("pinned tokens are never quantized")
+        move = torch.zeros(1, 1, self.fp.capacity, dtype=torch.bool, device=self.device)
+        move[0, 0, slots - q_len] = True
+        layers, rows = slice(layer, layer + 1), slice(row, row + 1)
+        return self.quantize_joint(move, group, fmt, layers, rows)
+
+    def _retype(self, quant: QuantFormat) -> None:
+        """Hold quantized codes as `quant.dtype` (refused while tokens of another format are
+        held: one format per session)."""
+        current = self.q["keys"].dtype
+        if current == quant.dtype:
+            return
+        if self.q.most():
+            raise ConfigError(
+                f"this cache holds {format_name(current)} tokens; cannot add {quant.name} ones "
+                "(one format per session)"
+            )
+        for part in ("keys", "values"):
+            self.q.retype(part, quant.dtype)
+
+    def oldest_mask(self, window: int, group: int, layers: slice, rows: slice) -> torch.Tensor:
+        """`[L', R, C]` bool over FP slots: the unpinned tokens older than the newest `window`
+        unpinned ones of each layer's row, in whole groups of `group`, oldest first."""
+        valid = self.fp.valid(layers, rows)
+        unpinned = valid & ~self.pinned_joint(layers, rows)[..., self.q.capacity :]
+        age = torch.cumsum(unpinned.long(), dim=-1)  # 1 for the oldest unpinned token
+        whole = (age[..., -1:] - window).clamp_min(0) // group * group
+        return unpinned & (age <= whole)
+
+    def quantize_oldest(
+        self, window: int, group: int, fmt: str, layers: slice = slice(None),
+        rows: slice = slice(None),
+    ) -> int:  # fmt: skip
+        """Move every whole group of unpinned FP tokens older than the newest `window` ones
+        into the quantized segment in format `fmt` (`quantize_joint`), in `layers` x `rows`;
+        returns the tokens moved. Decided on host counts first: nothing to move, no tensor
+        operation."""
+        pinned = self.pinned_live()
+        due = any(
+            self.fp.lengths[layer][row] - pinned[layer][row] >= window + group
+            for layer in range(*layers.indices(self.num_layers))
+            for row in range(*rows.indices(self.batch))
+        )
+        if not due:
+            return 0
+        move = self.oldest_mask(window, group, layers, rows)
+        return self.quantize_joint(move, group, fmt, layers, rows)
+
+    def quantize_stale(self, layers: slice = slice(None), rows: slice = slice(None)) -> int:
+        """Move the tokens that left the FP window into INT8 (CONF-KV's mixed precision,
+        `int8`; no-op without it), in `layers` x `rows`; returns the tokens moved."""
+        if self.int8 is None:
+            return 0
+        return self.quantize_oldest(self.int8.fp_window, self.int8.group, "int8", layers, rows)
+
+    def quantized_format(self) -> str | None:
+        """The format of the quantized tokens held (`"int8"` or `"fp8"`), None while none."""
+        return format_name(self.q["keys"].dtype) if self.q.most() else None
+
+    # -- per-row access (cold tier, reconstruction, evaluations) -----------------------------
+
+    def read_slots(self, layer: int, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 keys and values `[H, m, D]` of a layer's row at its logical slots `slots`
+        (int64 `[m]`), quantized ones dequantized with their group's scales."""
+        q_len = self.q.lengths[layer][row]
+        quantized, fp = slots[slots < q_len], slots[slots >= q_len] - q_len
+        keys = [self.fp["keys"][layer, row][:, fp].float()]
+        values = [self.fp["values"][layer, row][:, fp].float()]
+        if quantized.numel():
+            groups = self.q["group"][layer, row, quantized]
+            for out, part in ((keys, "keys"), (values, "values")):
+                codes = self.q[part][layer, row][:, quantized]
+                out.insert(0, dequantize(codes, self.scales[part][layer, row][:, groups]))
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    def insert(
+        self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Put tokens back into a layer's FP segment at their original positions (a recall):
+        the segment stays in position order, so the newest tokens stay last.
+
+        Args:
+            keys, values: `[H, m, D]`, in the store's key convention.
+            positions: `[m]` int64 original positions, all older than the newest token.
+        """
+        m = positions.numel()
+        fp = self.fp.lengths[layer][row]
+        if fp + m > self.fp.capacity:
+            self._resize(self.fp, _round_up(fp + m, CAPACITY_GRAIN))
+        table = self.fp
+        table["keys"][layer, row, :, fp : fp + m] = keys.to(self.dtype)
+        table["values"][layer, row, :, fp : fp + m] = values.to(self.dtype)
+        table["positions"][layer, row, fp : fp + m] = positions
+        table["hits"][layer, row, fp : fp + m] = 0.0
+        for name in META_FIELDS:
+            table[name][layer, row, :, fp : fp + m] = 0.0
+        order = torch.argsort(table["positions"][layer, row, : fp + m])
+        table.lengths[layer][row] = fp + m
+        table.gather(order.view(1, 1, -1), slice(layer, layer + 1), slice(row, row + 1))
+
+    def truncate(self, end: int, row: int = 0) -> None:
+        """Forget every token of the row at position `end` or later, so the next token takes
+        position `end` again (a client rewrote history from there). Pins past `end` go too.
+
+        Raises:
+            ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
+                (eviction or quantization since then depended on the forgotten tokens).
+        """
+        if not self.changed_at[row] <= end <= self.seen(row):
+            raise ValueError(
+                f"cannot truncate row {row} to {end} tokens: the cache is exact only back to "
+                f"{self.changed_at[row]} of its {self.seen(row)} tokens"
+            )
+        rows = slice(row, row + 1)
+        keep = self.joint("positions", slice(None), rows) < end
+        self._compact(keep & self.valid(slice(None), rows), slice(None), rows)
+        self.appended[row] = end
+        self.observed_from[row] = min(self.observed_from[row], end)
+        self._grow_pins(end)
+        self._pinned[row, end:] = False
+        self._pins_changed()
+
+    def precision_counts(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position the row has seen (`[seen]` int64 each): in how many layers it is live
+        at full precision, and in how many quantized; the other layers evicted it."""
+        seen = self.seen(row)
+        fp = torch.zeros(seen, dtype=torch.long, device=self.device)
+        quantized = torch.zeros_like(fp)
+        for layer in range(self.num_layers):
+            q_len, fp_len = self.q.lengths[layer][row], self.fp.lengths[layer][row]
+            quantized[self.q["positions"][layer, row, :q_len]] += 1
+            fp[self.fp["positions"][layer, row, :fp_len]] += 1
+        return fp, quantized
+
+    # -- cold tier ---------------------------------------------------------------------------
 
     def attach_cold(self, config: ColdConfig) -> ColdTier:
         """Keep evicted tokens in a cold tier with these settings from now on (a tier already
@@ -956,7 +1062,7 @@ class KVStore:
         """
         config.validate()
         if self.cold is None:
-            self.cold = ColdTier(len(self.layers), self.batch, config, self.rotary)
+            self.cold = ColdTier(self.num_layers, self.batch, config, self.rotary)
         else:
             self.cold.config = config
         self.recalling = True
@@ -968,15 +1074,14 @@ class KVStore:
         row."""
         return self.recalling and self.cold.config.due(query_len, self.seen(self._rows[0]))
 
-    def recall(self, layer_idx: int, query: torch.Tensor, scale: float) -> int:
+    def recall(self, layer: int, query: torch.Tensor, scale: float) -> int:
         """Bring the best cold pages of a layer back into the hot store for the current rows,
         before the call's attention reads it; returns the tokens recalled.
 
         The call's last `ColdConfig.queries` queries score the pages (`ColdTier.recall`); the
         recalled tokens leave the `evicted_tokens` count (an eviction that was undone) and go
-        back at their original positions (`LayerStore.insert`) with fresh
-        statistics, and the policy keeps them first until the layer's next recall
-        (`held_mask`), within its budget.
+        back at their original positions (`insert`) with fresh statistics, and the policy
+        keeps them first until the layer's next recall (`held_joint`), within its budget.
 
         Args:
             query: `[rows, Hq, q, D]`, the call's queries as attention receives them (rotated
@@ -985,19 +1090,18 @@ class KVStore:
             scale: the attention's softmax scale.
         """
         started = time.perf_counter()
-        layer = self.layers[layer_idx]
         n = query.shape[2]
         window = min(n, self.cold.config.queries)
         recalled = 0
         for i, row in enumerate(self._rows):
             scoring = query[i, :, n - window :]  # [Hq, S, D]
             if self.rotary is not None:
-                scoring = self._at_original_positions(scoring, i, layer.appended[row] - window)
-            got = self.cold.recall(layer_idx, row, scoring, scale)
+                scoring = self._at_original_positions(scoring, i, self.appended[row] - window)
+            got = self.cold.recall(layer, row, scoring, scale)
             if got is None:
                 continue
             positions, keys, values = got
-            layer.insert(row, keys, values, positions)
+            self.insert(layer, row, keys, values, positions)
             self.changed_at[row] = self.seen(row)
             self.evicted_tokens -= positions.numel()  # back in the cache: no longer evicted
             recalled += positions.numel()
@@ -1017,14 +1121,28 @@ class KVStore:
         cos, sin = self.rotary.cos_sin(original)
         return apply_rotation(unrotated, cos, sin)[0]
 
-    def held_mask(self, layer_idx: int, row: int = 0) -> torch.Tensor | None:
-        """`[length]` bool over the row's live slots (logical order): the tokens the layer's
-        last recall brought back, or None when not recalling or before any recall."""
-        if not self.recalling or self.cold.held[layer_idx][row] is None:
+    def held_joint(self, layers: slice, rows: slice) -> torch.Tensor | None:
+        """`[L', R, Cq + C]` bool: the slots of the tokens each layer's last recall brought
+        back, or None when not recalling or before any recall."""
+        if not self.recalling:
             return None
-        return torch.isin(
-            self.layers[layer_idx].live_positions(row), self.cold.held[layer_idx][row]
-        )
+        held_any = False
+        positions = self.joint("positions", layers, rows)
+        held = torch.zeros_like(positions, dtype=torch.bool)
+        for i, layer in enumerate(range(*layers.indices(self.num_layers))):
+            for j, row in enumerate(range(*rows.indices(self.batch))):
+                taken = self.cold.held[layer][row]
+                if taken is not None:
+                    held[i, j] = torch.isin(positions[i, j], taken)
+                    held_any = True
+        return (held & self.valid(layers, rows)) if held_any else None
+
+    def held_mask(self, layer: int, row: int = 0) -> torch.Tensor | None:
+        """`[length]` bool over one layer's row's live slots (logical order): the tokens its
+        last recall brought back, or None when not recalling or before any recall."""
+        layers, rows = slice(layer, layer + 1), slice(row, row + 1)
+        held = self.held_joint(layers, rows)
+        return None if held is None else held[0, 0][self.valid(layers, rows)[0, 0]]
 
     @property
     def peak_cold_bytes(self) -> int:
@@ -1036,97 +1154,102 @@ class KVStore:
         one. Never part of `nbytes` or `allocated_nbytes`, which count the hot store."""
         return 0 if self.cold is None else self.cold.nbytes(row)
 
-    def quantize_stale(self, layer_idx: int, row: int = 0) -> int:
-        """Move tokens that left the FP window into INT8 (no-op without `int8`); returns the
-        tokens moved."""
-        layer = self.layers[layer_idx]
-        if self.int8 is None or layer.fp_len[row] < self.int8.fp_window + self.int8.group:
-            return 0  # fewer FP tokens than the window plus a group: nothing can be stale
-        moving = layer.stale_slots(row, self.pinned_mask(layer_idx, row), self.int8)
-        return self._quantize(layer_idx, row, moving, self.int8.group, QUANT_FORMATS["int8"])
+    # -- accounting --------------------------------------------------------------------------
 
-    def quantize_slots(
-        self, layer_idx: int, row: int, slots: torch.Tensor, group: int, fmt: str
-    ) -> int:
-        """Quantize the chosen live slots of a row's layer (a policy's choice, e.g. ARKV's
-        middle tier); returns the tokens moved.
+    def nbytes(self, row: int | None = None) -> int:
+        """Exact bytes of live keys, values and scales over all layers, for one row or all."""
+        rows = range(self.batch) if row is None else [row]
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        scale = torch.empty(0, dtype=SCALE_DTYPE).element_size()
+        return _live_bytes(
+            2 * self.kv_heads * self.head_dim,
+            element,
+            scale,
+            sum(lengths[r] for lengths in self.fp.lengths for r in rows),
+            sum(lengths[r] for lengths in self.q.lengths for r in rows),
+            sum(lengths[r] for lengths in self.scales.lengths for r in rows),
+        )
 
-        Args:
-            slots: int64 `[m]`, increasing logical slots of FP, unpinned tokens; `m` a
-                multiple of `group`. Afterwards the logical order is (quantized before, these
-                slots, the remaining FP tokens).
-            group: tokens sharing one scale per KV head and channel.
-            fmt: a `kernels.formats.QUANT_FORMATS` name, `"int8"` or `"fp8"`.
+    def allocated_nbytes(self, row: int | None = None) -> int:
+        """Bytes of all key/value/scale buffers including spare capacity, for all rows or
+        (`row`) one row's share: the buffers are `[L, B, ...]`, every row the same slots."""
+        total = sum(
+            getattr(self, segment).nbytes(names) for segment, names in ALLOCATED_FIELDS.items()
+        )
+        return total if row is None else total // self.batch
 
-        Raises:
-            ValueError: a slot already quantized, pinned or out of range; `m` not a multiple
-                of `group`; an unknown format.
-            ConfigError: a format other than the one the store already holds.
-        """
-        if fmt not in QUANT_FORMATS:
-            raise ValueError(f"unknown quantized format {fmt!r}: use {', '.join(QUANT_FORMATS)}")
-        layer = self.layers[layer_idx]
-        q_len, n = layer.q_len[row], layer.length(row)
-        if slots.numel() and (int(slots.min()) < q_len or int(slots.max()) >= n):
-            raise ValueError(f"slots must be FP slots in [{q_len}, {n}) of row {row}")
-        if bool(self.pinned_mask(layer_idx, row)[slots].any()):
-            raise ValueError("pinned tokens are never quantized")
-        return self._quantize(layer_idx, row, slots - q_len, group, QUANT_FORMATS[fmt])
+    def footprint(self) -> StoreFootprint:
+        """What the store holds and has allocated (`StoreFootprint`)."""
+        return StoreFootprint.of_state(self._outline())
 
-    def _quantize(
-        self, layer_idx: int, row: int, fp_slots: torch.Tensor, group: int, fmt: QuantFormat
-    ) -> int:
-        if fp_slots.numel() == 0:
-            return 0
-        self.layers[layer_idx].quantize(row, fp_slots, group, fmt)
+    def full_kv_nbytes(self, row: int = 0) -> int:
+        """Live bytes a full KV cache would hold for a row's tokens seen so far, at the FP
+        dtype: the tokens alone, no spare capacity."""
+        return self.seen(row) * self.bytes_per_token()
+
+    def full_kv_allocated_nbytes(self, row: int = 0) -> int:
+        """Bytes a full KV cache's buffers would be allocated for a row's tokens seen so far,
+        at the FP dtype, under this store's growth rule without a bound: the FP capacity
+        doubled from one `CAPACITY_STEP` until it holds them (256, 512, 1,024, ... slots)."""
+        capacity = CAPACITY_STEP
+        while capacity < self.seen(row):
+            capacity = _grown_capacity(capacity, capacity + 1)
+        return capacity * self.bytes_per_token()
+
+    def _note_peak(self) -> None:
+        for row in self._rows:
+            self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
         self._note_allocated()
-        self.quantized_tokens += fp_slots.numel()
-        self.changed_at[row] = self.seen(row)
-        return fp_slots.numel()
 
-    def quantized_format(self) -> str | None:
-        """The format of the quantized tokens held (`"int8"` or `"fp8"`), None while none."""
-        for layer in self.layers:
-            if any(layer.q_len):
-                return format_name(layer.q_keys.dtype)
-        return None
+    def _note_allocated(self) -> None:
+        allocated = self.allocated_nbytes()
+        self.call_allocated_bytes = max(self.call_allocated_bytes, allocated)
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, allocated)
 
-    def truncate(self, end: int, row: int = 0) -> None:
-        """Forget every token of the row at position `end` or later, so the next token takes
-        position `end` again (a client rewrote history from there). Pins past `end` go too.
+    # -- saving ------------------------------------------------------------------------------
 
-        Raises:
-            ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
-                (eviction or quantization since then depended on the forgotten tokens).
-        """
-        if not self.changed_at[row] <= end <= self.seen(row):
-            raise ValueError(
-                f"cannot truncate row {row} to {end} tokens: the cache is exact only back to "
-                f"{self.changed_at[row]} of its {self.seen(row)} tokens"
-            )
-        for layer in self.layers:
-            keep = (layer.live_positions(row) < end).nonzero().squeeze(1)
-            layer.compact(row, keep)
-            layer.appended[row] = end
-        self.observed_from[row] = min(self.observed_from[row], end)
-        self._grow_pins(end)
-        self._pinned[row, end:] = False
+    def _outline(self) -> dict:
+        """The parts of `state()` a footprint reads, without copying a tensor."""
+        return {
+            "shape": [self.num_layers, self.kv_heads, self.head_dim],
+            "batch": self.batch,
+            "fp": {"keys": self.fp["keys"]},
+            "q": {"keys": self.q["keys"]},
+            "scales": {"keys": self.scales["keys"]},
+            "lengths": self._lengths(),
+            "capacity": self._capacities(),
+        }
+
+    def _lengths(self) -> dict:
+        return {
+            name: [list(row) for row in getattr(self, name).lengths]
+            for name in ("fp", "q", "scales")
+        }
+
+    def _capacities(self) -> dict:
+        return {name: getattr(self, name).capacity for name in ("fp", "q", "scales")}
 
     def state(self, trim: bool = False) -> dict:
         """Everything the store holds, as tensors and plain values (for `torch.save`). With
-        `trim`, each buffer is a copy of its live slots only (a saved file then holds live
-        bytes, not spare capacity), and each layer's `capacity` says what `from_state`
-        allocates again: each segment's live slots rounded up to whole capacity steps."""
-        counts = ("fp_len", "q_len", "n_groups", "appended")
+        `trim`, each field is a copy of its live slots only (a saved file then holds live
+        bytes, not spare capacity); `capacity` says what `from_state` allocates again."""
+        tables = {}
+        for name in ("fp", "q", "scales"):
+            table = getattr(self, name)
+            live = table.most() if trim else table.capacity
+            tables[name] = {
+                field: (
+                    tensor.narrow(table.specs[field].slot_dim, 0, live).clone() if trim else tensor
+                )
+                for field, tensor in table.fields.items()
+            }
         return {
-            "layers": [
-                {
-                    **(_trimmed_buffers(layer) if trim else _buffers(layer)),
-                    **{c: getattr(layer, c) for c in counts},
-                }
-                for layer in self.layers
-            ],
-            "shape": [len(self.layers), self.layers[0].kv_heads, self.layers[0].head_dim],
+            **tables,
+            "lengths": self._lengths(),
+            "capacity": self._capacities(),
+            "appended": list(self.appended),
+            "shape": [self.num_layers, self.kv_heads, self.head_dim],
             "batch": self.batch,
             "ema_decay": self.ema_decay,
             "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
@@ -1156,187 +1279,44 @@ class KVStore:
         if state["rerotate"] and rotary is None:
             raise ValueError("this store was saved in rerotate mode: pass the model's rotary")
         layers, heads, dim = state["shape"]
-        first = state["layers"][0]
+        keys = state["fp"]["keys"]
         int8 = None if state["int8"] is None else Int8Config(*state["int8"])
         store = cls(
-            layers, heads, dim, first["keys"].dtype, first["keys"].device, state["ema_decay"],
-            state["batch"], int8, rotary, state["max_positions"],
+            layers, heads, dim, keys.dtype, keys.device, state["ema_decay"], state["batch"],
+            int8, rotary, state["max_positions"],
         )  # fmt: skip
-        for layer, saved in zip(store.layers, state["layers"], strict=True):
-            for name, value in saved.items():
-                if name != "capacity":
-                    setattr(layer, name, list(value) if isinstance(value, list) else value)
-            if "capacity" in saved:  # trimmed: allocate the segments' capacities again
-                for name in (*SEGMENT_OF_BUFFER, *META_FIELDS):
-                    segment, dim = SEGMENT_OF_BUFFER.get(name, ("meta", -1))
-                    tensor = getattr(layer, name)
-                    setattr(layer, name, _resized(tensor, dim, saved["capacity"][segment]))
-            for name in META_FIELDS:  # states saved before a field existed
-                if name not in saved:
-                    like = layer.positions if name == "hits" else layer.scores
-                    setattr(layer, name, torch.zeros_like(like, dtype=torch.float32))
+        for name in ("fp", "q", "scales"):
+            table = getattr(store, name)
+            saved = state[name]
+            for field, tensor in saved.items():
+                spec = table.specs[field]
+                table.specs[field] = type(spec)(spec.lead, spec.tail, tensor.dtype)
+            table.fields = {field: tensor.clone() for field, tensor in saved.items()}
+            table.capacity = next(iter(saved.values())).shape[table.specs["keys"].slot_dim]
+            table.lengths = [list(row) for row in state["lengths"][name]]
+            table.resize(state["capacity"][name])
+        store.appended = list(state["appended"])
         store.profile = state.get("profile")
         if state.get("cold") is not None:
             store.cold = ColdTier.from_state(state["cold"], rotary)
         store.observed_from = list(state.get("observed_from", store.observed_from))
-        store._pinned = state["pinned"]
+        store._pinned = state["pinned"].cpu()
+        store._pins_changed()
         store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"][:3]
-        saved_peak = state["counters"][3:]  # states saved before the allocated peak existed
-        store.peak_allocated_bytes = max([*saved_peak, store.allocated_nbytes()])
+        store.peak_allocated_bytes = max(state["counters"][3], store.allocated_nbytes())
         store.row_peak_bytes, store.changed_at = (list(v) for v in state["row_counters"])
         return store
 
-    def lengths(self, row: int = 0) -> list[int]:
-        """Live tokens per layer for a row."""
-        return [layer.length(row) for layer in self.layers]
 
-    def quantized_lengths(self, row: int = 0) -> list[int]:
-        """Live INT8 tokens per layer for a row."""
-        return [layer.q_len[row] for layer in self.layers]
-
-    def precision_counts(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per position the row has seen (`[seen]` int64 each): in how many layers it is live
-        at full precision, and in how many quantized; the other layers evicted it."""
-        seen = self.seen(row)
-        fp = torch.zeros(seen, dtype=torch.long, device=self.layers[0].device)
-        quantized = torch.zeros_like(fp)
-        for layer in self.layers:
-            live = layer.live_positions(row)  # quantized slots first, then FP (logical order)
-            quantized[live[: layer.q_len[row]]] += 1
-            fp[live[layer.q_len[row] :]] += 1
-        return fp, quantized
-
-    def pinned_positions(self, row: int = 0) -> torch.Tensor:
-        """`[seen]` bool: which positions the row has seen are pinned now."""
-        self._grow_pins(self.seen(row))
-        return self._pinned[row, : self.seen(row)]
-
-    def nbytes(self, row: int | None = None) -> int:
-        """Exact bytes of live keys, values and scales over all layers, for one row or all."""
-        return sum(layer.nbytes(row) for layer in self.layers)
-
-    def allocated_nbytes(self, row: int | None = None) -> int:
-        """Bytes of all key/value/scale buffers including spare capacity, for all rows or
-        (`row`) one row's share: the buffers are `[batch, ...]`, every row the same slots."""
-        total = sum(layer.allocated_nbytes() for layer in self.layers)
-        return total if row is None else total // self.batch
-
-    def footprint(self) -> StoreFootprint:
-        """What the store holds and has allocated (`StoreFootprint`)."""
-        return StoreFootprint.of_state(self.state())
-
-    def full_kv_nbytes(self, row: int = 0) -> int:
-        """Live bytes a full KV cache would hold for a row's tokens seen so far, at the FP
-        dtype: the tokens alone, no spare capacity."""
-        return self.seen(row) * self.bytes_per_token()
-
-    def full_kv_allocated_nbytes(self, row: int = 0) -> int:
-        """Bytes a full KV cache's buffers would be allocated for a row's tokens seen so far,
-        at the FP dtype, under this store's growth rule: the FP capacity doubled from one
-        `CAPACITY_STEP` until it holds them (256, 512, 1,024, ... slots), which a store that
-        never evicts follows while no forward call needs more than twice the slots it holds
-        (512-token prefill chunks do not)."""
-        capacity = CAPACITY_STEP
-        while capacity < self.seen(row):
-            capacity = _grown_capacity(capacity, capacity + 1)
-        return capacity * self.bytes_per_token()
-
-    def record_profile(self, layer_idx: int, stats: torch.Tensor) -> None:
-        """Add one prefill call's attention shape statistics to the layer's running means.
-
-        Args:
-            stats: `[rows, kv_heads, 3]` from `kernels.reference.attention_profile`:
-                normalised entropy, log concentration and log kurtosis, each a mean over the
-                scored queries.
-        """
-        if self.profile is None:
-            self.profile = torch.zeros(len(self.layers), 4)
-        self.profile[layer_idx, :3] += stats.float().mean(dim=(0, 1)).cpu()
-        self.profile[layer_idx, 3] += 1
-
-    def profile_means(self) -> torch.Tensor | None:
-        """`[num_layers, 3]` mean prefill attention statistics per layer (normalised entropy,
-        log concentration, log kurtosis), or None before every layer has one."""
-        if self.profile is None or bool((self.profile[:, 3] == 0).any()):
-            return None
-        return self.profile[:, :3] / self.profile[:, 3:]
-
-    def _note_peak(self) -> None:
-        for row in self._rows:
-            self.row_peak_bytes[row] = max(self.row_peak_bytes[row], self.nbytes(row))
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
-        self._note_allocated()
-
-    def _note_allocated(self) -> None:
-        allocated = self.allocated_nbytes()
-        self.call_allocated_bytes = max(self.call_allocated_bytes, allocated)
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, allocated)
+def kept_first(keep: torch.Tensor) -> torch.Tensor:
+    """int64 `[..., W]`: for a bool mask `[..., W]`, the marked slots in order, then the
+    others in order (a stable partition: what compaction gathers)."""
+    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
 
 
-def _buffers(layer: LayerStore) -> dict:
-    """The layer's buffers and metadata as they are, spare capacity included."""
-    return {name: getattr(layer, name) for name in (*SEGMENT_OF_BUFFER, *META_FIELDS)}
-
-
-def _trimmed_buffers(layer: LayerStore) -> dict:
-    """Copies of the layer's live slots of each buffer and metadata field, with the
-    `capacity` per segment that `KVStore.from_state` restores (a segment never allocated
-    stays so)."""
-    live = {
-        "fp": max(layer.fp_len),
-        "q": max(layer.q_len),
-        "scales": max(layer.n_groups),
-        "meta": max(layer.length(r) for r in range(layer.batch)),
-    }
-    capacity = {
-        "fp": _round_up(live["fp"]),
-        "q": _round_up(live["q"]) if layer.q_keys.shape[2] else 0,
-        "scales": _round_up(live["scales"], SCALE_CAPACITY_STEP)
-        if layer.key_scales.shape[2]
-        else 0,
-        "meta": _round_up(live["meta"]),
-    }
-    buffers = {}
-    for name in (*SEGMENT_OF_BUFFER, *META_FIELDS):
-        segment, dim = SEGMENT_OF_BUFFER.get(name, ("meta", -1))
-        buffers[name] = getattr(layer, name).narrow(dim, 0, live[segment]).clone()
-    return {**buffers, "capacity": capacity}
-
-
-def _capacities(layer_state: dict) -> dict[str, int]:
-    """Slots per segment a layer of a `KVStore.state()` holds once loaded: its `capacity`
-    when trimmed, else its buffers' sizes."""
-    if "capacity" in layer_state:
-        return dict(layer_state["capacity"])
-    return {
-        "fp": layer_state["keys"].shape[2],
-        "q": layer_state["q_keys"].shape[2],
-        "scales": layer_state["key_scales"].shape[2],
-    }
-
-
-def _logical_mass(layer: LayerStore, masses: list[torch.Tensor], i: int, row: int) -> torch.Tensor:
-    """`[kv_heads, length]`: the attention mass `masses` (per segment, `[rows, kv_heads,
-    width]`) gives row `row` (the call's `i`-th) of `layer`, over its live slots in logical
-    order (quantized, then FP)."""
-    parts = [masses[-1][i, :, : layer.fp_len[row]]]
-    if len(masses) == 2:
-        parts.insert(0, masses[0][i, :, : layer.q_len[row]])
-    return torch.cat(parts, dim=1)
-
-
-def _welford(layer: LayerStore, row: int, observed: torch.Tensor, first_new: int) -> None:
-    """Fold one observation `observed` `[kv_heads, n]` per live token into the row's running
-    mean and squared-deviation sums (Welford, 1962); slots from `first_new` on are new tokens
-    and start a fresh count."""
-    n = observed.shape[1]
-    hits = layer.hits[row, :n]
-    mean = layer.hit_mean[row, :, :n]
-    m2 = layer.hit_m2[row, :, :n]
-    hits[first_new:] = 0.0
-    mean[:, first_new:] = 0.0
-    m2[:, first_new:] = 0.0
-    hits += 1.0
-    delta = observed - mean
-    mean += delta / hits
-    m2 += delta * (observed - mean)
+def _set_lengths(table: SlotTable, layers: slice, rows: slice, counts: list[list[int]]) -> None:
+    """Set a table's host lengths of `layers` x `rows` to `counts` `[L'][R]`."""
+    row_ids = range(*rows.indices(table.batch))
+    for layer, per_row in zip(range(*layers.indices(table.layers)), counts, strict=True):
+        for row, count in zip(row_ids, per_row, strict=True):
+            table.lengths[layer][row] = count

@@ -27,6 +27,7 @@ from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.sampling import SamplingParams, sample_next
 from agent_kv.runtime.sequence import Sequence, StepRecord
@@ -72,6 +73,8 @@ class Engine:
         int8: mixed-precision storage (CONF-KV §4), or None to keep every token in the
             model's dtype.
         rerotate: StreamingLLM-style in-cache positions instead of original positions.
+        compile: run decode steps as one graph each (`agent_kv.runtime.decode_graph`:
+            compiled on CPU, a CUDA graph on GPU); False runs every step eagerly.
 
     Raises:
         ConfigError: `prefill_chunk` < 1, invalid `int8` settings, or `rerotate` on a model
@@ -86,6 +89,7 @@ class Engine:
         prefill_chunk: int = 512,
         int8: Int8Config | None = None,
         rerotate: bool = False,
+        compile: bool = False,
     ):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -97,6 +101,7 @@ class Engine:
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.store_options = {"int8": int8, "rerotate": rerotate}
+        self.decode_graph = DecodeGraph(model) if compile else None
         self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
         if rerotate:
             Rotary.from_model(model)  # fail at configuration time for models without RoPE
@@ -198,32 +203,31 @@ class Engine:
 
     def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
         """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
-        the repeat prompt and the chunk fed once more, every cached token's largest attention
-        from them recorded (`KVStore.record_reconstruction`), then the pass's tokens
-        truncated away, so the cache is as before but for those scores. The pass's rotary
+        the repeat prompt and the chunk fed once more, every stored token's largest attention
+        from them recorded (`ForwardCall.record_reconstruction`); the pass's own tokens are
+        never kept, so the cache is as before but for those scores. The pass's rotary
         positions follow the row's, moved back as far as needed to stay inside the model's
         trained context (only at its very end do they overlap the chunk's)."""
         if self._repeat_ids is None:
             self._repeat_ids = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
         tokens = self._repeat_ids + chunk
-        seen = store.seen(row)
-        start = seen if store.rotary is None else max(lay.length(row) for lay in store.layers)
+        start = store.seen(row) if store.rotary is None else max(store.lengths(row))
         if store.max_positions:
             start = max(min(start, store.max_positions - len(tokens)), 0)
-        position_ids = store.begin_forward(range(row, row + 1), len(tokens), start=start)
         store.reconstructing = True
         try:
+            call = store.begin_forward(range(row, row + 1), len(tokens), start=start)
             self.model(
-                input_ids=torch.tensor([tokens], device=position_ids.device),
-                position_ids=position_ids,
+                input_ids=torch.tensor([tokens], device=store.device),
+                position_ids=call.tensors.position_ids,
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
-                kv_store=store,
+                kv_store=call,
             )
+            call.commit()
         finally:
             store.reconstructing = False
-            store.truncate(seen, row)
 
     def _apply_policy(
         self,
@@ -370,15 +374,23 @@ class Engine:
         with `all_positions` after every token, `[len(rows), n, vocab]`."""
         store = cache.store
         self.policy.prepare(store)
-        position_ids = store.begin_forward(rows, len(chunks[0]))  # [rows, n]
+        store.bound_capacity(*self.policy.slot_bounds(store), self.prefill_chunk)
+        n = len(chunks[0])
+        if self.decode_graph is not None and not all_positions and self.decode_graph.takes(
+            store, rows, n
+        ):
+            return self.decode_graph.step(cache, [chunk[0] for chunk in chunks])
+        call = store.begin_forward(rows, n)
         out = self.model(
-            input_ids=torch.tensor(chunks, device=position_ids.device),
-            position_ids=position_ids,
+            input_ids=torch.tensor(chunks, device=store.device),
+            position_ids=call.tensors.position_ids,
             cache=cache,
             use_cache=True,
             logits_to_keep=0 if all_positions else 1,
-            kv_store=store,
+            kv_store=call,
         )
+        call.commit()
+        store.end_forward(call)
         return out.logits.float() if all_positions else out.logits[:, -1].float()
 
     def generate(

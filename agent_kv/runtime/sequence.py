@@ -123,7 +123,7 @@ class Sequence:
         data = _load(path)
         state = data["store"]
         expected = KVStore.for_model(model)
-        shape = [len(expected.layers), expected.layers[0].kv_heads, expected.layers[0].head_dim]
+        shape = [expected.num_layers, expected.kv_heads, expected.head_dim]
         if state["shape"] != shape:
             raise AgentKVError(
                 f"session {path} was saved for a model with [layers, kv heads, head dim] "

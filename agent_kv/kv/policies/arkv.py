@@ -48,8 +48,14 @@ from typing import ClassVar
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policies.base import FixedBudgetPolicy, Policy, check_quantized, row_confidences
-from agent_kv.kv.store import KVStore
+from agent_kv.kv.policies.base import (
+    FixedBudgetPolicy,
+    Policy,
+    SlotView,
+    check_quantized,
+    row_confidences,
+)
+from agent_kv.kv.store import KVStore, kept_first
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class TriState(Policy):
     """
 
     manages_precision: ClassVar[bool] = True
+    statistics = frozenset({"welford"})
     protect_recent: int = 64
     gamma: float = 0.1
     oq_ratio: float = 0.85
@@ -133,7 +140,7 @@ class TriState(Policy):
     def layer_plan(self, store: KVStore, budgets: list[int]) -> list[LayerPlan]:
         """Each layer's Original and Quantized token counts for this step (module docstring,
         "Budget"), from the step's mean budgets `budgets` (FP tokens per layer)."""
-        num_layers = len(store.layers)
+        num_layers = store.num_layers
         u = layer_sensitivity(store.profile_means(), num_layers)
         shares = 1.0 + self.share_spread * u
         shares = shares / shares.mean()
@@ -153,21 +160,26 @@ class TriState(Policy):
             plans.append(LayerPlan(original, quantized))
         return plans
 
+    def slot_bounds(self, store: KVStore) -> tuple[int | None, int | None]:
+        """The largest plan's tiers (at the no-signal budgets, the largest), the Original one
+        with room for the `group - 1` tokens that wait in FP for a whole group."""
+        plans = self.layer_plan(store, self.layer_budgets(None, store.num_layers))
+        return (
+            max(plan.original for plan in plans) + self.group - 1,
+            max(plan.quantized for plan in plans),
+        )
+
     def _quantized_cost(self, store: KVStore) -> float:
         """Bytes of a quantized token (codes and its share of the scales) over those of an
         Original one."""
         return store.int8_bytes_per_token(self.group) / store.bytes_per_token()
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
         """Heavy-hitter score `S = mean + gamma * variance` of the relative attention each
-        token received, averaged over KV heads; `[length]`."""
-        layer = store.layers[layer_idx]
-        n = layer.length(row)
-        hits = layer.hits[row, :n].clamp_min(1.0)
-        variance = layer.hit_m2[row, :, :n] / hits
-        return (layer.hit_mean[row, :, :n] + self.gamma * variance).mean(dim=0)
+        token received, averaged over KV heads; `[L, R, S]`."""
+        hits = store.joint("hits", rows=view.rows).clamp_min(1.0)[:, :, None]
+        variance = store.joint("hit_m2", rows=view.rows) / hits
+        return (store.joint("hit_mean", rows=view.rows) + self.gamma * variance).mean(dim=2)
 
     def step(
         self,
@@ -176,35 +188,75 @@ class TriState(Policy):
         rows: range | None = None,
     ) -> int:
         """The tri-state assignment in every layer of `rows`; returns the tokens evicted."""
+        rows = range(store.batch) if rows is None else rows
         rho = self._quantized_cost(store)
         evicted = 0
         for row, row_confidence in row_confidences(store, confidence, rows):
-            budgets = self.layer_budgets(row_confidence, len(store.layers))
-            for idx, plan in enumerate(self.layer_plan(store, budgets)):
-                evicted += self._assign(store, idx, row, plan, rho)
+            budgets = self.layer_budgets(row_confidence, store.num_layers)
+            evicted += self._assign(store, row, self.layer_plan(store, budgets), rho)
         return evicted
 
-    def _assign(self, store: KVStore, idx: int, row: int, plan: LayerPlan, rho: float) -> int:
-        """Original / Quantized / Evicted for one layer of one row; returns tokens evicted.
+    def _assign(self, store: KVStore, row: int, plans: list[LayerPlan], rho: float) -> int:
+        """Original / Quantized / Evicted for every layer of one row; returns tokens evicted.
 
-        Runs when the layer holds more unpinned tokens than the plan, or a whole group more
-        FP tokens than its Original slots. Over the plan, the Original tier is cut
+        A layer is assigned when it holds more unpinned tokens than its plan, or a whole
+        group more FP tokens than its Original slots. Over the plan, the Original tier is cut
         `evict_slack` below its size (fewer compactions, as in `Policy.step`). Tokens due for
         the Quantized tier go in whole groups, the lowest-scored first; the others wait in FP
         while the layer's bytes allow (`original + rho * quantized` FP tokens), and the
-        lowest-scored of them are evicted when they do not.
+        lowest-scored of them are evicted when they do not. The layers' choices are applied
+        together: one compaction and one quantization.
         """
-        layer = store.layers[idx]
-        pinned = store.pinned_mask(idx, row)  # [n], logical order
-        n, q_len = pinned.numel(), layer.q_len[row]
-        unpinned = n - int(pinned.sum())
-        fp_unpinned = unpinned - int((~pinned[:q_len]).sum())
-        over = unpinned > plan.original + plan.quantized
-        due = plan.quantized > 0 and fp_unpinned >= plan.original + self.group
-        if not (over or due):
+        pinned_live = store.pinned_live()
+        due_layers = []
+        for idx, plan in enumerate(plans):
+            unpinned = store.length(idx, row) - pinned_live[idx][row]
+            fp_unpinned = unpinned - store.q.lengths[idx][row]  # pinned tokens are all FP
+            over = unpinned > plan.original + plan.quantized
+            due = plan.quantized > 0 and fp_unpinned >= plan.original + self.group
+            if over or due:
+                due_layers.append((idx, plan, over))
+        if not due_layers:
             return 0
-        protected = self.protected(store, idx, row, pinned)
-        score = self.keep_scores(store, idx, row, ~protected)
+        span = slice(row, row + 1)
+        view = SlotView.of(store, span)
+        protected_all = self.protected(store, view)
+        scores = self.keep_scores(store, view, view.valid & ~protected_all)
+        keep = view.valid.clone()  # [L, 1, S]
+        to_quantize = torch.zeros_like(keep)
+        for idx, plan, over in due_layers:
+            slots = view.valid[idx, 0].nonzero().squeeze(1)  # the logical order
+            kept, going = self._choose(
+                store.q.lengths[idx][row],
+                view.pinned[idx, 0, slots],
+                protected_all[idx, 0, slots],
+                scores[idx, 0, slots],
+                plan,
+                over,
+                rho,
+            )
+            keep[idx, 0, slots] = kept
+            to_quantize[idx, 0, slots[going]] = True
+        evicted = store.compact_joint(keep, slice(None), span)
+        cq = store.q.capacity
+        # the FP slots to quantize, renumbered as the compaction moved them
+        move = torch.take_along_dim(to_quantize[..., cq:], kept_first(keep[..., cq:]), dim=-1)
+        store.quantize_joint(move, self.group, self.quantized, slice(None), span)
+        return evicted
+
+    def _choose(
+        self,
+        q_len: int,
+        pinned: torch.Tensor,
+        protected: torch.Tensor,
+        score: torch.Tensor,
+        plan: LayerPlan,
+        over: bool,
+        rho: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's row in logical order (`[n]` each): which tokens stay (bool) and which
+        FP tokens go to the Quantized tier now (int64 logical slots)."""
+        n = pinned.numel()
         is_fp = torch.arange(n, device=pinned.device) >= q_len
         # Original: the protected tokens, then the best FP candidates
         slack = min(self.evict_slack, plan.original // 2) if over else 0
@@ -226,15 +278,7 @@ class TriState(Policy):
         used = protected_unpinned + free + rho * (chosen.numel() - waiting.numel())
         excess = math.ceil(used + waiting.numel() - (plan.original + rho * plan.quantized))
         keep[waiting[: max(excess, 0)]] = False
-        kept = keep.nonzero().squeeze(1)
-        if kept.numel() < n:
-            store.compact(idx, kept, row)
-        to_quantize = torch.zeros_like(keep)
-        to_quantize[going] = True
-        # logical slots move down by the evicted ones before them
-        slots = (torch.cumsum(keep.long(), 0) - 1)[to_quantize]
-        store.quantize_slots(idx, row, slots, self.group, self.quantized)
-        return n - kept.numel()
+        return keep, going
 
 
 @dataclass

@@ -3,10 +3,13 @@
 A policy answers two questions each step (after every forward call, prefill chunk or decode
 token): how many tokens may each layer keep (`budget`, from the current confidence), and how
 much is each live token worth keeping (`rank`). The shared step here does the rest, the same
-for every policy (docs/architecture.md, Decisions, "One policy interface"; docs/methods.md,
-"Shared eviction step"): protect the `protect_recent` newest tokens and the pinned ones, take
-the top-ranked others up to the budget (which counts unpinned tokens only), compact the store,
-and move what left the FP window into INT8 when the store keeps mixed precision.
+for every policy and for every layer and row of the store at once (docs/architecture.md,
+Decisions, "One policy interface"; docs/methods.md, "Shared eviction step"): protect the
+`protect_recent` newest tokens and the pinned ones, take the top-ranked others up to the budget
+(which counts unpinned tokens only), compact the store, and move what left the FP window into
+INT8 when the store keeps mixed precision. Ranks, protection and the choice are tensors over
+`[layers, rows, slots]` (the store's joint slot space: `KVStore.valid`), so a step is a fixed
+handful of operations whatever the number of layers and rows.
 """
 
 from __future__ import annotations
@@ -23,6 +26,32 @@ from kernels.formats import QUANT_FORMATS
 
 HELD_RANK = torch.finfo(torch.float32).max
 """The rank of a recalled token: above any score, below the `inf` of protected tokens."""
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What a step sees of the rows it steps, over the joint slot space `[L, R, S]`
+    (`S = Cq + C`: quantized slots, then FP slots).
+
+    Attributes:
+        rows: the store's rows, contiguous.
+        valid: bool, live slots.
+        positions: int64, each live slot's original position (-1 for free slots).
+        pinned: bool, live slots holding a pinned token.
+    """
+
+    rows: slice
+    valid: torch.Tensor
+    positions: torch.Tensor
+    pinned: torch.Tensor
+
+    @classmethod
+    def of(cls, store: KVStore, rows: slice) -> SlotView:
+        """The view of `rows` of `store`, every layer."""
+        layers = slice(None)
+        valid = store.valid(layers, rows)
+        positions = torch.where(valid, store.joint("positions", layers, rows), -1)
+        return cls(rows, valid, positions, store.pinned_joint(layers, rows))
 
 
 @dataclass
@@ -50,6 +79,10 @@ class Policy(ABC):
     reconstructs: ClassVar[bool] = False
     """The engine runs a reconstruction pass after each prefill chunk, before the policy
     steps (KVzip, `agent_kv.kv.policies.kvzip`)."""
+    statistics: ClassVar[frozenset[str]] = frozenset()
+    """The per-token statistics (`agent_kv.kv.store.STATISTICS`) the policy ranks by: forward
+    calls fold only these (a policy that keeps everything, or ranks by recency, asks for
+    none, and its calls pay for no bookkeeping)."""
     protect_recent: int = 0
     sinks: int = 0
     evict_slack: int = 32
@@ -76,9 +109,10 @@ class Policy(ABC):
             raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
 
     def prepare(self, store: KVStore) -> None:
-        """Called before every forward call on `store`: say what the call should measure
-        besides the attention mass. Default: no prefill attention statistics (no profile, no
-        observation window)."""
+        """Called before every forward call on `store`: say what the call should measure:
+        the per-token statistics the policy ranks by (`statistics`), and by default no prefill
+        attention statistics (no profile, no observation window)."""
+        store.statistics = self.statistics
         store.profile_prefill = False
         store.observation_window = 0
         store.recalling = False
@@ -104,25 +138,32 @@ class Policy(ABC):
             return None
         return self.layer_budgets(None, num_layers)
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """`[length]` float over the row's live slots (logical order): higher means keep
-        first. Only the `candidates` (`[length]` bool: neither pinned nor protected) compete.
-        Default: recency (newest highest)."""
-        return store.layers[layer_idx].live_positions(row).float()
+    def slot_bounds(self, store: KVStore) -> tuple[int | None, int | None]:
+        """The most unpinned tokens a layer's row holds after any step, in the FP segment and
+        in the quantized one (`KVStore.bound_capacity`: what its buffers are sized by); None
+        for a segment the policy does not bound. Default: `max_kept_tokens`, all FP, or with
+        the store's INT8 mixed precision at most its FP window plus a group waiting in FP."""
+        kept = self.max_kept_tokens(store.num_layers)
+        if kept is None:
+            return None, None
+        most = max(kept)
+        if store.int8 is None:
+            return most, 0
+        return min(most, store.int8.max_fp_tokens), most
 
-    def keep_scores(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """`rank`, with the tokens the layer's last recall brought back
-        (`KVStore.held_mask`) above every other candidate: they stay first within the
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """`[L, R, S]` float over the joint slot space of `view`: higher means keep first.
+        Only the `candidates` (`[L, R, S]` bool: live, neither pinned nor protected) compete;
+        other slots may rank anything. Default: recency (newest highest)."""
+        return view.positions.float()
+
+    def keep_scores(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """`rank`, with the tokens each layer's last recall brought back
+        (`KVStore.held_joint`) above every other candidate: they stay first within the
         budget until the next recall."""
-        ranks = self.rank(store, layer_idx, row, candidates).clone()
-        held = store.held_mask(layer_idx, row)
-        if held is not None:
-            ranks[held] = HELD_RANK
-        return ranks
+        ranks = self.rank(store, view, candidates)
+        held = store.held_joint(slice(None), view.rows)
+        return ranks if held is None else torch.where(held, HELD_RANK, ranks)
 
     def step(
         self,
@@ -138,47 +179,73 @@ class Policy(ABC):
         batch follows its own sawtooth. The budget counts unpinned tokens: pinned tokens are
         held in addition to it (and counted in every memory figure), so pins can never crowd
         out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
-        and the top-ranked others fill the rest of the budget.
+        and the top-ranked others fill the rest of the budget. Whether any layer is over its
+        budget is decided on the host from the store's host counts, so a step with nothing to
+        evict runs no tensor operation.
         """
+        rows = range(store.batch) if rows is None else rows
+        budgets = [
+            self.layer_budgets(row_confidence, store.num_layers)
+            for _, row_confidence in row_confidences(store, confidence, rows)
+        ]
         evicted = 0
-        for row, row_confidence in row_confidences(store, confidence, rows):
-            budgets = self.layer_budgets(row_confidence, len(store.layers))
-            for idx in range(len(store.layers)):
-                if budgets is not None:
-                    evicted += self._evict(store, idx, row, budgets[idx])
-                self.quantize(store, idx, row)
+        if budgets[0] is not None and _over_budget(store, rows, budgets):
+            evicted = self._evict(store, slice(rows.start, rows.stop), budgets)
+        self.quantize(store, rows)
         return evicted
 
-    def quantize(self, store: KVStore, idx: int, row: int) -> int:
-        """After a layer's eviction: move what its precision rule says to the quantized tier;
-        returns the tokens moved. Default: the store's age-based mixed precision, if on
-        (`KVStore.quantize_stale`)."""
-        return store.quantize_stale(idx, row)
+    def quantize(self, store: KVStore, rows: range) -> int:
+        """After the eviction: move what the policy's precision rule says to the quantized
+        tier, in every layer of `rows`; returns the tokens moved. Default: the store's
+        age-based mixed precision, if on (`KVStore.quantize_stale`)."""
+        return store.quantize_stale(rows=slice(rows.start, rows.stop))
 
-    def protected(self, store: KVStore, idx: int, row: int, pinned: torch.Tensor) -> torch.Tensor:
-        """`[length]` bool over the row's live slots: pinned, attention sinks (the first
+    def protected(self, store: KVStore, view: SlotView) -> torch.Tensor:
+        """`[L, R, S]` bool: the live slots every step keeps: pinned, attention sinks (the first
         `sinks` positions) and the `protect_recent` newest unpinned tokens."""
-        positions = store.layers[idx].live_positions(row)
-        protected = pinned | (positions < self.sinks)
+        protected = view.pinned | (view.valid & (view.positions < self.sinks))
         if self.protect_recent:
-            unpinned = (~pinned).nonzero().squeeze(1)
-            newest = torch.topk(positions[unpinned], min(self.protect_recent, unpinned.numel()))
-            protected[unpinned[newest.indices]] = True
+            unpinned = view.valid & ~view.pinned
+            newest = _descending_rank(torch.where(unpinned, view.positions, -1))
+            protected |= unpinned & (newest < self.protect_recent)
         return protected
 
-    def _evict(self, store: KVStore, idx: int, row: int, budget: int) -> int:
-        pinned = store.pinned_mask(idx, row)  # [n], logical order
-        n, n_pinned = pinned.numel(), int(pinned.sum())
-        if n - n_pinned <= budget:
-            return 0
-        protected = self.protected(store, idx, row, pinned)
-        ranks = self.keep_scores(store, idx, row, ~protected)  # [n]
-        ranks[protected] = float("inf")
-        slack = min(self.evict_slack, budget // 2)  # a small budget is never cut below half
-        keep_count = max(n_pinned + budget - slack, int(protected.sum()))
-        keep = torch.topk(ranks, keep_count, sorted=False).indices.sort().values
-        store.compact(idx, keep, row)
-        return n - keep_count
+    def _evict(self, store: KVStore, rows: slice, budgets: list[list[int]]) -> int:
+        """Cut every layer's row that holds more unpinned tokens than its budget to
+        `budget - slack` (never below the protected tokens), keeping the top-ranked: one rank,
+        one sort and one compaction for all layers and rows."""
+        view = SlotView.of(store, rows)
+        budget = torch.tensor(budgets, device=store.device).T  # [L, R]
+        held = view.valid.sum(dim=-1)
+        pinned = view.pinned.sum(dim=-1)
+        protected = self.protected(store, view)
+        ranks = self.keep_scores(store, view, view.valid & ~protected)
+        ranks = torch.where(protected, torch.inf, ranks)
+        ranks = torch.where(view.valid, ranks, -torch.inf)
+        slack = torch.clamp(budget // 2, max=self.evict_slack)  # never below half the budget
+        keep_count = torch.maximum(pinned + budget - slack, protected.sum(dim=-1))
+        keep_count = torch.where(held - pinned > budget, keep_count, held)
+        keep = _descending_rank(ranks) < keep_count[..., None]
+        return store.compact_joint(keep, slice(None), rows)
+
+
+def _descending_rank(values: torch.Tensor) -> torch.Tensor:
+    """int64, same shape as `values` `[..., S]`: each entry's place when the last dimension is
+    sorted in descending order (0 for the largest; ties in slot order)."""
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    places = torch.arange(values.shape[-1], device=values.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
+
+
+def _over_budget(store: KVStore, rows: range, budgets: list[list[int]]) -> bool:
+    """Whether some layer of `rows` holds more unpinned tokens than its budget (host counts:
+    no tensor is read)."""
+    pinned = store.pinned_live()
+    return any(
+        store.length(layer, row) - pinned[layer][row] > budget[layer]
+        for row, budget in zip(rows, budgets, strict=True)
+        for layer in range(store.num_layers)
+    )
 
 
 @dataclass

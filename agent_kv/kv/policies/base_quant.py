@@ -37,13 +37,13 @@ class BaseQuant(FullKV):
         super().validate()
         check_quantized(self.name, self.quantized, self.group)
 
-    def quantize(self, store: KVStore, idx: int, row: int) -> int:
-        """Quantize every whole group of the layer's unpinned FP tokens; returns the tokens
+    def slot_bounds(self, store: KVStore) -> tuple[int | None, int | None]:
+        """At most `group - 1` unpinned tokens wait in FP for a whole group; the quantized
+        segment grows with the context."""
+        return self.group - 1, None
+
+    def quantize(self, store: KVStore, rows: range) -> int:
+        """Quantize every whole group of each layer's unpinned FP tokens; returns the tokens
         moved."""
-        layer = store.layers[idx]
-        if layer.fp_len[row] < self.group:
-            return 0
-        q_len = layer.q_len[row]
-        fp_unpinned = (~store.pinned_mask(idx, row)[q_len:]).nonzero().squeeze(1)
-        whole = fp_unpinned[: fp_unpinned.numel() // self.group * self.group]
-        return store.quantize_slots(idx, row, q_len + whole, self.group, self.quantized)
+        span = slice(rows.start, rows.stop)
+        return store.quantize_oldest(0, self.group, self.quantized, rows=span)

@@ -26,7 +26,7 @@ import torch
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.cold_tier import ColdConfig
-from agent_kv.kv.policies.base import Policy
+from agent_kv.kv.policies.base import Policy, SlotView
 from agent_kv.kv.store import KVStore
 
 
@@ -74,6 +74,7 @@ class ColdRecall(Policy):
         return f"{self.inner.name}+recall"
 
     takes_budget = _from_inner("takes_budget")
+    statistics = _from_inner("statistics")
     manages_precision = _from_inner("manages_precision")
     reconstructs = _from_inner("reconstructs")
     protect_recent = _from_inner("protect_recent")
@@ -109,10 +110,14 @@ class ColdRecall(Policy):
         extra = self.config.pages * self.config.page_tokens
         return None if inner is None else [tokens + extra for tokens in inner]
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        return self.inner.rank(store, layer_idx, row, candidates)
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        return self.inner.rank(store, view, candidates)
+
+    def slot_bounds(self, store: KVStore) -> tuple[int | None, int | None]:
+        """The inner policy's bound plus one recall in the FP segment (`max_kept_tokens`)."""
+        fp, q = self.inner.slot_bounds(store)
+        extra = self.config.pages * self.config.page_tokens
+        return (None if fp is None else fp + extra), q
 
     def step(
         self,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policies.base import Policy, check_budget
+from agent_kv.kv.policies.base import Policy, SlotView, check_budget
 from agent_kv.kv.store import KVStore
 
 
@@ -93,6 +93,7 @@ class ConfKV(ConfidenceGate):
     """
 
     name = "conf-kv"
+    statistics = frozenset({"scores"})
     recency_weight: float = 0.3
 
     def validate(self) -> None:
@@ -102,24 +103,19 @@ class ConfKV(ConfidenceGate):
                 f"{self.name}: recency_weight must lie in [0, 1], got {self.recency_weight}"
             )
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """Composite of mass and recency percentiles among `candidates`; `[length]` float."""
-        layer = store.layers[layer_idx]
-        n = layer.length(row)
-        ranks = torch.zeros(n, device=candidates.device)
-        if not bool(candidates.any()):
-            return ranks
-        mass = layer.scores[row, :, :n].mean(dim=0)[candidates]  # [count]
-        positions = layer.live_positions(row)[candidates].float()  # [count]
-        ranks[candidates] = (1.0 - self.recency_weight) * _percentile(
-            mass
-        ) + self.recency_weight * _percentile(positions)
-        return ranks
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """Composite of mass and recency percentiles among `candidates`; `[L, R, S]`."""
+        mass = store.joint("scores", rows=view.rows).mean(dim=2)  # [L, R, S]
+        positions = view.positions.float()
+        return (1.0 - self.recency_weight) * _percentile(
+            mass, candidates
+        ) + self.recency_weight * _percentile(positions, candidates)
 
 
-def _percentile(values: torch.Tensor) -> torch.Tensor:
-    """Each value's rank among `values` `[n]`, scaled to [0, 1]; equal values share a rank."""
-    below = torch.searchsorted(torch.sort(values).values, values)  # count of smaller values
-    return below.float() / max(values.numel() - 1, 1)
+def _percentile(values: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Each value's rank among the candidates' values of its layer and row (`[..., S]`, the
+    candidates marked by `candidates`), scaled to [0, 1]; equal values share a rank."""
+    ranked = torch.where(candidates, values, torch.inf)
+    below = torch.searchsorted(torch.sort(ranked, dim=-1).values, values.contiguous())
+    count = candidates.sum(dim=-1, keepdim=True)
+    return below.float() / (count - 1).clamp_min(1)

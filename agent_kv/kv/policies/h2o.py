@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
 
 
@@ -30,6 +30,7 @@ class H2O(FixedBudgetPolicy):
     """
 
     name = "h2o"
+    statistics = frozenset({"accumulated"})
     protect_recent: int = 256
 
     @classmethod
@@ -40,9 +41,6 @@ class H2O(FixedBudgetPolicy):
             "protect_recent": params.get("protect_recent", budget // 2),
         }
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """Accumulated attention mass, mean over KV heads; `[length]`."""
-        layer = store.layers[layer_idx]
-        return layer.accumulated[row, :, : layer.length(row)].mean(dim=0)
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """Accumulated attention mass, mean over KV heads; `[L, R, S]`."""
+        return store.joint("accumulated", rows=view.rows).mean(dim=2)

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
 
 REPEAT_PROMPT = "\n\nRepeat the previous context:\n"
@@ -45,10 +45,7 @@ class KVzip(FixedBudgetPolicy):
     protect_recent: int = 32
     sinks: int = 4
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """`[length]`: each token's reconstruction score (`LayerStore.reconstruction`), the
-        largest over the layer's KV heads."""
-        layer = store.layers[layer_idx]
-        return layer.reconstruction[row, :, : layer.length(row)].amax(dim=0)
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """Each token's reconstruction score (`reconstruction`), the largest over the layer's
+        KV heads; `[L, R, S]`."""
+        return store.joint("reconstruction", rows=view.rows).amax(dim=2)

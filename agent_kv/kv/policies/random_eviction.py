@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
 
 SEED_RANGE = (-(2**63), 2**64)
@@ -36,8 +36,6 @@ class RandomEviction(FixedBudgetPolicy):
             raise ConfigError(f"{self.name}: seed must lie in [-2**63, 2**64), got {self.seed}")
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """Uniform random ranks `[length]` from the policy's seeded generator."""
-        return torch.rand(candidates.numel(), generator=self._generator).to(candidates.device)
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """Uniform random ranks `[L, R, S]` from the policy's seeded generator."""
+        return torch.rand(candidates.shape, generator=self._generator).to(candidates.device)

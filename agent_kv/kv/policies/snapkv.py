@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
 
 
@@ -79,23 +79,27 @@ class SnapKV(FixedBudgetPolicy):
         super().prepare(store)
         store.observation_window = self.observation_window
 
-    def rank(
-        self, store: KVStore, layer_idx: int, row: int, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """`[length]` float: tokens before the last observation window by their pooled
-        window attention (mean over KV heads); the window and the tokens after it above
-        them all, newest highest."""
-        layer = store.layers[layer_idx]
-        positions = layer.live_positions(row)
-        order = torch.argsort(positions)  # logical slots in position order
-        scored = order[: int((positions < store.observed_from[row]).sum())]
-        ranks = torch.empty(positions.numel(), device=positions.device)
-        top = 0.0
-        if scored.numel():
-            mass = layer.window_mass[row][:, scored]  # [kv_heads, scored], position order
-            pooled = F.max_pool1d(mass[None], self.kernel, stride=1, padding=self.kernel // 2)
-            ranks[scored] = pooled[0].mean(dim=0)
-            top = float(ranks[scored].max()) + 1.0
-        newer = order[scored.numel() :]
-        ranks[newer] = top + torch.arange(newer.numel(), device=positions.device)
-        return ranks
+    def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
+        """`[L, R, S]`: tokens before the last observation window by their pooled window
+        attention (mean over KV heads); the window and the tokens after it above them all,
+        newest highest."""
+        rows = range(*view.rows.indices(store.batch))
+        observed = torch.tensor([store.observed_from[r] for r in rows], device=store.device)
+        far = torch.iinfo(torch.long).max
+        order = torch.argsort(torch.where(view.valid, view.positions, far), dim=-1, stable=True)
+        positions = torch.take_along_dim(view.positions, order, dim=-1)  # position order
+        valid = torch.take_along_dim(view.valid, order, dim=-1)
+        scored = valid & (positions < observed[None, :, None])  # a prefix in position order
+        mass = store.joint("window_mass", rows=view.rows)  # [L, R, H, S]
+        mass = torch.take_along_dim(mass, order[:, :, None], dim=-1)
+        mass = torch.where(scored[:, :, None], mass, -torch.inf)
+        layers, batch, heads, width = mass.shape
+        pooled = F.max_pool1d(
+            mass.reshape(-1, heads, width), self.kernel, stride=1, padding=self.kernel // 2
+        ).view(layers, batch, heads, width)
+        pooled = torch.where(scored, pooled.mean(dim=2), -torch.inf)
+        top = pooled.amax(dim=-1, keepdim=True).clamp_min(-1.0) + 1.0
+        count = scored.sum(dim=-1, keepdim=True)
+        newer = top + (torch.arange(width, device=store.device) - count).float()
+        ranks = torch.where(scored, pooled, newer)
+        return torch.empty_like(ranks).scatter_(-1, order, ranks)

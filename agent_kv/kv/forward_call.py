@@ -1,0 +1,400 @@
+"""One model call over the KV store: what each layer's attention reads, what it leaves, and the
+commit that writes it all back for every layer at once.
+
+`KVStore.begin_forward` makes the call; the registered attention function
+(`agent_kv.kv.attention`) reads `segments(layer)` and the call's own new tokens
+(`new_segment`), stages the new keys and values (`stage`) and the attention mass
+(`record_attention`); after the model has run, `commit` writes every layer's new tokens after its
+rows' FP slots and folds the mass into the per-token statistics with a handful of operations
+over `[layers, rows, ...]` tensors; `KVStore.end_forward` then moves the host lengths on.
+
+A static call (`static=True`) reads a fixed width of every segment (`KVStore.decode_widths`:
+its capacity, or the policy's bound), masked by length tensors, so nothing it does depends on
+a host value that changes between decode steps and it synchronises nothing: a decode step made of the model call and the commit traces into one
+graph (`agent_kv.runtime.decode_graph`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from agent_kv.kv.rope import Rotary
+from kernels.reference import Segment
+
+if TYPE_CHECKING:
+    from agent_kv.kv.store import KVStore
+
+SEGMENTS = ("q", "fp")
+"""The stored segments, in reading order: quantized, then FP (`KVStore.q`, `KVStore.fp`)."""
+
+
+@dataclass
+class CallTensors:
+    """What a forward call reads besides the store's buffers (the inputs of a static decode
+    step's graph, besides the token ids).
+
+    Attributes:
+        position_ids: `[R, n]` int64, the new tokens' rotary positions.
+        q_lengths, fp_lengths: `[L, R]` int64, each layer's rows' live quantized and FP slots
+            before the call.
+        origin: `[R]` int64, each row's tokens seen before the call: the original position of
+            its first new token.
+    """
+
+    position_ids: torch.Tensor
+    q_lengths: torch.Tensor
+    fp_lengths: torch.Tensor
+    origin: torch.Tensor
+
+
+class ForwardCall:
+    """One model call's view of the store (module docstring).
+
+    Args:
+        store: the store.
+        rows: its rows in the call, contiguous.
+        n: new tokens per row.
+        tensors: the call's positions and lengths.
+        static: read each segment at its fixed decode width (`KVStore.decode_widths`), masked by
+            the lengths: a traced decode step.
+    """
+
+    def __init__(
+        self, store: KVStore, rows: range, n: int, tensors: CallTensors, static: bool = False
+    ):
+        self.store = store
+        self.rows = rows
+        self.n = n
+        self.tensors = tensors
+        self.static = static
+        self._rows = slice(rows.start, rows.stop)
+        if static:
+            self.widths = store.decode_widths()
+        else:
+            self.widths = {
+                name: max(
+                    getattr(store, name).lengths[layer][row]
+                    for layer in range(store.num_layers)
+                    for row in rows
+                )
+                for name in SEGMENTS
+            }
+        layers = store.num_layers
+        self._lengths = {"q": tensors.q_lengths.unbind(0), "fp": tensors.fp_lengths.unbind(0)}
+        self._bias = {  # per layer, [R, 1, 1, W]
+            name: _bias(_below(self.widths[name], lengths)).unbind(0)
+            for name, lengths in (("q", tensors.q_lengths), ("fp", tensors.fp_lengths))
+            if self.widths[name]
+        }
+        self._new_lengths = torch.full((len(rows),), n, device=store.device)
+        self._read: list[tuple[str, ...]] = [()] * layers
+        self._new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+        self._masses: list[dict[str, torch.Tensor] | None] = [None] * layers
+        self._windows: list[dict[str, torch.Tensor] | None] = [None] * layers
+        self._maxes: list[dict[str, torch.Tensor] | None] = [None] * layers
+        self._scored: torch.Tensor | None = None
+        self._group = 1
+        self._observed = 0
+
+    # -- what attention reads ----------------------------------------------------------------
+
+    def segments(self, layer: int) -> list[Segment]:
+        """The stored segments of `layer` for the call's rows, in reading order (quantized, if
+        it has width, then FP, if it has), each masked by its lengths; in rerotate mode with
+        every token rotated to its rank among the row's live tokens."""
+        store = self.store
+        rows = self._rows
+        widths = dict(self.widths)
+        lengths = {name: per_layer[layer] for name, per_layer in self._lengths.items()}
+        bias = {name: per_layer[layer] for name, per_layer in self._bias.items()}
+        if store.recalling and not self.static:  # a recall may have grown this layer
+            for name in SEGMENTS:
+                table = getattr(store, name)
+                widths[name] = max(widths[name], max(table.lengths[layer][rows]))
+                lengths[name].copy_(table.length_tensor(slice(layer, layer + 1), rows)[0])
+                bias[name] = _bias(_below(widths[name], lengths[name]))
+        rotation = {"q": (None, None), "fp": (None, None)}
+        if store.rotary is not None:
+            cos_q, sin_q, cos_fp, sin_fp = store.read_rotation(
+                layer, rows, (widths["q"], widths["fp"])
+            )
+            rotation = {"q": (cos_q, sin_q), "fp": (cos_fp, sin_fp)}
+        read = tuple(name for name in SEGMENTS if widths[name])
+        self._read[layer] = read
+        out = []
+        for name in read:
+            table, width = getattr(store, name), widths[name]
+            cos, sin = rotation[name]
+            quantized = {}
+            if name == "q":
+                quantized = {
+                    "key_scales": store.scales.layer_views("keys", rows, None)[layer],
+                    "value_scales": store.scales.layer_views("values", rows, None)[layer],
+                    "scale_index": table.layer_views("group", rows, width)[layer],
+                }
+            out.append(
+                Segment(
+                    keys=table.layer_views("keys", rows, width)[layer],
+                    values=table.layer_views("values", rows, width)[layer],
+                    lengths=lengths[name],
+                    cos=cos,
+                    sin=sin,
+                    bias=bias[name],
+                    **quantized,
+                )
+            )
+        return out
+
+    def new_segment(self, keys: torch.Tensor, values: torch.Tensor) -> Segment:
+        """The call's own tokens `[R, H, n, D]` as the last, causal segment: query `i` of a row
+        sees new token `j <= i`."""
+        return Segment(keys=keys, values=values, lengths=self._new_lengths, causal=True)
+
+    # -- what attention leaves ---------------------------------------------------------------
+
+    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold a layer's new keys and values `[R, H, n, D]` (rotated at the call's
+        positions) until `commit` writes them."""
+        self._new[layer] = (keys, values)
+
+    def _by_segment(self, layer: int, per_segment: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Name the entries of a list aligned with `segments(layer)` and then the new tokens."""
+        return dict(zip((*self._read[layer], "new"), per_segment, strict=True))
+
+    def record_attention(
+        self,
+        layer: int,
+        masses: list[torch.Tensor],
+        group: int,
+        scored: torch.Tensor | None = None,
+    ) -> None:
+        """Hold a layer's attention mass for `commit`.
+
+        Args:
+            masses: per segment of `segments(layer)` and then the new tokens, `[R, H, width]`:
+                the probability each slot received, summed over the scored queries and the
+                `group` query heads of its KV head.
+            group: query heads per KV head.
+            scored: int64 `[S]`, ascending: which of the call's queries (0-based) the masses
+                sum over (`agent_kv.kv.attention.scored_offsets`); default all `n`.
+        """
+        self._masses[layer] = self._by_segment(layer, masses)
+        self._group = group
+        self._scored = scored
+
+    def record_window(self, layer: int, masses: list[torch.Tensor], observed: int) -> None:
+        """Hold a layer's observation-window attention (SnapKV, Li et al. 2024, §4.1): per
+        segment and then the new tokens, `[R, H, width]`, the attention from the call's last
+        `observed` queries, summed over them and the query heads of each KV head."""
+        self._windows[layer] = self._by_segment(layer, masses)
+        self._observed = observed
+
+    def record_reconstruction(self, layer: int, maxes: list[torch.Tensor]) -> None:
+        """Hold a reconstruction pass's attention maxima (KVzip, Kim et al. 2025, §3.2: the
+        largest probability any of the pass's queries and query heads gave each token), per
+        segment and then the new tokens, `[R, H, width]`."""
+        self._maxes[layer] = self._by_segment(layer, maxes)
+
+    # -- commit ------------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Write every layer's new tokens after its rows' FP slots and fold the call's
+        attention into the statistics, for all layers at once: `write(fold())`. The host
+        lengths follow in `KVStore.end_forward`. A reconstruction pass keeps only its maxima,
+        and none of its tokens."""
+        self.write(self.fold())
+
+    def fold(self) -> dict[str, torch.Tensor]:
+        """What `commit` writes, computed without writing anything (so a compiled step can
+        return it: inductor copies a whole buffer it both reads and writes in place).
+
+        Returns:
+            `"new.<field>"`: each field's values for the new tokens (`[L, R, H, n, D]` keys
+            and values, `[L, R, H, n]` statistics, `[L, R, n]` positions and hits);
+            `"<segment>.<field>"`: the updated statistics of the stored slots the call read,
+            `[L, R, H, W]` (`[L, R, W]` for hits), to replace the first `W` slots of `rows`.
+        """
+        store = self.store
+        if store.reconstructing:
+            return self._maxima()
+        keys = torch.stack([k for k, _ in self._new])  # [L, R, H, n, D]
+        values = torch.stack([v for _, v in self._new])
+        if store.rotary is not None:  # stored unrotated, rotated at every read
+            cos, sin = store.rotary.cos_sin(self.tensors.position_ids)  # [R, n, D]
+            layers = store.num_layers
+            flat = keys.flatten(0, 1).float()  # [L * R, H, n, D]
+            unrotated = Rotary.unrotate(flat, cos.repeat(layers, 1, 1), sin.repeat(layers, 1, 1))
+            keys = unrotated.view(keys.shape)
+        positions = self.tensors.origin[:, None] + torch.arange(self.n, device=keys.device)
+        folded = {
+            "new.keys": keys.to(store.dtype),
+            "new.values": values.to(store.dtype),
+            "new.positions": positions.expand(store.num_layers, -1, -1),
+        }
+        folded.update(self._statistics())
+        return folded
+
+    def write(self, folded: dict[str, torch.Tensor]) -> None:
+        """Write what `fold` computed into the store's buffers (in place)."""
+        store = self.store
+        index = self._new_slots()
+        rows = self._rows
+        for key, value in folded.items():
+            where, field = key.split(".")
+            if where == "new":
+                per_head = store.fp.specs[field].lead
+                store.fp[field].index_put_(index.per_head if per_head else index.per_row, value)
+            else:
+                region = getattr(store, where)[field][:, rows]
+                region.narrow(-1, 0, value.shape[-1]).copy_(value)
+        if self._windows[0] is not None and not store.reconstructing:
+            for row in self.rows:
+                store.observed_from[row] = store.seen(row) + self.n - self._observed
+
+    def _new_slots(self) -> _Slots:
+        """Where the new tokens go: FP slot `fp_length + i` of each layer's row."""
+        store = self.store
+        device = self.tensors.fp_lengths.device
+        layers = torch.arange(store.num_layers, device=device)[:, None, None]  # [L, 1, 1]
+        rows = torch.arange(self.rows.start, self.rows.stop, device=device)[None, :, None]
+        slot = self.tensors.fp_lengths[:, :, None] + torch.arange(self.n, device=device)
+        heads = torch.arange(store.kv_heads, device=device)[None, None, :, None]
+        return _Slots(
+            per_row=(layers, rows, slot),  # [L, R, n]
+            per_head=(layers[..., None], rows[..., None], heads, slot[:, :, None, :]),
+        )
+
+    def _stacked(self, per_layer: list[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
+        """`[L, R, H, width]`: each layer's entry `name` zero-padded to the widest (zeros for a
+        layer without one), or None when no layer has one."""
+        parts = [layer.get(name) for layer in per_layer]
+        present = [part for part in parts if part is not None]
+        if not present:
+            return None
+        width = max(part.shape[-1] for part in present)
+        like = present[0]
+        padded = [
+            like.new_zeros(*like.shape[:-1], width)
+            if part is None
+            else F.pad(part, (0, width - part.shape[-1]))
+            if part.shape[-1] < width
+            else part
+            for part in parts
+        ]
+        return torch.stack(padded)
+
+    def _statistics(self) -> dict[str, torch.Tensor]:
+        """The staged attention folded into each token's statistics (`KVStore.statistics`),
+        as `fold` returns them:
+
+        - the step's mean attention per query `a_j = mass_j / (group * n_j)`, `n_j` the scored
+          queries that could see token j under the causal mask (docs/methods.md,
+          "Attention-mass statistics"): stored tokens update their EMA `s <- d*s + (1-d)*a`,
+          new tokens start at `a`;
+        - H2O's accumulated mass, scaled by `n / S` when `S` of the `n` queries were scored;
+        - ARKV's Welford statistics of the relative attention `x_j = a_j * L` (L the row's
+          live tokens after the call): `count += 1; d = x - mean; mean += d / count;
+          m2 += d * (x - mean)` (Welford, 1962); new tokens start at count 1, mean `x`;
+        - SnapKV's window mass, when the call measured one.
+        Statistics the policy does not ask for are left as they are (new tokens: 0).
+        """
+        store = self.store
+        rows = self._rows
+        n = self.n
+        device = self.tensors.fp_lengths.device
+        stats = store.statistics
+        if self._scored is None:
+            count = n
+            seen_by = torch.arange(n, 0, -1, device=device)
+        else:
+            count = self._scored.numel()
+            seen_by = count - torch.searchsorted(self._scored, torch.arange(n, device=device))
+        weight = n / count
+        decay = store.ema_decay
+        live = (self.tensors.q_lengths + self.tensors.fp_lengths + n).float()[:, :, None, None]
+        lengths = {"q": self.tensors.q_lengths, "fp": self.tensors.fp_lengths}
+        windows = self._windows[0] is not None
+        out = {}
+        for name in SEGMENTS:
+            mass = self._stacked(self._masses, name) if self._masses[0] else None
+            if mass is None:  # [L, R, H, W], or nothing read
+                continue
+            table = getattr(store, name)
+            width = mass.shape[-1]
+            valid = _below(width, lengths[name])[:, :, None]  # [L, R, 1, W]
+            step = mass / (count * self._group)
+            if "scores" in stats:
+                scores = table["scores"][:, rows, :, :width]
+                out[f"{name}.scores"] = torch.where(
+                    valid, decay * scores + (1 - decay) * step, scores
+                )
+            if "accumulated" in stats:
+                out[f"{name}.accumulated"] = table["accumulated"][:, rows, :, :width] + mass * weight
+            if "welford" in stats:
+                hits = table["hits"][:, rows, :width]
+                counted = hits + valid[:, :, 0].float()
+                mean = table["hit_mean"][:, rows, :, :width]
+                x = step * live
+                delta = x - mean
+                moved = mean + delta / counted[:, :, None].clamp_min(1.0)
+                m2 = table["hit_m2"][:, rows, :, :width]
+                out[f"{name}.hit_m2"] = torch.where(valid, m2 + delta * (x - moved), m2)
+                out[f"{name}.hit_mean"] = torch.where(valid, moved, mean)
+                out[f"{name}.hits"] = counted
+            if windows:
+                out[f"{name}.window_mass"] = self._stacked(self._windows, name)
+        if self._masses[0] is None:  # tokens appended without a model call: no attention
+            keys = self._new[0][0]
+            new_mass = keys.new_zeros(store.num_layers, *keys.shape[:3]).float()
+        else:
+            new_mass = torch.stack([layer["new"] for layer in self._masses])  # [L, R, H, n]
+        step = new_mass / (seen_by * self._group)
+        zero = torch.zeros_like(step)
+        welford = "welford" in stats
+        out["new.scores"] = step if "scores" in stats else zero
+        out["new.accumulated"] = new_mass * weight if "accumulated" in stats else zero
+        out["new.hit_mean"] = step * live if welford else zero
+        out["new.hit_m2"] = zero
+        out["new.reconstruction"] = zero
+        out["new.window_mass"] = (
+            torch.stack([layer["new"] for layer in self._windows]) if windows else zero
+        )
+        out["new.hits"] = torch.full_like(step[:, :, 0], float(welford))
+        return out
+
+    def _maxima(self) -> dict[str, torch.Tensor]:
+        """A reconstruction pass's `fold`: each stored token keeps the larger of its
+        `reconstruction` score and the pass's maximum."""
+        rows = self._rows
+        out = {}
+        for name in SEGMENTS:
+            best = self._stacked(self._maxes, name)
+            if best is not None:
+                kept = getattr(self.store, name)["reconstruction"][:, rows, :, : best.shape[-1]]
+                out[f"{name}.reconstruction"] = torch.maximum(kept, best)
+        return out
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    """`visible` `[L, R, W]` (or `[R, W]`) as an additive logit mask `[..., 1, 1, W]`: 0 where
+    visible, -inf elsewhere."""
+    zero = torch.zeros((), device=visible.device)
+    return torch.where(visible, zero, -torch.inf)[..., None, None, :]
+
+
+def _below(width: int, lengths: torch.Tensor) -> torch.Tensor:
+    """`[..., width]` bool: which of `width` slots lie below `lengths` `[...]`."""
+    return torch.arange(width, device=lengths.device) < lengths[..., None]
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Advanced indices of the new tokens' FP slots: `per_row` for `[L, B, C]` fields
+    (broadcasting to `[L, R, n]`), `per_head` for `[L, B, H, C, ...]` ones (`[L, R, H, n]`)."""
+
+    per_row: tuple[torch.Tensor, ...]
+    per_head: tuple[torch.Tensor, ...]

@@ -1,0 +1,157 @@
+"""One graph per decode step: the model call on one new token per row, the store's attention
+read and the commit of the new tokens and statistics, run as a single compiled (CPU) or
+captured (CUDA) graph.
+
+A decode step over a store whose capacities are fixed (`KVStore.bound_capacity`) has static
+shapes: it reads every segment at its whole capacity, masked by length tensors
+(`ForwardCall(static=True)`), and synchronises nothing. `DecodeGraph` runs such steps:
+- on CUDA, as a CUDA graph (`torch.cuda.CUDAGraph`) captured once per store and capacity and
+  replayed: one launch from the host per step, the kernels as the eager step issues them; the
+  first step of each capture runs eagerly and warms the kernels up;
+- on CPU, through `torch.compile` with `kernels.cpu_compile.backend` (inductor, products with
+  a few rows fused into multiply-reduce loops), one graph for every session of the same
+  capacities (a capacity change compiles once more, with dynamic shapes from then on); the
+  graph computes what the commit writes (`ForwardCall.fold`) and the writes run after it, in
+  place: inductor copies a whole buffer that one graph both reads and writes.
+The eager step (`compile=False` on the engine, `--no-compile`) is the same function uncompiled:
+the oracle the compiled one is tested against.
+
+Steps the graph does not take run eagerly (`DecodeGraph.takes`): prefill chunks, steps of some
+rows only, rerotate positions (rotation tables follow host lengths), a cold tier (recall
+inserts tokens mid-call) and reconstruction passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.forward_call import CallTensors, ForwardCall
+from agent_kv.kv.store import KVStore
+from kernels import cpu_compile
+
+
+def decode_logits(
+    model: torch.nn.Module, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One static decode step over every row of `cache`'s store: the model on `input_ids`
+    `[B, 1]` and what its commit writes (`ForwardCall.fold`), with nothing written yet.
+    Returns float32 logits `[B, vocab]` and the fold. Tensor operations only: what the
+    graph runs."""
+    store = cache.store
+    call = ForwardCall(store, range(store.batch), 1, tensors, static=True)
+    out = model(
+        input_ids=input_ids,
+        position_ids=tensors.position_ids,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        kv_store=call,
+    )
+    return out.logits[:, -1].float(), call.fold()
+
+
+def decode_step(
+    model: torch.nn.Module, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors
+) -> torch.Tensor:
+    """`decode_logits` and the writes of its fold: one whole static decode step (what a
+    CUDA graph captures). Returns float32 logits `[B, vocab]`."""
+    logits, folded = decode_logits(model, cache, input_ids, tensors)
+    ForwardCall(cache.store, range(cache.store.batch), 1, tensors, static=True).write(folded)
+    return logits
+
+
+class DecodeGraph:
+    """Runs an engine's static decode steps as one graph each (module docstring).
+
+    Args:
+        model: the engine's model.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._compiled = None
+        self._captured: dict[tuple, _Captured] = {}
+
+    @staticmethod
+    def takes(store: KVStore, rows: range, n: int) -> bool:
+        """Whether a call of `n` tokens for `rows` of `store` runs as a graph: one token for
+        every row, original positions, no cold tier, no reconstruction."""
+        return (
+            n == 1
+            and rows == range(store.batch)
+            and store.rotary is None
+            and not store.recalling
+            and not store.reconstructing
+        )
+
+    def step(self, cache: StoreCache, tokens: list[int]) -> torch.Tensor:
+        """Decode one token per row (`tokens`, one per row of the store): float32 logits
+        `[B, vocab]`, the store moved on as an eager step would."""
+        store = cache.store
+        call = store.begin_forward(range(store.batch), 1, static=True)
+        input_ids = torch.tensor([[t] for t in tokens], device=store.device)
+        if store.device.type == "cuda":
+            logits = self._replay(cache, input_ids, call.tensors)
+        else:
+            logits, folded = self._compile()(self.model, cache, input_ids, call.tensors)
+            call.write(folded)  # in place, outside the graph (`ForwardCall.fold`)
+        store.end_forward(call)
+        return logits
+
+    def _compile(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(decode_logits, backend=cpu_compile.backend)
+        return self._compiled
+
+    def _replay(self, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors):
+        """The step through the store's captured CUDA graph: captured at the second step of a
+        store and capacity (the first runs eagerly, loading every kernel), replayed after."""
+        store = cache.store
+        key = (id(store), store.fp.capacity, store.q.capacity, store.scales.capacity,
+               store.q["keys"].dtype, store.statistics)  # fmt: skip
+        captured = self._captured.get(key)
+        if captured is None:
+            self._captured = {k: v for k, v in self._captured.items() if k[0] != id(store)}
+            self._captured[key] = _Captured.pending()
+            return decode_step(self.model, cache, input_ids, tensors)
+        if captured.graph is None:
+            captured.capture(self.model, cache, input_ids, tensors)
+        return captured.replay(input_ids, tensors)
+
+
+class _Captured:
+    """A CUDA graph of `decode_logits` and its static inputs and output."""
+
+    def __init__(self):
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: tuple[torch.Tensor, CallTensors] | None = None
+        self.output: torch.Tensor | None = None
+
+    @classmethod
+    def pending(cls) -> _Captured:
+        """Not captured yet: the next step captures."""
+        return cls()
+
+    def capture(self, model, cache, input_ids: torch.Tensor, tensors: CallTensors) -> None:
+        """Record one step on static copies of the inputs (nothing runs while recording)."""
+        static = CallTensors(
+            position_ids=tensors.position_ids.clone(),
+            q_lengths=tensors.q_lengths.clone(),
+            fp_lengths=tensors.fp_lengths.clone(),
+            origin=tensors.origin.clone(),
+        )
+        self.inputs = (input_ids.clone(), static)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = decode_step(model, cache, self.inputs[0], static)
+
+    def replay(self, input_ids: torch.Tensor, tensors: CallTensors) -> torch.Tensor:
+        """Copy this step's inputs into the static ones, replay, return a copy of the
+        logits."""
+        static_ids, static = self.inputs
+        static_ids.copy_(input_ids, non_blocking=True)
+        for name in ("position_ids", "q_lengths", "fp_lengths", "origin"):
+            getattr(static, name).copy_(getattr(tensors, name), non_blocking=True)
+        self.graph.replay()
+        return self.output.clone()
