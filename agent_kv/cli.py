@@ -126,6 +126,15 @@ ThreadsOption = Annotated[
         f"{thread_setting.DEFAULT}: more threads stall when other processes share the cores).",
     ),
 ]
+CompileOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Run each decode step as one graph (torch.compile on CPU: a first compile of "
+        "about a minute; a CUDA graph on a GPU); --no-compile runs every step eagerly. "
+        "Default: on for serve and on a GPU, off otherwise.",
+    ),
+]
 AgentOption = Annotated[
     str,
     typer.Option(
@@ -180,6 +189,7 @@ def run_episode_command(
     agent: AgentOption = "text",
     model: ModelOption = None,
     threads: ThreadsOption = None,
+    compile: CompileOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
@@ -205,7 +215,7 @@ def run_episode_command(
         config = AgentConfig(
             max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain, agent=agent
         )
-        summary = _run(task_obj, spec, model, config, prefill_chunk, observation, out)
+        summary = _run(task_obj, spec, model, config, prefill_chunk, observation, out, compile)
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
@@ -248,7 +258,9 @@ def _writable_dir(path: Path) -> None:
         raise AgentKVError(f"cannot use {path}: {err.strerror}") from None
 
 
-def _run(task, spec: PolicySpec, model_path, config, prefill_chunk, observation, out) -> dict:
+def _run(
+    task, spec: PolicySpec, model_path, config, prefill_chunk, observation, out, compile
+) -> dict:
     from agent_kv.harness.agent import run_episode
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
@@ -267,7 +279,8 @@ def _run(task, spec: PolicySpec, model_path, config, prefill_chunk, observation,
             f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
             err=True,
         )
-        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk)
+        compile = _compile_default(compile, loaded.model, serving=False)
+        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk, compile)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
 
@@ -543,6 +556,7 @@ def serve_command(
         float, typer.Option(min=1.0, help="Seconds a request may wait for the model (then 503).")
     ] = 600.0,
     threads: ThreadsOption = None,
+    compile: CompileOption = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -600,12 +614,22 @@ def serve_command(
     typer.echo(f"loading model {model or Path(DEFAULT_GGUF_NAME).stem}...", err=True)
     try:
         loaded = load_model(model)
-        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer)
+        compile = _compile_default(compile, loaded.model, serving=True)
+        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, compile=compile)
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)
     service = ChatService(engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout)
     _serve(create_app(service, loaded.name, api_key=api_key, allowed_hosts=hosts), host, port)
+
+
+def _compile_default(flag: bool | None, model, serving: bool) -> bool:
+    """`--compile/--no-compile` as given, else on where compiling pays: a long-lived server
+    (the first compile, about a minute on a 2-core CPU, is paid once for every later turn), or
+    a GPU (capturing a CUDA graph costs one step)."""
+    if flag is not None:
+        return flag
+    return serving or next(model.parameters()).is_cuda
 
 
 def _serve(app, host: str, port: int) -> None:

@@ -51,7 +51,8 @@ def kept_heavy_hitters(loaded, ids: list[int], chunk: int, budget: int) -> torch
     engine = Engine(loaded.model, loaded.tokenizer, policy, chunk)
     session = engine.new_sequence()
     engine.feed(session, ids)
-    positions = torch.cat([layer.live_positions(0) for layer in session.store.layers])
+    store = session.store
+    positions = torch.cat([store.live_positions(layer) for layer in range(store.num_layers)])
     return positions[positions < len(ids) - policy.protect_recent]
 
 

@@ -39,10 +39,11 @@ def error_table(engine_full: Engine, ids: list[int], group: int) -> None:
     )
     totals = {"K": [0.0, 0.0, 0.0], "V": [0.0, 0.0, 0.0]}  # sum |err|, max |err|, sum |x|
     count = 0
-    for idx, layer in enumerate(session.store.layers):
-        n = layer.fp_len[0] // group * group
+    store = session.store
+    for idx in range(store.num_layers):
+        n = store.fp.lengths[idx][0] // group * group
         row = []
-        for label, tensor in (("K", layer.keys), ("V", layer.values)):
+        for label, tensor in (("K", store.fp["keys"][idx]), ("V", store.fp["values"][idx])):
             x = tensor[0, :, :n].float()  # [H, n, D]
             q, scales = quantize_groups(x, group)
             err = (dequantize(q, scales.repeat_interleave(group, dim=1)) - x).abs()
@@ -51,7 +52,7 @@ def error_table(engine_full: Engine, ids: list[int], group: int) -> None:
             totals[label][1] = max(totals[label][1], err.max().item())
             totals[label][2] += x.abs().sum().item()
         count += x.numel()
-        if idx % 5 == 0 or idx == len(session.store.layers) - 1:
+        if idx % 5 == 0 or idx == store.num_layers - 1:
             print(_error_row(idx, row))
     summary = []
     for label in ("K", "V"):

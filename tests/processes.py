@@ -46,10 +46,15 @@ def free_port() -> int:
 @contextlib.contextmanager
 def agent_kv_serve(*args: str, timeout: float = 300) -> Iterator[str]:
     """Run `agent-kv serve *args` on a free port until the block ends; yields its root URL
-    once it says it is ready. AssertionError (with what it printed) if it exits first."""
+    once it says it is ready. AssertionError (with what it printed) if it exits first. Decode
+    steps run eagerly unless `args` say `--compile`: a compile takes about a minute per
+    server, and tests/test_decode_graph.py checks the compiled step against the eager one."""
     port = free_port()
+    compile_flag = [] if "--compile" in args else ["--no-compile"]
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), *args], stderr=subprocess.PIPE, text=True
+        [*CLI, "serve", "--port", str(port), *compile_flag, *args],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         read_lines_until(proc.stderr, lambda line: "ready on" in line, timeout=timeout)

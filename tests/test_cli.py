@@ -225,7 +225,9 @@ def test_agent_kv_threads_is_checked_before_the_model():
 def test_serve_says_when_it_loads_and_when_it_is_ready():
     port = free_port()
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True
+        [*CLI, "serve", "--port", str(port), "--threads", "1", "--no-compile"],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         lines = read_lines_until(proc.stderr, lambda line: "ready on" in line, timeout=300)

@@ -43,12 +43,17 @@ class CallTensors:
             before the call.
         origin: `[R]` int64, each row's tokens seen before the call: the original position of
             its first new token.
+        q_slots, fp_slots: int64 `[W]`, `arange(W)`: the slots of each segment the call reads
+            (its width as a tensor shape, so a traced step follows a width that changes
+            without compiling again).
     """
 
     position_ids: torch.Tensor
     q_lengths: torch.Tensor
     fp_lengths: torch.Tensor
     origin: torch.Tensor
+    q_slots: torch.Tensor
+    fp_slots: torch.Tensor
 
 
 class ForwardCall:
@@ -72,22 +77,14 @@ class ForwardCall:
         self.tensors = tensors
         self.static = static
         self._rows = slice(rows.start, rows.stop)
-        if static:
-            self.widths = store.decode_widths()
-        else:
-            self.widths = {
-                name: max(
-                    getattr(store, name).lengths[layer][row]
-                    for layer in range(store.num_layers)
-                    for row in rows
-                )
-                for name in SEGMENTS
-            }
+        slots = {"q": tensors.q_slots, "fp": tensors.fp_slots}
+        self.widths = {name: slot.shape[0] for name, slot in slots.items()}
         layers = store.num_layers
-        self._lengths = {"q": tensors.q_lengths.unbind(0), "fp": tensors.fp_lengths.unbind(0)}
+        lengths = {"q": tensors.q_lengths, "fp": tensors.fp_lengths}
+        self._lengths = {name: per_layer.unbind(0) for name, per_layer in lengths.items()}
         self._bias = {  # per layer, [R, 1, 1, W]
-            name: _bias(_below(self.widths[name], lengths)).unbind(0)
-            for name, lengths in (("q", tensors.q_lengths), ("fp", tensors.fp_lengths))
+            name: _bias(slots[name] < lengths[name][..., None]).unbind(0)
+            for name in SEGMENTS
             if self.widths[name]
         }
         self._new_lengths = torch.full((len(rows),), n, device=store.device)
@@ -116,7 +113,8 @@ class ForwardCall:
                 table = getattr(store, name)
                 widths[name] = max(widths[name], max(table.lengths[layer][rows]))
                 lengths[name].copy_(table.length_tensor(slice(layer, layer + 1), rows)[0])
-                bias[name] = _bias(_below(widths[name], lengths[name]))
+                slots = torch.arange(widths[name], device=store.device)
+                bias[name] = _bias(slots < lengths[name][..., None])
         rotation = {"q": (None, None), "fp": (None, None)}
         if store.rotary is not None:
             cos_q, sin_q, cos_fp, sin_fp = store.read_rotation(
@@ -132,14 +130,14 @@ class ForwardCall:
             quantized = {}
             if name == "q":
                 quantized = {
-                    "key_scales": store.scales.layer_views("keys", rows, None)[layer],
-                    "value_scales": store.scales.layer_views("values", rows, None)[layer],
-                    "scale_index": table.layer_views("group", rows, width)[layer],
+                    "key_scales": self._view(store.scales, "keys", layer, None),
+                    "value_scales": self._view(store.scales, "values", layer, None),
+                    "scale_index": self._view(table, "group", layer, width),
                 }
             out.append(
                 Segment(
-                    keys=table.layer_views("keys", rows, width)[layer],
-                    values=table.layer_views("values", rows, width)[layer],
+                    keys=self._view(table, "keys", layer, width),
+                    values=self._view(table, "values", layer, width),
                     lengths=lengths[name],
                     cos=cos,
                     sin=sin,
@@ -148,6 +146,15 @@ class ForwardCall:
                 )
             )
         return out
+
+    def _view(self, table, name: str, layer: int, width: int | None) -> torch.Tensor:
+        """Field `name` of `table` for `layer` and the call's rows, up to slot `width`: the
+        table's cached views in an eager call, a plain slice in a traced one (slicing costs a
+        graph nothing, and a cache filled while tracing would change its guards)."""
+        if not self.static:
+            return table.layer_views(name, self._rows, width)[layer]
+        field = table[name][layer, self._rows]
+        return field if width is None else field.narrow(table.specs[name].slot_dim - 1, 0, width)
 
     def new_segment(self, keys: torch.Tensor, values: torch.Tensor) -> Segment:
         """The call's own tokens `[R, H, n, D]` as the last, causal segment: query `i` of a row
@@ -325,7 +332,8 @@ class ForwardCall:
                 continue
             table = getattr(store, name)
             width = mass.shape[-1]
-            valid = _below(width, lengths[name])[:, :, None]  # [L, R, 1, W]
+            slots = torch.arange(width, device=device)
+            valid = (slots < lengths[name][..., None])[:, :, None]  # [L, R, 1, W]
             step = mass / (count * self._group)
             if "scores" in stats:
                 scores = table["scores"][:, rows, :, :width]
@@ -384,11 +392,6 @@ def _bias(visible: torch.Tensor) -> torch.Tensor:
     visible, -inf elsewhere."""
     zero = torch.zeros((), device=visible.device)
     return torch.where(visible, zero, -torch.inf)[..., None, None, :]
-
-
-def _below(width: int, lengths: torch.Tensor) -> torch.Tensor:
-    """`[..., width]` bool: which of `width` slots lie below `lengths` `[...]`."""
-    return torch.arange(width, device=lengths.device) < lengths[..., None]
 
 
 @dataclass(frozen=True)

@@ -467,21 +467,12 @@ class KVStore:
 
     def decode_widths(self) -> dict[str, int]:
         """The slots of each segment a static decode step reads (`ForwardCall(static=True)`):
-        its capacity, or less under a bound (`bound_capacity`) that every row's length keeps
-        within.
-
-        Raises:
-            ValueError: a row holds more than the width (the bound was not kept).
-        """
+        its capacity, or less under a bound (`bound_capacity`) that keeps every row's length
+        within it (`begin_forward` checks)."""
         widths = {}
         for name, bound in zip(("q", "fp"), self._decode_bounds, strict=True):
-            table = getattr(self, name)
-            width = table.capacity if bound is None else min(table.capacity, bound)
-            if table.most() > width:
-                raise ValueError(
-                    f"a row holds {table.most()} {name} slots, past the decode read of {width}"
-                )
-            widths[name] = width
+            capacity = getattr(self, name).capacity
+            widths[name] = capacity if bound is None else min(capacity, bound)
         return widths
 
     def _fit(self, n: int) -> None:
@@ -550,11 +541,26 @@ class KVStore:
             n, device=self.device
         )
         layers, span = slice(None), slice(rows.start, rows.stop)
+        if static:
+            widths = self.decode_widths()
+            for name, width in widths.items():
+                if getattr(self, name).most() > width:
+                    raise ValueError(
+                        f"a row holds {getattr(self, name).most()} {name} slots, past the "
+                        f"static read of {width}: the store's bound was not kept"
+                    )
+        else:  # each segment up to its longest row among the call's rows
+            widths = {
+                name: max(max(row[span]) for row in getattr(self, name).lengths)
+                for name in ("q", "fp")
+            }
         tensors = CallTensors(
             position_ids=self._query_positions,
             q_lengths=self.q.length_tensor(layers, span),
             fp_lengths=self.fp.length_tensor(layers, span),
             origin=torch.tensor([self.appended[r] for r in rows], device=self.device),
+            q_slots=torch.arange(widths["q"], device=self.device),
+            fp_slots=torch.arange(widths["fp"], device=self.device),
         )
         return ForwardCall(self, rows, n, tensors, static)
 

@@ -23,6 +23,8 @@ inserts tokens mid-call) and reconstruction passes.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from agent_kv.kv.cache import StoreCache
@@ -94,6 +96,7 @@ class DecodeGraph:
         if store.device.type == "cuda":
             logits = self._replay(cache, input_ids, call.tensors)
         else:
+            _mark_dynamic(store, call.tensors)
             logits, folded = self._compile()(self.model, cache, input_ids, call.tensors)
             call.write(folded)  # in place, outside the graph (`ForwardCall.fold`)
         store.end_forward(call)
@@ -101,7 +104,11 @@ class DecodeGraph:
 
     def _compile(self):
         if self._compiled is None:
-            self._compiled = torch.compile(decode_logits, backend=cpu_compile.backend)
+            # fullgraph: a graph break (a host synchronisation, an unsupported call) is an
+            # error, not a silent fallback to eager pieces
+            self._compiled = torch.compile(
+                decode_logits, backend=cpu_compile.backend, fullgraph=True
+            )
         return self._compiled
 
     def _replay(self, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors):
@@ -120,6 +127,16 @@ class DecodeGraph:
         return captured.replay(input_ids, tensors)
 
 
+def _mark_dynamic(store: KVStore, tensors: CallTensors) -> None:
+    """Trace the store's capacities and the call's read widths as symbolic sizes: one graph
+    serves every capacity and every bound (pins change between turns), compiled once."""
+    for table in (store.fp, store.q, store.scales):
+        for name, spec in table.specs.items():
+            torch._dynamo.maybe_mark_dynamic(table[name], spec.slot_dim)
+    torch._dynamo.maybe_mark_dynamic(tensors.q_slots, 0)
+    torch._dynamo.maybe_mark_dynamic(tensors.fp_slots, 0)
+
+
 class _Captured:
     """A CUDA graph of `decode_logits` and its static inputs and output."""
 
@@ -136,10 +153,7 @@ class _Captured:
     def capture(self, model, cache, input_ids: torch.Tensor, tensors: CallTensors) -> None:
         """Record one step on static copies of the inputs (nothing runs while recording)."""
         static = CallTensors(
-            position_ids=tensors.position_ids.clone(),
-            q_lengths=tensors.q_lengths.clone(),
-            fp_lengths=tensors.fp_lengths.clone(),
-            origin=tensors.origin.clone(),
+            **{field.name: getattr(tensors, field.name).clone() for field in fields(tensors)}
         )
         self.inputs = (input_ids.clone(), static)
         self.graph = torch.cuda.CUDAGraph()
@@ -151,7 +165,7 @@ class _Captured:
         logits."""
         static_ids, static = self.inputs
         static_ids.copy_(input_ids, non_blocking=True)
-        for name in ("position_ids", "q_lengths", "fp_lengths", "origin"):
-            getattr(static, name).copy_(getattr(tensors, name), non_blocking=True)
+        for field in fields(tensors):
+            getattr(static, field.name).copy_(getattr(tensors, field.name), non_blocking=True)
         self.graph.replay()
         return self.output.clone()

@@ -126,10 +126,16 @@ class Engine:
 
     @classmethod
     def from_spec(
-        cls, spec: PolicySpec, model: torch.nn.Module, tokenizer, prefill_chunk: int = 512
+        cls,
+        spec: PolicySpec,
+        model: torch.nn.Module,
+        tokenizer,
+        prefill_chunk: int = 512,
+        compile: bool = False,
     ) -> Engine:
         """An engine for `model` with the policy and store options of `spec` (a byte budget
-        becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost).
+        becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost);
+        `compile` as in `Engine`.
 
         Raises:
             ConfigError: the budget holds no token, or invalid policy or engine settings.
@@ -137,7 +143,7 @@ class Engine:
         shape = KVStore.for_model(model)
         int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
         policy = spec.build(shape.bytes_per_token(), int8_cost)
-        return cls(model, tokenizer, policy, prefill_chunk, spec.int8, spec.rerotate)
+        return cls(model, tokenizer, policy, prefill_chunk, spec.int8, spec.rerotate, compile)
 
     def new_sequence(self) -> Sequence:
         """An empty sequence for this engine's model and store options."""
@@ -259,6 +265,28 @@ class Engine:
             )
 
     @torch.no_grad()
+    def decode(
+        self,
+        cache: StoreCache,
+        tokens: list[int],
+        records: list[list[StepRecord]] | None = None,
+    ) -> torch.Tensor:
+        """One decode step for every row of `cache`'s store: `tokens[i]` fed to row `i` in one
+        model call (one graph, with `compile`), then the policy steps each row with the
+        confidence of its own next-token distribution, appending a `StepRecord` to
+        `records[i]` when given.
+
+        Returns:
+            float32 logits `[B, vocab]` after the step.
+        """
+        store = cache.store
+        rows = range(store.batch)
+        logits = self._forward(cache, rows, [[token] for token in tokens])
+        records = [[] for _ in rows] if records is None else records
+        self._apply_policy(store, rows, logits, [True] * store.batch, records)
+        return logits
+
+    @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> BatchGeneration:
         """Decode replies to several prompts together, one row of a batched store each.
 
@@ -317,8 +345,7 @@ class Engine:
             first_token_at = first_token_at or time.perf_counter()
             if all(done_at):
                 break
-            logits = self._forward(cache, range(batch), [[t] for t in feed])
-            self._apply_policy(store, range(batch), logits, [True] * batch, steps)
+            logits = self.decode(cache, feed, steps)
         end = time.perf_counter()
         generations = []
         for row in range(batch):

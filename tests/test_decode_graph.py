@@ -1,0 +1,89 @@
+"""One graph per decode step: the compiled step equals the eager one (its oracle), traces with
+no graph break (so no host synchronisation), and compiles once per capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agent_kv.kv.attention import register_attention
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.decode_graph import decode_logits
+from agent_kv.runtime.engine import Engine
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A random-weight Llama of 2 layers, GQA (4 query heads on 2 KV heads)."""
+    register_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        attn_implementation="agent_kv",
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _engines(model, name: str, params: dict, int8: Int8Config | None):
+    return [
+        Engine(model, _Tokenizer(), make_policy(name, **params), 64, int8, compile=compile)
+        for compile in (False, True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "name,params,int8",
+    [
+        ("conf-kv", {"budget": 96, "protect_recent": 16}, Int8Config(fp_window=16, group=8)),
+        ("full", {}, None),
+    ],
+)
+def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
+    eager, compiled = _engines(tiny_model, name, params, int8)
+    runs = [(engine, engine.new_sequence()) for engine in (eager, compiled)]
+    prompt = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    for engine, sequence in runs:
+        engine.feed(sequence, prompt)
+    for _ in range(40):  # past 2 full-KV capacities and several evictions and INT8 groups
+        token = int(runs[0][1].last_logits.argmax())
+        for engine, sequence in runs:
+            engine.feed(sequence, [token])
+        torch.testing.assert_close(
+            runs[1][1].last_logits, runs[0][1].last_logits, atol=1e-4, rtol=0
+        )
+    (_, e), (_, c) = runs
+    assert e.store.lengths() == c.store.lengths()
+    assert e.store.quantized_lengths() == c.store.quantized_lengths()
+    assert all(
+        torch.equal(e.store.live_positions(layer), c.store.live_positions(layer))
+        for layer in range(e.store.num_layers)
+    )
+    if int8 is not None:
+        assert c.store.quantized_tokens > 0 and c.store.evicted_tokens > 0
+
+
+def test_the_step_traces_into_one_graph_and_compiles_once_per_capacity(tiny_model):
+    _, engine = _engines(tiny_model, "conf-kv", {"budget": 96, "protect_recent": 16}, None)
+    sequence = engine.new_sequence()
+    engine.feed(sequence, [t % 128 for t in range(200)])
+    store = sequence.store
+    call = store.begin_forward(range(1), 1, static=True)
+    explained = torch._dynamo.explain(decode_logits)(
+        tiny_model, sequence.cache, torch.tensor([[5]]), call.tensors
+    )
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    engine.feed(sequence, [5])  # compiles
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    capacity = (store.fp.capacity, store.q.capacity)
+    for token in range(60):  # evictions every evict_slack + 1 tokens; one capacity
+        engine.feed(sequence, [token % 128])
+    assert (store.fp.capacity, store.q.capacity) == capacity
+    assert store.evicted_tokens > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
