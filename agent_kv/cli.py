@@ -616,6 +616,9 @@ def serve_command(
         loaded = load_model(model)
         compile = _compile_default(compile, loaded.model, serving=True)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, compile=compile)
+        if compile:
+            typer.echo("compiling the decode step (--no-compile skips it)...", err=True)
+            engine.warm_up()
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)

@@ -180,7 +180,9 @@ def run_length(loaded, length: int, args, settings_out: dict) -> list[Setting]:
 
 
 def print_table(settings_by_label: dict, lengths: list[int], floor_ms: float) -> None:
-    hf = {length: _median(settings_by_label["hf (sdpa, DynamicCache)"], length) for length in lengths}
+    hf = {
+        length: _median(settings_by_label["hf (sdpa, DynamicCache)"], length) for length in lengths
+    }
     head = " | ".join(f"{n} ms (vs hf)" for n in lengths)
     print(f"\n| setting | {head} | aten ops / step | fused kernels | KV MB alloc/live (longest) |")
     print("|---|" + "---:|" * (len(lengths) + 3))
@@ -193,9 +195,13 @@ def print_table(settings_by_label: dict, lengths: list[int], floor_ms: float) ->
         ops = "-" if not counts else f"{counts[-1][0]:,}"
         fused = "-" if not counts or not counts[-1][1] else f"{counts[-1][1]:,}"
         memory = [run.memory[n] for run in runs for n in run.memory]
-        print(f"| {label} | {' | '.join(cells)} | {ops} | {fused} | {memory[-1] if memory else '-'} |")
-    print(f"\nweight-read floor: {floor_ms:.1f} ms per step (fp32 weights over a plain read's "
-          "bandwidth, same threads)")
+        print(
+            f"| {label} | {' | '.join(cells)} | {ops} | {fused} | {memory[-1] if memory else '-'} |"
+        )
+    print(
+        f"\nweight-read floor: {floor_ms:.1f} ms per step (fp32 weights over a plain read's "
+        "bandwidth, same threads)"
+    )
 
 
 def _median(runs: list[Setting], length: int) -> float:
@@ -236,8 +242,10 @@ def main() -> None:
     loaded = load_model()
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = read_bandwidth()
-    print(f"model {loaded.name}: {weights / 1e6:.0f} MB of weights; {torch.get_num_threads()} "
-          f"threads; plain read {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"model {loaded.name}: {weights / 1e6:.0f} MB of weights; {torch.get_num_threads()} "
+        f"threads; plain read {bandwidth / 1e9:.1f} GB/s"
+    )
     by_label: dict[str, list[Setting]] = {}
     for length in args.lengths:
         run_length(loaded, length, args, by_label)

@@ -212,7 +212,9 @@ class EngineRun:
         dim = config.hidden_size // config.num_attention_heads
         shape_q = (store.batch, config.num_attention_heads, 1, dim)
         query = torch.randn(shape_q, device=store.device, dtype=shape.dtype)
-        new = torch.randn(store.batch, store.kv_heads, 1, dim, device=store.device, dtype=shape.dtype)
+        new = torch.randn(
+            store.batch, store.kv_heads, 1, dim, device=store.device, dtype=shape.dtype
+        )
         call = store.begin_forward(range(store.batch), 1, static=True)
         segments = [*call.segments(0), call.new_segment(new, new)]
         seconds = seconds_per_call(
@@ -317,7 +319,9 @@ def main() -> None:
                     else:
                         run = EngineRun(ours, shape, setting, context, batch, graphs)
                         store = run.store
-                        kv = f"{store.allocated_nbytes() / 2**30:.3g} ({store.nbytes() / 2**30:.3g})"
+                        kv = (
+                            f"{store.allocated_nbytes() / 2**30:.3g} ({store.nbytes() / 2**30:.3g})"
+                        )
                         extra = run.read(ours, shape)
                     r = measure(run, device, shape.steps)
                     base[setting] = r["step"]

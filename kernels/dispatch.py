@@ -1,5 +1,5 @@
 """Which implementation runs the store's attention read for decode and short chunks, and its
-write-side operations (quantize-on-append, compaction).
+quantize-on-append.
 
 `AGENT_KV_KERNELS` (read at every call) chooses:
 - `auto` (default): the Triton kernels (`kernels.triton_attention`) for CUDA tensors, the
@@ -83,18 +83,3 @@ def quantize_groups(
 
         return triton_store_ops.quantize_groups(x, group, fmt.dtype)
     return fmt.quantize(x, group)
-
-
-def compact(buffer: torch.Tensor, row: int, keep: torch.Tensor) -> None:
-    """`buffer[row, :, :k] = buffer[row, :, keep]` for a `[B, H, L, D]` buffer and int64 `keep`
-    `[k]`, by `kernels.triton_store_ops.compact` when `kernel_mode()` picks Triton.
-
-    Raises:
-        ValueError: (Triton) a malformed `keep` or a device it cannot run on.
-    """
-    if _use_triton(buffer):
-        from kernels import triton_store_ops
-
-        triton_store_ops.compact(buffer, row, keep)
-    else:
-        buffer[row, :, : keep.numel()] = buffer[row, :, keep]

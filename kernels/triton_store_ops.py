@@ -1,9 +1,9 @@
-"""The store's write-side operations as Triton kernels: quantize-on-append and compaction.
+"""The store's quantize-on-append as a Triton kernel.
 
 `quantize_groups` is `kernels.int8.quantize_groups` / `kernels.fp8.quantize_groups` in one
 launch (one program per KV head, group of tokens and block of channels); its codes and scales
-are bit-identical to theirs. `compact` is the gather `LayerStore.compact` makes with
-`t[row, :, :k] = t[row, :, keep]`.
+are bit-identical to theirs. (Compaction is one gather per field over every layer and row at
+once, `agent_kv.kv.slot_table.SlotTable.gather`, a single torch kernel on either device.)
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from kernels.triton_device import require_launchable
 
 BLOCK_D = 64
 """Channels per program of `quantize_groups`."""
-BLOCK_K = 64
-"""Kept slots per program of `compact`."""
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def quantize_groups(
@@ -61,43 +58,6 @@ def quantize_groups(
             BLOCK_T=triton.next_power_of_2(group), BLOCK_D=BLOCK_D,
         )  # fmt: skip
     return codes, scales
-
-
-def compact(buffer: torch.Tensor, row: int, keep: torch.Tensor) -> None:
-    """Move the kept slots of one row of `buffer` to its front, in order:
-    `buffer[row, :, :k] = buffer[row, :, keep]` (`LayerStore.compact`), slots from `k` on
-    left as they were.
-
-    The kept slots are gathered into a scratch `[H, k, D]` by one Triton launch (one program
-    per KV head and block of `BLOCK_K` slots) and copied back: writing in place from parallel
-    programs would race, since slot `i` may be the source another program has yet to read.
-    Values are moved as raw bits, whatever the dtype.
-
-    Args:
-        buffer: `[B, H, L, D]`, any dtype of 1, 2, 4 or 8 bytes.
-        row: the batch row.
-        keep: int64 `[k]`, slot indices in `[0, L)`.
-
-    Raises:
-        ValueError: `keep` is not a 1-D int64 tensor, `row` is outside the batch, or a device
-            the kernel cannot run on.
-    """
-    if keep.dim() != 1 or keep.dtype != torch.int64:
-        raise ValueError(f"keep must be 1-D int64, got {keep.dtype} {list(keep.shape)}")
-    batch, heads, _, dim = buffer.shape
-    if not 0 <= row < batch:
-        raise ValueError(f"row {row} is not in the buffer's {batch} rows")
-    require_launchable(_gather_kernel, buffer, keep)
-    kept = keep.numel()
-    if kept == 0:
-        return
-    bits = buffer.view(_SAME_SIZE_INT[buffer.element_size()])
-    scratch = torch.empty(heads, kept, dim, dtype=bits.dtype, device=buffer.device)
-    _gather_kernel[(heads, triton.cdiv(kept, BLOCK_K))](
-        bits[row], keep, scratch, *bits[row].stride(), *scratch.stride(), kept, dim,
-        BLOCK_K=BLOCK_K, BLOCK_D=triton.next_power_of_2(dim),
-    )  # fmt: skip
-    bits[row, :, :kept] = scratch
 
 
 @triton.jit
@@ -165,27 +125,3 @@ def _quantize_kernel(
         scale,
         mask=dims < dim,
     )
-
-
-@triton.jit
-def _gather_kernel(
-    src_ptr, keep_ptr, dst_ptr,
-    stride_sh, stride_sl, stride_sd,
-    stride_dh, stride_dl, stride_dd,
-    kept, dim,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Copy slots `keep[i]` of one head of `src` `[H, L, D]` to slots `i` of `dst` `[H, k, D]`,
-    for one block of `i`."""
-    head = tl.program_id(0).to(tl.int64)
-    index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    dims = tl.arange(0, BLOCK_D)
-    in_range = index < kept
-    tile = in_range[:, None] & (dims < dim)[None, :]
-    slots = tl.load(keep_ptr + index, mask=in_range, other=0)
-    values = tl.load(
-        src_ptr + head * stride_sh + slots[:, None] * stride_sl + dims[None, :] * stride_sd,
-        mask=tile,
-    )
-    dst_rows = dst_ptr + head * stride_dh + index.to(tl.int64) * stride_dl
-    tl.store(dst_rows[:, None] + dims[None, :] * stride_dd, values, mask=tile)

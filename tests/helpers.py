@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.store import KVStore
 
 
@@ -23,3 +24,46 @@ def random_tokens(store: KVStore, n: int, rows: range = range(1)) -> None:
 def kept_positions(store: KVStore, layer_idx: int = 0, row: int = 0) -> list[int]:
     """Original positions of a layer's live tokens, in logical order."""
     return store.live_positions(layer_idx, row).tolist()
+
+
+def split_mass(call: ForwardCall, layer: int, mass: torch.Tensor) -> list[torch.Tensor]:
+    """`mass` `[R, H, length + n]`, for each row of the call its layer's live tokens in logical
+    order and then the call's `n` new tokens, as `ForwardCall.record_*` takes it: one
+    `[R, H, width]` per segment `call.segments(layer)` reads (zeros past a row's length), then
+    `[R, H, n]` for the new tokens."""
+    offsets = [0] * mass.shape[0]
+    parts = []
+    for segment in call.segments(layer):
+        part = mass.new_zeros(*mass.shape[:2], segment.keys.shape[2])
+        for i, length in enumerate(segment.lengths.tolist()):
+            part[i, :, :length] = mass[i, :, offsets[i] : offsets[i] + length]
+            offsets[i] += length
+        parts.append(part)
+    parts.append(torch.stack([mass[i, :, o : o + call.n] for i, o in enumerate(offsets)]))
+    return parts
+
+
+def recorded_call(
+    store: KVStore,
+    keys: torch.Tensor,
+    values: torch.Tensor | None = None,
+    rows: range = range(1),
+    masses: torch.Tensor | None = None,
+    window: torch.Tensor | None = None,
+    observed: int = 0,
+) -> None:
+    """One forward call of `keys`/`values` `[len(rows), H, n, D]` in every layer, without a
+    model: in each layer it reads the stored segments, stages the tokens and records `masses`
+    as the attention mass (group of 1) and `window` as the attention of the last `observed`
+    queries, each `[len(rows), H, length + n]` in logical order and then the new tokens
+    (`split_mass`); then it commits. Masses that are None are not recorded."""
+    call = store.begin_forward(rows, keys.shape[2])
+    for layer in range(store.num_layers):
+        call.segments(layer)  # before recording: the segments the layer read
+        call.stage(layer, keys, -keys if values is None else values)
+        if masses is not None:
+            call.record_attention(layer, split_mass(call, layer, masses), group=1)
+        if window is not None:
+            call.record_window(layer, split_mass(call, layer, window), observed)
+    call.commit()
+    store.end_forward(call)

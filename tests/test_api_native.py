@@ -143,7 +143,7 @@ async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, ser
     assert pinned > 40 and data["kv"]["evicted_tokens"] > 0
     with service.sessions.use(data["session_id"]) as session:
         store = session.store
-        for layer in range(len(store.layers)):
+        for layer in range(store.num_layers):
             assert int(store.pinned_mask(layer).sum()) == pinned  # every pinned token is live
             assert store.lengths()[layer] <= pinned + 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import append_tokens, kept_positions, random_tokens
+from helpers import append_tokens, kept_positions, random_tokens, recorded_call
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import check_policy_precision, make_policy
@@ -53,31 +53,32 @@ def fp_store(tokens: int, layers: int = 1, heads: int = 2, dim: int = 8, seed: i
 
 def test_quantize_slots_moves_the_chosen_tokens_and_reads_back_close():
     store = fp_store(100)
-    layer = store.layers[0]
-    dense_keys = layer.keys[:, :, :100].clone()
-    dense_values = layer.values[:, :, :100].clone()
+    dense_keys = store.fp["keys"][0, :1, :, :100].clone()
+    dense_values = store.fp["values"][0, :1, :, :100].clone()
     slots = torch.tensor([3, 7, 8, 20, 40, 41, 42, 99])
     assert store.quantize_slots(0, 0, slots, group=4, fmt="fp8") == 8
-    assert layer.q_len[0] == 8 and layer.fp_len[0] == 92
-    assert layer.q_keys.dtype == torch.float8_e4m3fn
+    assert store.q.lengths[0][0] == 8 and store.fp.lengths[0][0] == 92
+    assert store.q["keys"].dtype == torch.float8_e4m3fn
     others = [p for p in range(100) if p not in slots.tolist()]
     assert kept_positions(store) == slots.tolist() + others
     assert store.quantized_tokens == 8 and store.quantized_format() == "fp8"
     # 8 fp8 keys and values plus 2 groups of float16 scales, against 8 fp32 tokens
     assert store.nbytes() == 2 * 2 * 8 * (92 * 4 + 8 + 2 * 2)
     # attention over (quantized | FP) matches the dense oracle over the same tokens
-    store.begin_forward(range(1), 1)
+    call = store.begin_forward(range(1), 1)
     new_key, new_value = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
-    store.append(0, new_key, new_value)
+    segments = [*call.segments(0), call.new_segment(new_key, new_value)]
     query = torch.randn(1, 4, 1, 8)
     order = torch.cat([slots, torch.tensor(others)])
     keys = torch.cat([dense_keys[:, :, order], new_key], dim=2)
     values = torch.cat([dense_values[:, :, order], new_value], dim=2)
     expected, expected_mass = attention_with_mass(query, keys, values, 8**-0.5)
-    out, masses = segmented_attention(query, store.segments(0), 8**-0.5)
+    out, masses = segmented_attention(query, segments, 8**-0.5)
     assert torch.allclose(out, expected, atol=0.05)
     assert torch.allclose(
-        torch.cat([masses[0][..., :8], masses[1][..., :93]], -1), expected_mass, atol=0.02
+        torch.cat([masses[0][..., :8], masses[1][..., :92], masses[2]], -1),
+        expected_mass,
+        atol=0.02,
     )
 
 
@@ -103,18 +104,18 @@ def test_welford_statistics_are_the_mean_and_variance_of_relative_attention():
     observed = {0: [], 1: [], 2: []}
     torch.manual_seed(2)
     for call in range(6):
-        append_tokens(store, torch.randn(1, 1, 1, 4))
+        key = torch.randn(1, 1, 1, 4)
         n = 4 + call
-        mass = torch.softmax(torch.randn(n), 0)
-        store.record_attention(0, [mass.view(1, 1, n)], query_len=1, group=1)
+        mass = torch.softmax(torch.randn(n), 0)  # over the 3 + call stored tokens and the new one
+        recorded_call(store, key, masses=mass.view(1, 1, n))
         for token in observed:
             observed[token].append(mass[token].item() * n)
-    layer = store.layers[0]
     for token, values in observed.items():
         values = torch.tensor(values)
-        assert layer.hits[0, token].item() == 6
-        assert layer.hit_mean[0, 0, token].item() == pytest.approx(values.mean().item(), rel=1e-5)
-        variance = layer.hit_m2[0, 0, token].item() / 6
+        assert store.live_meta("hits", 0)[token].item() == 6
+        mean = store.live_meta("hit_mean", 0)[0, token].item()
+        assert mean == pytest.approx(values.mean().item(), rel=1e-5)
+        variance = store.live_meta("hit_m2", 0)[0, token].item() / 6
         assert variance == pytest.approx(values.var(unbiased=False).item(), rel=1e-4)
 
 
@@ -183,23 +184,21 @@ def test_without_statistics_every_layer_gets_the_mean_plan():
 def scored_store(tokens: int, seed: int = 4) -> KVStore:
     """One layer of fp32 tokens whose heavy-hitter mean is a random permutation."""
     store = fp_store(tokens, seed=seed)
-    layer = store.layers[0]
-    layer.hits[0, :tokens] = 1.0
-    layer.hit_mean[0, :, :tokens] = torch.randperm(tokens).float()
+    store.fp["hits"][0, 0, :tokens] = 1.0
+    store.fp["hit_mean"][0, 0, :, :tokens] = torch.randperm(tokens).float()
     return store
 
 
 def test_tri_state_keeps_top_original_middle_quantized_and_evicts_the_rest():
     store = scored_store(400)
-    layer = store.layers[0]
-    score = layer.hit_mean[0, 0, :400].clone()
+    score = store.fp["hit_mean"][0, 0, 0, :400].clone()
     store.pin(10, 12)
     policy = make_policy("arkv", budget=256, evict_slack=0, share_spread=0.0)
     plan = policy.layer_plan(store, [256])[0]
     assert plan.quantized > 0 and plan.quantized % 8 == 0
     policy.step(store, None)
-    positions = layer.live_positions(0)
-    q_len = layer.q_len[0]
+    positions = store.live_positions(0)
+    q_len = store.q.lengths[0][0]
     recent = set(range(400 - 64, 400))
     live = set(positions.tolist())
     assert {10, 11} | recent <= live  # pins and the protected window survive
@@ -233,8 +232,8 @@ def test_base_quant_quantizes_every_whole_group_and_evicts_nothing():
     store = fp_store(100)
     store.pin(0, 4)
     assert make_policy("base-quant").step(store, None) == 0
-    layer = store.layers[0]
-    assert layer.q_len[0] == 96 and layer.fp_len[0] == 4 and store.quantized_format() == "fp8"
+    assert store.q.lengths[0][0] == 96 and store.fp.lengths[0][0] == 4
+    assert store.quantized_format() == "fp8"
     assert kept_positions(store)[96:] == [0, 1, 2, 3]
 
 

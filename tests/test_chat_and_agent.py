@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import kept_positions
 
 from agent_kv.errors import ConfigError
 from agent_kv.harness.agent import AgentConfig, run_episode
@@ -46,13 +47,12 @@ def test_pins_follow_messages(smollm):
     chat.add("user", "Filler text about nothing in particular. " * 8, pin=True)
     chat.reply(SamplingParams(max_new_tokens=4))
     system_span, user_span = chat.spans[0], chat.spans[1]
-    kept = set(chat.sequence.store.layers[0].live_positions().tolist())
+    kept = set(kept_positions(chat.sequence.store, 0))
     assert set(range(*system_span)) <= kept and set(range(*user_span)) <= kept
     chat.unpin_message(1)
     chat.add("user", "Short question?")
     chat.reply(SamplingParams(max_new_tokens=4))
-    layer = chat.sequence.store.layers[0]
-    kept = set(layer.live_positions().tolist())
+    kept = set(kept_positions(chat.sequence.store, 0))
     assert set(range(*system_span)) <= kept
     # once unpinned, the filler competes for a 40-token window with newer turns and loses
     assert len(kept & set(range(*user_span))) < (user_span[1] - user_span[0]) // 2

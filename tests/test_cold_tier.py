@@ -89,26 +89,28 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     store.compact(1, torch.tensor([0, 1, 14, 15]))
     # the next call's last query matches token 5's key: page [2, 3, 4, 5] comes back
     new = torch.randn(1, 2, 1, 8)
-    store.begin_forward(range(1), 1)
-    for idx in range(2):
-        store.append(idx, new, new)
+    call = store.begin_forward(range(1), 1)
     query = keys[:, :, 5:6] * 10  # [1, Hq = H, 1, D]
     assert store.recall_due(1) is False  # decode tokens recall only with `every`
     assert store.evicted_tokens == 24
-    assert store.recall(0, query, 1.0) == 4
+    assert store.recall(0, query, 1.0) == 4  # before the layer's attention reads the store
     assert store.evicted_tokens == 20  # recalled tokens are no longer evicted
-    layer = store.layers[0]
-    assert layer.live_positions().tolist() == [0, 1, 2, 3, 4, 5, 14, 15, 16]
+    for idx in range(2):  # each layer's attention reads its segments and stages the token
+        call.segments(idx)
+        call.stage(idx, new, new)
+    call.commit()
+    store.end_forward(call)
+    assert store.live_positions(0).tolist() == [0, 1, 2, 3, 4, 5, 14, 15, 16]
     codes, scales = quantize_groups(keys[0, :, 2:6], 4)
-    assert torch.equal(layer.keys[0, :, 2:6], codes.float() * scales.float())
-    assert torch.equal(layer.keys[0, :, 8], new[0, :, 0])  # the newest token stays last
+    assert torch.equal(store.fp["keys"][0, 0, :, 2:6], codes.float() * scales.float())
+    assert torch.equal(store.fp["keys"][0, 0, :, 8], new[0, :, 0])  # the newest token stays last
     assert store.held_mask(0).tolist() == [False, False, True, True, True, True] + [False] * 3
     assert store.cold.held[1][0] is None  # layer 1 has not recalled yet
     # within a budget of 6, h2o keeps the recalled tokens before its own choices
     policy = ColdRecall(make_policy("h2o", budget=6, protect_recent=1, evict_slack=0), ColdConfig())
     policy.prepare(store)
     policy.step(store, None)
-    kept = layer.live_positions().tolist()
+    kept = store.live_positions(0).tolist()
     assert {2, 3, 4, 5, 16} <= set(kept) and len(kept) == 6
 
 

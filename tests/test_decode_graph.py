@@ -1,5 +1,6 @@
 """One graph per decode step: the compiled step equals the eager one (its oracle), traces with
-no graph break (so no host synchronisation), and compiles once per capacity."""
+no graph break (so no host synchronisation), and compiles once, whatever the capacities and
+read widths (they are symbolic sizes)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
         assert c.store.quantized_tokens > 0 and c.store.evicted_tokens > 0
 
 
-def test_the_step_traces_into_one_graph_and_compiles_once_per_capacity(tiny_model):
+def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     _, engine = _engines(tiny_model, "conf-kv", {"budget": 96, "protect_recent": 16}, None)
     sequence = engine.new_sequence()
     engine.feed(sequence, [t % 128 for t in range(200)])
@@ -86,4 +87,15 @@ def test_the_step_traces_into_one_graph_and_compiles_once_per_capacity(tiny_mode
         engine.feed(sequence, [token % 128])
     assert (store.fp.capacity, store.q.capacity) == capacity
     assert store.evicted_tokens > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    widths = set()
+    for turn in range(3):  # each turn pins more: a larger bound, capacity and read width
+        seen = store.seen_tokens
+        store.pin(seen, seen + 40 * (turn + 1))
+        engine.feed(sequence, [t % 128 for t in range(50 * (turn + 1))])
+        for token in range(3):
+            engine.feed(sequence, [token])
+        widths.add(store.decode_widths()["fp"])
+    assert len(widths) == 3 and store.fp.capacity > capacity[0]
+    # the capacities and widths are symbolic sizes in the graph: still the one graph
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

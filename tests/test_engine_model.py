@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import kept_positions
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from agent_kv.kv.policies import Policy, make_policy
@@ -77,7 +78,7 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     session = engine.new_sequence()
     store = session.store
     store.pin(0, pins)
-    per_token_layer = store.bytes_per_token() // len(store.layers)
+    per_token_layer = store.bytes_per_token() // store.num_layers
     checks = []
 
     original_step = policy.step
@@ -85,14 +86,16 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     def checked_step(st, conf, rows=None):
         evicted = original_step(st, conf, rows)
         seen = st.seen_tokens
-        for layer in st.layers:
-            kept = set(layer.live_positions().tolist())
-            assert layer.length() <= policy.budget(conf) + pins, (
+        for idx in range(st.num_layers):
+            kept = set(kept_positions(st, idx))
+            assert st.length(idx) <= policy.budget(conf) + pins, (
                 "layer above budget + pins after a step"
             )
             assert set(range(max(0, seen - protect), seen)) <= kept, "a recent token was evicted"
             assert set(range(pins)) <= kept, "a pinned token was evicted"
-        live = sum(layer.keys[0, :, : layer.fp_len[0]].nbytes for layer in st.layers) * 2
+        live = 2 * sum(
+            st.fp["keys"][idx, 0, :, : st.fp.lengths[idx][0]].nbytes for idx in range(st.num_layers)
+        )
         assert st.nbytes() == live == sum(st.lengths()) * per_token_layer
         checks.append(conf)
         return evicted
@@ -127,11 +130,15 @@ def test_sampling_is_seeded_and_stop_strings_cut(smollm, prompt_ids):
 
 
 def test_attention_mass_reaches_the_store(smollm, prompt_ids):
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    # the store records only the policy's own statistics: "full" records none, so a conf-kv
+    # policy with room to spare (a no-op) ranks by, and records, the scores
+    policy = make_policy("conf-kv", n_high=1024, n_low=2048)
+    engine = Engine(smollm.model, smollm.tokenizer, policy)
     session = engine.new_sequence()
     engine.feed(session, prompt_ids[:64])
-    for layer in session.store.layers:
-        scores = layer.scores[0, :, : layer.length()]
+    store = session.store
+    for idx in range(store.num_layers):
+        scores = store.live_meta("scores", idx)
         assert torch.all(scores > 0)
         # a 64-query prefill: the newest token was seen by one query per head, with all its mass
         assert scores.shape == (3, 64)
@@ -145,7 +152,7 @@ def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_id
     n = 200
     engine.feed(session, prompt_ids[:n])
     keep = torch.tensor([p for p in range(n) if p % 3 == 0 or p >= 150])
-    for idx in range(len(session.store.layers)):
+    for idx in range(session.store.num_layers):
         session.store.compact(idx, keep)
     logits = engine.feed(session, [prompt_ids[n]])
 
@@ -168,8 +175,7 @@ def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids)
         engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=100)
         session = engine.new_sequence()
         engine.feed(session, prompt_ids)
-        layer = session.store.layers[15]
-        return set(layer.live_positions().tolist())
+        return set(kept_positions(session.store, 15))
 
     window = kept_after(make_policy("window", budget=128, evict_slack=0))
     assert window == set(range(4)) | set(range(300 - 124, 300))  # 4 sinks and the newest
@@ -192,13 +198,13 @@ def test_snapkv_generates_within_its_budget_after_compressing_the_prompt(smollm,
     store = session.store
     assert store.observed_from == [300 - 32]  # the last chunk's last 32 queries
     with_sink = 0
-    for layer in store.layers:
-        positions = layer.live_positions()
+    for idx in range(store.num_layers):
+        positions = store.live_positions(idx)
         assert positions.numel() == 96 - 32
         assert set(range(300 - 32, 300)) <= set(positions.tolist())  # the window
-        assert bool((layer.window_mass[0, :, : positions.numel()][:, positions < 268] > 0).all())
+        assert bool((store.live_meta("window_mass", idx)[:, positions < 268] > 0).all())
         with_sink += int(positions[0]) == 0
-    assert with_sink >= len(store.layers) // 2  # kept for its attention: sinks=0 here
+    assert with_sink >= store.num_layers // 2  # kept for its attention: sinks=0 here
     question = smollm.tokenizer("\nWho sells the bike?", add_special_tokens=False)["input_ids"]
     reply = engine.generate(session, question, SamplingParams(max_new_tokens=DECODE_STEPS))
     assert reply.token_ids and store.evicted_tokens > 0

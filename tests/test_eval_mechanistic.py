@@ -87,7 +87,7 @@ def test_forked_eviction_path_matches_full_path(smollm):
     assert kl["none"] < 1e-5
     assert 0 < kl["recent"] < 50
     # the session went on with full KV; the forks left it untouched
-    assert session.store.lengths() == [301] * len(session.store.layers)
+    assert session.store.lengths() == [301] * session.store.num_layers
     assert session.token_ids == ids
     assert torch.equal(logits, session.last_logits)
 

@@ -34,13 +34,13 @@ def test_the_max_reduction_takes_the_largest_probability_over_queries_and_groupe
 def test_kvzip_keeps_the_tokens_with_the_largest_reconstruction_scores():
     store = KVStore(1, 2, 4)
     random_tokens(store, 12)
-    layer = store.layers[0]
-    layer.reconstruction[0, 0, :12] = torch.tensor([9, 0, 0, 5, 0, 7, 0, 0, 0, 0, 0, 0.0])
-    layer.reconstruction[0, 1, :12] = torch.tensor([0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0.0])
+    reconstruction = store.fp["reconstruction"][0, 0]  # [H, C]
+    reconstruction[0, :12] = torch.tensor([9, 0, 0, 5, 0, 7, 0, 0, 0, 0, 0, 0.0])
+    reconstruction[1, :12] = torch.tensor([0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0.0])
     policy = make_policy("kvzip", budget=6, protect_recent=2, sinks=1, evict_slack=0)
     policy.step(store, None)
     # the sink (0), the 2 newest (10, 11), and the top scores by their best head: 5, 2, 3
-    assert layer.live_positions().tolist() == [0, 2, 3, 5, 10, 11]
+    assert store.live_positions(0).tolist() == [0, 2, 3, 5, 10, 11]
 
 
 @pytest.mark.model
@@ -53,9 +53,12 @@ def test_the_reconstruction_pass_leaves_the_cache_as_it_found_it(smollm):
     assert torch.equal(logits[0], logits[1])
     zipped, plain = (s.store for s in sessions)
     assert zipped.seen_tokens == plain.seen_tokens == len(ids)
-    for a, b in zip(zipped.layers, plain.layers, strict=True):
-        assert a.length(0) == b.length(0) == len(ids)
-        assert torch.equal(a.keys[0, :, : len(ids)], b.keys[0, :, : len(ids)])
-        assert (a.reconstruction[0, :, : len(ids)] > 0).all()  # every token was scored
+    assert zipped.num_layers == plain.num_layers
+    for layer in range(zipped.num_layers):
+        assert zipped.length(layer) == plain.length(layer) == len(ids)
+        assert torch.equal(
+            zipped.fp["keys"][layer, 0, :, : len(ids)], plain.fp["keys"][layer, 0, :, : len(ids)]
+        )
+        assert (zipped.live_meta("reconstruction", layer) > 0).all()  # every token was scored
     step = [e.feed(s, ids[:1]) for e, s in zip((kvzip, full), sessions, strict=True)]
     assert torch.equal(step[0], step[1])

@@ -8,6 +8,7 @@ an earlier result is evicted."""
 from __future__ import annotations
 
 import pytest
+from helpers import kept_positions
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -88,7 +89,7 @@ def live(service, session_id: str) -> list[set[int]]:
     """Per layer, the positions the session's cache holds."""
     with service.sessions.use(session_id) as session:
         store = session.store
-        return [set(store.layers[i].live_positions().tolist()) for i in range(len(store.layers))]
+        return [set(kept_positions(store, i)) for i in range(store.num_layers)]
 
 
 def test_a_langgraph_agent_reuses_its_cache_and_keeps_its_tool_results(live_service):

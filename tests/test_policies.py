@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import kept_positions, random_tokens
+from helpers import kept_positions, random_tokens, recorded_call
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.confidence import confidence
@@ -18,8 +18,7 @@ def store_with(tokens: int, scores: torch.Tensor | None = None) -> KVStore:
     store = KVStore(2, 2, 4)
     random_tokens(store, tokens)
     if scores is not None:
-        for layer in store.layers:
-            layer.scores[0, :, :tokens] = scores
+        store.fp["scores"][:, 0, :, :tokens] = scores
     return store
 
 
@@ -160,9 +159,8 @@ def test_bad_configuration_is_a_clear_error(name, kwargs, message):
 
 def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
     store = store_with(100)
-    for layer in store.layers:
-        layer.accumulated[0, :, :100] = 0.01
-        layer.accumulated[0, :, [3, 30, 60]] = 5.0
+    store.fp["accumulated"][:, 0, :, :100] = 0.01
+    store.fp["accumulated"][:, 0, :, [3, 30, 60]] = 5.0
     policy = make_policy("h2o", budget=20, evict_slack=0)
     assert (policy.budget_tokens, policy.protect_recent) == (20, 10)
     policy.step(store, confidence=None)
@@ -263,10 +261,11 @@ def observed_store(mass: torch.Tensor, window: int) -> KVStore:
     """A two-layer store of `mass.shape[-1]` tokens fed in one call whose last `window`
     queries gave each token the attention `mass` (`[tokens]` for both KV heads, or
     `[kv_heads, tokens]`)."""
-    store = store_with(mass.shape[-1])
-    per_head = mass.expand(2, mass.shape[-1])[None].clone()  # [rows, kv_heads, tokens]
-    for idx in range(len(store.layers)):
-        store.record_window(idx, [per_head], window)
+    tokens = mass.shape[-1]
+    store = KVStore(2, 2, 4)
+    per_head = mass.expand(2, tokens)[None].clone()  # [rows, kv_heads, tokens]
+    keys, values = torch.randn(1, 2, tokens, 4), torch.randn(1, 2, tokens, 4)
+    recorded_call(store, keys, values, window=per_head, observed=window)
     return store
 
 
@@ -312,12 +311,14 @@ def test_snapkv_holds_its_budget_through_decode_and_compresses_again_next_turn()
     kept = set(kept_positions(store))
     assert {5, 15, 25} | set(range(92, 120)) <= kept  # generated tokens stay, hits too
     # the next turn's prompt: a new window scores the whole cache, the reply included
-    random_tokens(store, 10)
-    positions = store.layers[0].live_positions(0)
+    positions = torch.cat([store.live_positions(0), torch.arange(120, 130)])  # 10 more
+    assert torch.equal(store.live_positions(1), store.live_positions(0))
     mass = torch.where((positions >= 100) & (positions < 110), 0.0, 0.01)
     mass[positions == 110] = 1.0
-    for idx in range(2):
-        store.record_window(idx, [mass.expand(2, -1)[None].clone()], 8)
+    window = mass.expand(2, -1)[None].clone()
+    # a forward call records its attention as well as its window (the attention function
+    # records both; the window's mass is what SnapKV ranks by)
+    recorded_call(store, torch.randn(1, 2, 10, 4), masses=window, window=window, observed=8)
     assert store.observed_from == [122]
     policy.step(store, 0.5)
     kept = set(kept_positions(store))
@@ -356,18 +357,19 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     store = KVStore(1, 2, 16)
     random_tokens(store, 30)  # already cached
     keys, values = (torch.randn(1, 2, query_len, 16, generator=gen) for _ in range(2))
-    store.begin_forward(range(1), query_len)
-    store.append(0, keys, values)
+    call = store.begin_forward(range(1), query_len)
     store.observation_window = window
     query = torch.randn(1, 6, query_len, 16, generator=gen)  # 3 query heads per KV head
     layer = torch.nn.Module()
     layer.layer_idx = 0
-    store_attention(layer, query, keys, values, None, kv_store=store)
-    cached = store.layers[0].keys[:, :, : 30 + query_len].repeat_interleave(3, dim=1)
+    store_attention(layer, query, keys, values, None, kv_store=call)
+    call.commit()
+    store.end_forward(call)
+    cached = store.fp["keys"][0, :1, :, : 30 + query_len].repeat_interleave(3, dim=1)
     logits = query @ cached.transpose(-1, -2) / 4.0  # [1, 6, q, L]
     visible = torch.ones(query_len, 30 + query_len, dtype=torch.bool).tril(diagonal=30)
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     observed = min(query_len, window)
     expected = probs[0, :, -observed:].sum(dim=1).view(2, 3, -1).sum(dim=1)  # [kv_heads, L]
-    torch.testing.assert_close(store.layers[0].window_mass[0, :, : 30 + query_len], expected)
+    torch.testing.assert_close(store.fp["window_mass"][0, 0, :, : 30 + query_len], expected)
     assert store.observed_from == [30 + query_len - observed]

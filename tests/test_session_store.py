@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import kept_positions
 
 from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
@@ -168,7 +169,7 @@ def test_a_pinned_fact_survives_twenty_turns_under_a_tight_budget(smollm, pinned
     sync_history(engine, session, ids)
     assert max(session.store.lengths()) <= 256 + 128 + len(head)
     reply = engine.generate(session, [], SamplingParams(max_new_tokens=6)).text
-    kept = set(session.store.layers[0].live_positions().tolist())
+    kept = set(kept_positions(session.store, 0))
     if pinned:
         assert set(range(len(head))) <= kept and reply.strip().startswith("4817")
     else:

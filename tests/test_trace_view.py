@@ -346,6 +346,7 @@ def test_html_trace_from_a_real_one_step_episode(tmp_path: Path):
         512,
         "som",
         tmp_path,
+        False,  # --no-compile: decode steps eager (test_decode_graph.py checks the compiled one)
     )
     trace = Path(summary["trace_dir"])
     assert json.loads((trace / "task.json").read_text())["eval"]["reference_answers"] == {

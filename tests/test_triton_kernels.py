@@ -1,12 +1,12 @@
 """The Triton kernels against the PyTorch path, run by Triton's interpreter on CPU tensors:
 decode attention with the attention mass (`kernels.triton_attention` vs
 `kernels.reference.segmented_attention` and the dense oracle `attention_with_mass`),
-quantize-on-append and compaction (`kernels.triton_store_ops` vs `kernels.int8`,
-`kernels.fp8` and torch indexing), and the dispatcher (`kernels.dispatch`).
+quantize-on-append (`kernels.triton_store_ops` vs `kernels.int8` and `kernels.fp8`), and the
+dispatcher (`kernels.dispatch`).
 
 Tolerances: float32 attention output atol = rtol = 1e-4 and mass atol = rtol = 1e-5 (the
 kernels sum in another order than the reference); a bfloat16 output within one bf16 step
-(atol 1e-2); quantized codes, scales and compacted buffers bit-identical.
+(atol 1e-2); quantized codes, scales and the store's buffers bit-identical.
 
 Triton reads `TRITON_INTERPRET` when a `@triton.jit` function is defined, so `conftest.py`
 sets it before anything imports triton.language; this module checks that it took effect.
@@ -186,21 +186,6 @@ def test_quantize_groups_is_bit_identical(fmt, dtype):
         triton_store_ops.quantize_groups(x, GROUP, torch.float16)
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, fp8.FP8_DTYPE, torch.bfloat16, torch.float32])
-def test_compact_matches_indexing(dtype):
-    gen = torch.Generator().manual_seed(8)
-    buffer = (torch.randn(3, 2, 150, 48, generator=gen) * 10).to(dtype)
-    keep = torch.randperm(150, generator=gen)[:97].sort().values
-    expected = buffer.clone()
-    expected[1, :, :97] = expected[1, :, keep]
-    triton_store_ops.compact(buffer, 1, keep)
-    assert torch.equal(buffer.view(torch.uint8), expected.view(torch.uint8))
-    with pytest.raises(ValueError, match="1-D int64"):
-        triton_store_ops.compact(buffer, 0, keep.int())
-    with pytest.raises(ValueError, match="not in the buffer's 3 rows"):
-        triton_store_ops.compact(buffer, 3, keep)
-
-
 def _spy_on_triton(monkeypatch) -> list[int]:
     calls = []
     kernel = triton_attention.segmented_attention
@@ -251,16 +236,19 @@ def test_store_attention_decode_branch_uses_the_switch(monkeypatch):
     for mode in ("torch", "triton"):
         monkeypatch.setenv("AGENT_KV_KERNELS", mode)
         store = KVStore(1, 2, 64, batch=2, int8=Int8Config(fp_window=16, group=GROUP))
-        for n in (48, 1):
-            store.begin_forward(range(2), n)
-            keys = torch.randn(2, 2, n, 64, generator=torch.Generator().manual_seed(n))
-            store.append(0, keys, keys.flip(-1))
-            for row in range(2):
-                store.quantize_stale(0, row)
-        assert store.layers[0].q_len == [32, 32]
+        keys = torch.randn(2, 2, 48, 64, generator=torch.Generator().manual_seed(48))
+        store.append(keys, keys.flip(-1), range(2))
+        store.quantize_stale()
+        assert store.q.lengths[0] == [32, 32]
+        # the decode step's own token is the call's last, causal segment (committed after)
+        call = store.begin_forward(range(2), 1)
+        keys = torch.randn(2, 2, 1, 64, generator=torch.Generator().manual_seed(1))
         query = torch.randn(2, 8, 1, 64, generator=gen.manual_seed(11))
-        out, _ = store_attention(layer, query, keys, keys, None, kv_store=store)
-        results[mode] = out, store.layers[0].scores.clone()
+        out, _ = store_attention(layer, query, keys, keys.flip(-1), None, kv_store=call)
+        call.commit()
+        store.end_forward(call)
+        scores = torch.stack([store.live_meta("scores", 0, row) for row in range(2)])
+        results[mode] = out, scores
     assert len(calls) == 1
     torch.testing.assert_close(results["triton"][0], results["torch"][0], **OUT_TOL)
     torch.testing.assert_close(results["triton"][1], results["torch"][1], **MASS_TOL)
@@ -268,23 +256,27 @@ def test_store_attention_decode_branch_uses_the_switch(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_store_writes_through_the_switch_are_bit_identical(monkeypatch, fmt):
-    """Quantize-on-append and compaction inside `KVStore` under forced Triton and PyTorch:
-    every buffer ends bit-identical."""
-    layers = {}
+    """Quantize-on-append inside `KVStore` under forced Triton and PyTorch, with compactions
+    after it: every buffer ends bit-identical."""
+    stores = {}
     for mode in ("torch", "triton"):
         monkeypatch.setenv("AGENT_KV_KERNELS", mode)
         store = KVStore(1, 2, 64, batch=2)
-        store.begin_forward(range(2), 96)
         keys = torch.randn(2, 2, 96, 64, generator=torch.Generator().manual_seed(12))
-        store.append(0, keys, keys * 0.5)
+        store.append(keys, keys * 0.5, range(2))
         store.quantize_slots(0, 1, torch.arange(8, 40), GROUP, fmt)
         store.compact(0, torch.tensor([0, 3, 5, 20, 40, 41, 90, 95]), row=1)
         store.compact(0, torch.arange(0, 96, 3), row=0)
-        layers[mode] = store.layers[0]
-    for name in ("keys", "values", "q_keys", "q_values", "key_scales", "value_scales"):
+        stores[mode] = store
+    buffers = {
+        "keys": ("fp", "keys"), "values": ("fp", "values"),
+        "q_keys": ("q", "keys"), "q_values": ("q", "values"),
+        "key_scales": ("scales", "keys"), "value_scales": ("scales", "values"),
+    }  # fmt: skip
+    for name, (table, field) in buffers.items():
         triton_buffer, torch_buffer = (
-            getattr(layers["triton"], name),
-            getattr(layers["torch"], name),
+            getattr(stores["triton"], table)[field],
+            getattr(stores["torch"], table)[field],
         )
         assert torch.equal(triton_buffer.view(torch.uint8), torch_buffer.view(torch.uint8)), name
-    assert layers["triton"].q_len == layers["torch"].q_len == [0, 4]
+    assert stores["triton"].q.lengths[0] == stores["torch"].q.lengths[0] == [0, 4]

@@ -122,7 +122,8 @@ def test_the_vectorised_step_keeps_the_per_row_step_s_tokens(name, params, int8)
         assert evicted > 0  # the budgets are tight enough that every case evicts
         for layer in range(store.num_layers):  # what was kept kept its keys
             for row in range(store.batch):
-                before = dict(zip(store.live_positions(layer, row).tolist(), range(10**6)))
+                positions = store.live_positions(layer, row).tolist()
+                before = {position: slot for slot, position in enumerate(positions)}
                 after = stepped.live_positions(layer, row).tolist()
                 slots = torch.tensor([before[p] for p in after])
                 old_keys, _ = store.read_slots(layer, row, slots)

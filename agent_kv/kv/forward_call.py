@@ -10,8 +10,9 @@ over `[layers, rows, ...]` tensors; `KVStore.end_forward` then moves the host le
 
 A static call (`static=True`) reads a fixed width of every segment (`KVStore.decode_widths`:
 its capacity, or the policy's bound), masked by length tensors, so nothing it does depends on
-a host value that changes between decode steps and it synchronises nothing: a decode step made of the model call and the commit traces into one
-graph (`agent_kv.runtime.decode_graph`).
+a host value that changes between decode steps and it synchronises nothing: a decode step
+made of the model call and the commit traces into one graph
+(`agent_kv.runtime.decode_graph`).
 """
 
 from __future__ import annotations
@@ -310,7 +311,6 @@ class ForwardCall:
         Statistics the policy does not ask for are left as they are (new tokens: 0).
         """
         store = self.store
-        rows = self._rows
         n = self.n
         device = self.tensors.fp_lengths.device
         stats = store.statistics
@@ -321,48 +321,27 @@ class ForwardCall:
             count = self._scored.numel()
             seen_by = count - torch.searchsorted(self._scored, torch.arange(n, device=device))
         weight = n / count
-        decay = store.ema_decay
         live = (self.tensors.q_lengths + self.tensors.fp_lengths + n).float()[:, :, None, None]
         lengths = {"q": self.tensors.q_lengths, "fp": self.tensors.fp_lengths}
         windows = self._windows[0] is not None
+        attended = self._masses[0] is not None  # False: tokens appended without a model call
         out = {}
         for name in SEGMENTS:
-            mass = self._stacked(self._masses, name) if self._masses[0] else None
+            window = self._stacked(self._windows, name) if windows else None
+            if window is not None:
+                out[f"{name}.window_mass"] = window
+            mass = self._stacked(self._masses, name) if attended else None
             if mass is None:  # [L, R, H, W], or nothing read
                 continue
-            table = getattr(store, name)
-            width = mass.shape[-1]
-            slots = torch.arange(width, device=device)
-            valid = (slots < lengths[name][..., None])[:, :, None]  # [L, R, 1, W]
-            step = mass / (count * self._group)
-            if "scores" in stats:
-                scores = table["scores"][:, rows, :, :width]
-                out[f"{name}.scores"] = torch.where(
-                    valid, decay * scores + (1 - decay) * step, scores
-                )
-            if "accumulated" in stats:
-                out[f"{name}.accumulated"] = table["accumulated"][:, rows, :, :width] + mass * weight
-            if "welford" in stats:
-                hits = table["hits"][:, rows, :width]
-                counted = hits + valid[:, :, 0].float()
-                mean = table["hit_mean"][:, rows, :, :width]
-                x = step * live
-                delta = x - mean
-                moved = mean + delta / counted[:, :, None].clamp_min(1.0)
-                m2 = table["hit_m2"][:, rows, :, :width]
-                out[f"{name}.hit_m2"] = torch.where(valid, m2 + delta * (x - moved), m2)
-                out[f"{name}.hit_mean"] = torch.where(valid, moved, mean)
-                out[f"{name}.hits"] = counted
-            if windows:
-                out[f"{name}.window_mass"] = self._stacked(self._windows, name)
-        if self._masses[0] is None:  # tokens appended without a model call: no attention
+            out.update(self._folded(name, mass, count, weight, live, lengths[name]))
+        if attended:
+            new_mass = torch.stack([layer["new"] for layer in self._masses])  # [L, R, H, n]
+        else:
             keys = self._new[0][0]
             new_mass = keys.new_zeros(store.num_layers, *keys.shape[:3]).float()
-        else:
-            new_mass = torch.stack([layer["new"] for layer in self._masses])  # [L, R, H, n]
         step = new_mass / (seen_by * self._group)
         zero = torch.zeros_like(step)
-        welford = "welford" in stats
+        welford = "welford" in stats and attended
         out["new.scores"] = step if "scores" in stats else zero
         out["new.accumulated"] = new_mass * weight if "accumulated" in stats else zero
         out["new.hit_mean"] = step * live if welford else zero
@@ -371,7 +350,38 @@ class ForwardCall:
         out["new.window_mass"] = (
             torch.stack([layer["new"] for layer in self._windows]) if windows else zero
         )
-        out["new.hits"] = torch.full_like(step[:, :, 0], float(welford))
+        out["new.hits"] = torch.full_like(step[:, :, 0], float(welford))  # observations
+        return out
+
+    def _folded(self, name: str, mass, count: int, weight: float, live, lengths) -> dict:
+        """One stored segment's statistics after the call's mass `[L, R, H, W]` (see
+        `_statistics`), as `fold` returns them."""
+        store = self.store
+        rows = self._rows
+        stats = store.statistics
+        table = getattr(store, name)
+        width = mass.shape[-1]
+        slots = torch.arange(width, device=mass.device)
+        valid = (slots < lengths[..., None])[:, :, None]  # [L, R, 1, W]
+        step = mass / (count * self._group)
+        decay = store.ema_decay
+        out = {}
+        if "scores" in stats:
+            scores = table["scores"][:, rows, :, :width]
+            out[f"{name}.scores"] = torch.where(valid, decay * scores + (1 - decay) * step, scores)
+        if "accumulated" in stats:
+            out[f"{name}.accumulated"] = table["accumulated"][:, rows, :, :width] + mass * weight
+        if "welford" in stats:
+            hits = table["hits"][:, rows, :width]
+            counted = hits + valid[:, :, 0].float()
+            mean = table["hit_mean"][:, rows, :, :width]
+            x = step * live
+            delta = x - mean
+            moved = mean + delta / counted[:, :, None].clamp_min(1.0)
+            m2 = table["hit_m2"][:, rows, :, :width]
+            out[f"{name}.hit_m2"] = torch.where(valid, m2 + delta * (x - moved), m2)
+            out[f"{name}.hit_mean"] = torch.where(valid, moved, mean)
+            out[f"{name}.hits"] = counted
         return out
 
     def _maxima(self) -> dict[str, torch.Tensor]:

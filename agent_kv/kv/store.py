@@ -480,7 +480,9 @@ class KVStore:
         fp_bound, q_bound = self._bounds
         needed = self.fp.most() + n
         self._resize(self.fp, _fitted_capacity(self.fp.capacity, needed, fp_bound, CAPACITY_STEP))
-        if q_bound is not None and (self.q.capacity or self.q.most()):
+        # a bounded quantized segment is allocated with the rest, before a token reaches it,
+        # so a session's decode steps read it at one width from the start
+        if q_bound is not None and (q_bound or self.q.capacity):
             fitted = _fitted_capacity(self.q.capacity, self.q.most(), q_bound, CAPACITY_STEP)
             self._resize(self.q, fitted)
 
@@ -564,9 +566,7 @@ class KVStore:
         )
         return ForwardCall(self, rows, n, tensors, static)
 
-    def append(
-        self, keys: torch.Tensor, values: torch.Tensor, rows: range | None = None
-    ) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, rows: range | None = None) -> None:
         """Append `n` tokens to every layer of `rows` (default: all) outside a model call:
         one `begin_forward`, the tokens staged and committed, `end_forward`. Their statistics
         start at 0 (no attention was read).
@@ -629,7 +629,10 @@ class KVStore:
         query positions of this call."""
         q_width, fp_width = widths
         positions = torch.cat(
-            [self.q["positions"][layer, rows, :q_width], self.fp["positions"][layer, rows, :fp_width]],
+            [
+                self.q["positions"][layer, rows, :q_width],
+                self.fp["positions"][layer, rows, :fp_width],
+            ],
             dim=-1,
         )  # [R, q_width + fp_width]
         shifted = torch.zeros_like(positions)
@@ -781,7 +784,7 @@ class KVStore:
         keep_q, keep_fp = keep[..., :cq], keep[..., cq:]
         self.fp.gather(kept_first(keep_fp), layers, rows)
         tables = [(self.fp, keep_fp)]
-        if cq:
+        if any(max(row[rows]) for row in self.q.lengths[layers]):  # quantized tokens to move
             self._compact_quantized(keep_q, layers, rows)
             tables.append((self.q, keep_q))
         counts = torch.stack([mask.sum(dim=-1) for _, mask in tables]).tolist()
@@ -984,7 +987,9 @@ class KVStore:
 
     # -- per-row access (cold tier, reconstruction, evaluations) -----------------------------
 
-    def read_slots(self, layer: int, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_slots(
+        self, layer: int, row: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 keys and values `[H, m, D]` of a layer's row at its logical slots `slots`
         (int64 `[m]`), quantized ones dequantized with their group's scales."""
         q_len = self.q.lengths[layer][row]
@@ -999,7 +1004,12 @@ class KVStore:
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def insert(
-        self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        row: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
         """Put tokens back into a layer's FP segment at their original positions (a recall):
         the segment stays in position order, so the newest tokens stay last.

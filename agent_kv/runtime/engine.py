@@ -145,6 +145,19 @@ class Engine:
         policy = spec.build(shape.bytes_per_token(), int8_cost)
         return cls(model, tokenizer, policy, prefill_chunk, spec.int8, spec.rerotate, compile)
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile the decode graph now (`compile`; about a minute on a 2-core CPU the first
+        time, seconds once inductor's cache holds it) on a scratch sequence, so that no
+        request waits for it: one graph serves every later session. Nothing without
+        `compile`."""
+        if self.decode_graph is None:
+            return
+        sequence = self.new_sequence()
+        self.feed(sequence, [0] * 8)
+        for _ in range(2):
+            self.feed(sequence, [0])
+
     def new_sequence(self) -> Sequence:
         """An empty sequence for this engine's model and store options."""
         return Sequence.for_model(self.model, **self.store_options)
@@ -403,8 +416,10 @@ class Engine:
         self.policy.prepare(store)
         store.bound_capacity(*self.policy.slot_bounds(store), self.prefill_chunk)
         n = len(chunks[0])
-        if self.decode_graph is not None and not all_positions and self.decode_graph.takes(
-            store, rows, n
+        if (
+            self.decode_graph is not None
+            and not all_positions
+            and self.decode_graph.takes(store, rows, n)
         ):
             return self.decode_graph.step(cache, [chunk[0] for chunk in chunks])
         call = store.begin_forward(rows, n)
