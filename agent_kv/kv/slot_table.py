@@ -93,12 +93,10 @@ class SlotTable:
         if capacity == self.capacity:
             return
         keep = self.most()
-        for name, spec in self.specs.items():
+        for name, spec in self.specs.items():  # one field at a time: old and new held briefly
             old = self.fields[name]
-            self.fields[name] = None  # let the old tensor go before the new one is made
             new = self._empty(spec, capacity)
             new.narrow(spec.slot_dim, 0, keep).copy_(old.narrow(spec.slot_dim, 0, keep))
-            del old
             self.fields[name] = new
         self.capacity = capacity
         self._views.clear()

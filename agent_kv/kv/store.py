@@ -105,11 +105,11 @@ def _fitted_capacity(current: int, needed: int, bound: int | None, step: int) ->
 def _capacity_bound(current: int, most: int, step: int) -> int:
     """The largest capacity the store can reach from `current` while never more than `most`
     slots are needed: doubling from a capacity `c < n <= most` goes to at most
-    `round_up(most) - step` doubled; a bounded segment to `round_up(most, CAPACITY_GRAIN)` plus
-    the slack it may keep."""
+    `round_up(most) - step` doubled; a bounded segment to its bound rounded up to
+    `CAPACITY_GRAIN`, at most `round_up(most)` (the slack it may keep is over a capacity it
+    already had)."""
     top = _round_up(most, step)
-    grain = _round_up(most, CAPACITY_GRAIN)
-    return max(current, top, 2 * (top - step), int(grain * (1 + SHRINK_SLACK)))
+    return max(current, top, 2 * (top - step), _round_up(most, CAPACITY_GRAIN))
 
 
 def _live_bytes(
@@ -450,8 +450,9 @@ class KVStore:
     def bound_capacity(self, fp_tokens: int | None, q_tokens: int | None, chunk: int) -> None:
         """Fix the segments' capacities from now on by what they must hold, not by what they
         hold: per row, the pinned tokens plus `fp_tokens` unpinned FP tokens plus one forward
-        call's `chunk` (the FP segment), and `q_tokens` (the quantized one). None leaves a
-        segment to grow by doubling. Applied at the next `begin_forward`.
+        call's `chunk` (the FP segment), and `q_tokens` (the quantized one), neither more than
+        the model's context (`max_positions`, when known). None leaves a segment to grow by
+        doubling. Applied at the next `begin_forward`.
 
         Also sets what a static decode step reads (`decode_widths`): a row that has been
         stepped holds at most the pinned tokens plus `fp_tokens` FP tokens before a decode
@@ -459,6 +460,10 @@ class KVStore:
         """
         pinned = max(max(row) for row in self.pinned_live())
         fp = None if fp_tokens is None else pinned + fp_tokens + chunk
+        if self.max_positions:  # no row ever holds more live tokens than the model's context
+            fp = None if fp is None else min(fp, self.max_positions)
+            q_tokens = None if q_tokens is None else min(q_tokens, self.max_positions)
+            fp_tokens = None if fp_tokens is None else min(fp_tokens, self.max_positions)
         self._bounds = (fp, q_tokens)
         self._decode_bounds = (
             q_tokens,
