@@ -7,8 +7,8 @@ so machine noise falls on all of them alike), and the table gives the median ste
 - `hf`: the same weights through transformers' own path (`attn_implementation="sdpa"`, a
   `DynamicCache`), eager: the reference for "full KV";
 - `llama.cpp`: the bundled GGUF file (its own quantized weights, f16 KV cache) through
-  llama-cpp-python at the same thread count, when installed (`pip install
-  llama-cpp-python==0.3.36` builds it; the row is left out otherwise);
+  llama-cpp-python at the same thread count, when installed (`.venv/bin/pip install
+  -e ".[decode-bench]"` builds it from source, a few minutes; the row is left out otherwise);
 - `full`, `conf-kv`, `conf-kv+int8` (budget `--budget`, INT8 window 128): agent_kv's engine,
   `eager` (`Engine(compile=False)`) and `compiled` (`compile=True`: one `torch.compile`d
   graph per step, `agent_kv.runtime.decode_graph`).
