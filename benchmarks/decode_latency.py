@@ -137,7 +137,9 @@ def engine_settings(loaded, prompt: list[int], args) -> list[Setting]:
         eager.feed(prefilled, prompt)
         modes = [("eager", False)] + ([("compiled", True)] if args.compiled else [])
         for mode, compiled in modes:
-            engine = Engine(loaded.model, loaded.tokenizer, policy, PREFILL_CHUNK, int8, compiled)
+            engine = Engine(
+                loaded.model, loaded.tokenizer, policy, PREFILL_CHUNK, int8, compile=compiled
+            )
             sequence = copy.deepcopy(prefilled)
             settings.append(_engine_setting(f"{label} {mode}", engine, sequence))
     return settings

@@ -88,6 +88,7 @@ class Engine:
         policy: Policy,
         prefill_chunk: int = 512,
         int8: Int8Config | None = None,
+        *,
         rerotate: bool = False,
         compile: bool = False,
     ):
@@ -143,7 +144,15 @@ class Engine:
         shape = KVStore.for_model(model)
         int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
         policy = spec.build(shape.bytes_per_token(), int8_cost)
-        return cls(model, tokenizer, policy, prefill_chunk, spec.int8, spec.rerotate, compile)
+        return cls(
+            model,
+            tokenizer,
+            policy,
+            prefill_chunk,
+            spec.int8,
+            rerotate=spec.rerotate,
+            compile=compile,
+        )
 
     @torch.no_grad()
     def warm_up(self) -> None:
