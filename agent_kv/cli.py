@@ -555,6 +555,14 @@ def serve_command(
     queue_timeout: Annotated[
         float, typer.Option(min=1.0, help="Seconds a request may wait for the model (then 503).")
     ] = 600.0,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Turns decoded at once as rows of one forward call (continuous batching; "
+            "1: one turn at a time).",
+        ),
+    ] = 16,
     threads: ThreadsOption = None,
     compile: CompileOption = None,
     api_key: Annotated[
@@ -622,7 +630,10 @@ def serve_command(
     except AgentKVError as err:
         fail(str(err))
     sessions = SessionStore(engine, cap, session_ttl, spill_dir)
-    service = ChatService(engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout)
+    service = ChatService(
+        engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout,
+        max_batch=max_batch,
+    )  # fmt: skip
     _serve(create_app(service, loaded.name, api_key=api_key, allowed_hosts=hosts), host, port)
 
 

@@ -22,6 +22,11 @@ class TurnCancelled(AgentKVError):
     disconnected); the session keeps every token fed so far."""
 
 
+class QueueTimeoutError(AgentKVError):
+    """A turn waited longer than its deadline for the model (a place in the running batch)
+    or for room under the KV cap."""
+
+
 class KVCapacityError(AgentKVError):
     """A turn could hold more KV bytes than the session store's cap allows, even with every
     idle session out of memory."""

@@ -44,6 +44,7 @@ from agent_kv.errors import (
     ContextOverflowError,
     GrammarError,
     KVCapacityError,
+    QueueTimeoutError,
     TurnCancelled,
 )
 from agent_kv.kv.cold_tier import ColdConfig
@@ -55,7 +56,6 @@ from agent_kv.serving.chat_service import (
     ChatService,
     ChatTurn,
     QueueFullError,
-    QueueTimeoutError,
 )
 from agent_kv.serving.protection import PinRules
 from agent_kv.serving.session_store import SessionBusyError

@@ -8,8 +8,11 @@ quantize-on-append.
   before `kernels.triton_attention` is imported, see `kernels.triton_device`);
 - `torch`: the PyTorch path everywhere.
 Calls the Triton kernel refuses (`kernels.triton_attention.unsupported`: rerotate mode, more
-than 16 queries) use the PyTorch path under every setting. The Triton modules (and so the
-compilation of their kernels) are imported at the first call that uses them.
+than 16 queries, a sliding-window mask, logit soft-capping, attention sinks) use the PyTorch
+path under every setting: the Triton kernel implements none of the three model-family
+features (`kernels.softmax_extras`), and falls back rather than approximating them. The
+Triton modules (and so the compilation of their kernels) are imported at the first call that
+uses them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from kernels.formats import QuantFormat
 from kernels.reference import Segment, single_pass_attention
+from kernels.softmax_extras import NO_EXTRAS, SoftmaxExtras
 
 ENV = "AGENT_KV_KERNELS"
 MODES = ("auto", "triton", "torch")
@@ -38,15 +42,20 @@ def kernel_mode() -> str:
 
 
 def decode_attention(
-    query: torch.Tensor, segments: list[Segment], scaling: float
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`kernels.reference.segmented_attention`'s contract, run by the implementation
-    `kernel_mode()` picks for these tensors.
+    `kernel_mode()` picks for these tensors (the PyTorch path for a call the Triton kernel
+    refuses).
 
     Args:
         query: `[B, Hq, q, D]`.
         segments: as for `kernels.reference.segmented_attention`.
         scaling: softmax scale.
+        extras: soft-capping and sinks (`kernels.softmax_extras`).
 
     Returns:
         `(out [B, q, Hq, D] in the query's dtype, [mass [B, Hkv, L_s] float32 per segment])`.
@@ -58,9 +67,9 @@ def decode_attention(
     if _use_triton(query):
         from kernels import triton_attention
 
-        if triton_attention.unsupported(query, segments) is None:
+        if triton_attention.unsupported(query, segments, extras) is None:
             return triton_attention.segmented_attention(query, segments, scaling)
-    return single_pass_attention(query, segments, scaling)
+    return single_pass_attention(query, segments, scaling, extras)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:

@@ -13,7 +13,9 @@ Contract shared by every attention kernel of the project:
 
 Causality is positional inside the store: the store keeps tokens in arrival order and appends
 the new ones at the end, so query i (0-based among the q new ones) sees slots j <= L - q + i.
-Evicted tokens are simply absent, never masked.
+Evicted tokens are simply absent, never masked. A sliding-window layer adds a per-query mask
+(`Segment.window`), and some families shape the softmax (soft-capping, sinks:
+`kernels.softmax_extras`); every function here that reads segments takes both.
 
 `attention_with_mass` is that contract over one dense FP tensor: the oracle. The store reads
 through `segmented_attention`, the same contract over several segments (the INT8 segment,
@@ -23,12 +25,13 @@ dequantization inside an online softmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from kernels.int8 import dequantize
+from kernels.softmax_extras import NO_EXTRAS, SoftmaxExtras
 
 READ_BLOCK = 1024
 """Tokens read (and, for INT8, dequantized) at a time by `segmented_attention`."""
@@ -89,18 +92,29 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def _visibility(segment: Segment, q_len: int, group: int) -> torch.Tensor:
     """`[B, 1, G*q, width]` bool: may each query row see each slot of the segment (slots at or
     past a row's length never; in a causal segment query i of a row of length n sees slots
-    `j <= n - q + i`). Built from the length tensor alone: no host synchronisation."""
+    `j <= n - q + i`; with a `window`, only the slots it marks). Built from the length tensor
+    and the window alone: no host synchronisation."""
     width = segment.keys.shape[2]
     device = segment.keys.device
     if segment.bias is not None:
-        return (segment.bias == 0).expand(-1, -1, group * q_len, -1)
-    lengths = segment.lengths[:, None, None]  # [B, 1, 1]
-    if segment.causal:
-        query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
-        limit = lengths - q_len + 1 + query_index[None, :, None]  # [B, G*q, 1]
+        visible = (segment.bias == 0).expand(-1, -1, group * q_len, -1)
     else:
-        limit = lengths.expand(-1, group * q_len, 1)
-    return (torch.arange(width, device=device) < limit)[:, None]
+        lengths = segment.lengths[:, None, None]  # [B, 1, 1]
+        if segment.causal:
+            query_index = torch.arange(q_len, device=device).repeat(group)  # [G*q]
+            limit = lengths - q_len + 1 + query_index[None, :, None]  # [B, G*q, 1]
+        else:
+            limit = lengths.expand(-1, group * q_len, 1)
+        visible = (torch.arange(width, device=device) < limit)[:, None]
+    if segment.window is not None:
+        visible = visible & _grouped(segment.window, group)
+    return visible
+
+
+def _grouped(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A per-query mask `[B, 1, q, L]` in the grouped row order `[B, 1, G*q, L]` (row
+    `g * q + i` is query i); a mask with one row `[B, 1, 1, L]` as it is (it broadcasts)."""
+    return mask if mask.shape[2] == 1 else mask.repeat(1, 1, group, 1)
 
 
 @dataclass
@@ -120,6 +134,9 @@ class Segment:
         bias: `[B, 1, 1, L]` float32, 0 for the slots below each row's length and -inf past
             it, when the caller has it already (a non-causal segment: added to the logits,
             it saves building the mask from `lengths`).
+        window: `[B, 1, 1 or q, L]` bool, the slots each query may see within its sliding
+            window (a sliding-window layer: `agent_kv.kv.forward_call`), on top of the lengths
+            and causality; one row when every query sees the same slots; None: no window.
     """
 
     keys: torch.Tensor
@@ -132,10 +149,18 @@ class Segment:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    window: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lengths, torch.Tensor):
             self.lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.keys.device)
+
+    def last_queries(self, count: int) -> Segment:
+        """The segment as the call's last `count` queries alone read it (its window's last
+        `count` rows; lengths and causality count from each row's end already)."""
+        if self.window is None or self.window.shape[2] == 1:
+            return self
+        return replace(self, window=self.window[:, :, -count:])
 
     def needs_conversion(self) -> bool:
         """Whether reading costs a copy (dequantization, upcast or rotation)."""
@@ -193,7 +218,11 @@ def check_segments(query: torch.Tensor, segments: list[Segment]) -> int:
 
 
 def segmented_attention(
-    query: torch.Tensor, segments: list[Segment], scaling: float, block: int = READ_BLOCK
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    block: int = READ_BLOCK,
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Softmax attention over several segments of stored tokens, with the mass per token.
 
@@ -204,17 +233,20 @@ def segmented_attention(
     made. Each block's unnormalised probabilities are kept with the maximum they were taken
     against, so the mass is `exp(m_block - m) / l * p` summed over queries once `m` and `l`
     are final. The last segment must be `causal` and hold the new tokens: row b's query i sees its
-    slots `j <= lengths[b] - q + i`; other segments are fully visible up to each row's length.
+    slots `j <= lengths[b] - q + i`; other segments are fully visible up to each row's length;
+    a segment's `window` narrows both. With sinks (`extras`), the online softmax starts from
+    each row's sink logit (`m = sink`, `l = 1`, no value), so it stays in the denominator.
 
     Args:
         query: `[B, Hq, q, D]`.
         segments: read in order; each `[B, Hkv, L_s, D]` with `Hq % Hkv == 0`.
         scaling: softmax scale.
         block: tokens per read block.
+        extras: soft-capping and sinks (`kernels.softmax_extras`).
 
     Returns:
         `(out [B, q, Hq, D] in the query's dtype, [mass [B, Hkv, L_s] float32 per segment])`;
-        masked slots get zero mass.
+        masked slots get zero mass; with sinks, the masses of a query sum to less than one.
 
     Raises:
         ValueError: head counts that do not divide, or a last segment that is not causal or
@@ -226,6 +258,11 @@ def segmented_attention(
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
     grouped = grouped * scaling
     running_max = normaliser = acc = None  # [B, Hkv, G*q, 1], same, [B, Hkv, G*q, D]
+    sink = extras.sink_logits(kv_heads, q_len)
+    if sink is not None:  # the sink is a first "slot" of logit `sink` and no value
+        running_max = sink.expand(batch, -1, -1, -1)
+        normaliser = torch.ones_like(running_max)
+        acc = grouped.new_zeros(batch, kv_heads, group * q_len, head_dim)
     blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unnormalised probs, their shift)
     for segment in segments:
         visible = _visibility(segment, q_len, group)  # [B, 1, G*q, width]
@@ -235,7 +272,7 @@ def segmented_attention(
         for start in range(0, width, step):
             end = min(start + step, width)
             keys, values = segment.read(start, end)
-            logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, n]
+            logits = extras.cap(torch.matmul(grouped, keys.transpose(-1, -2)))  # [B, Hkv, G*q, n]
             logits = logits.masked_fill(~visible[..., start:end], float("-inf"))
             block_max = logits.amax(dim=-1, keepdim=True)
             if running_max is None:
@@ -268,7 +305,10 @@ def segmented_attention(
 
 
 def single_pass_attention(
-    query: torch.Tensor, segments: list[Segment], scaling: float
+    query: torch.Tensor,
+    segments: list[Segment],
+    scaling: float,
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`segmented_attention`'s contract in one softmax over every segment's logits at once, for
     calls of a few queries (decode steps): their logits are small, and one pass takes a fraction
@@ -276,7 +316,7 @@ def single_pass_attention(
     codes dequantized: a transient float copy of that segment). A one-slot segment (a decode
     step's own token) is read with an elementwise product instead of a matrix product.
 
-    Args, returns and raises: as `segmented_attention`.
+    Args, returns and raises: as `segmented_attention` (no `block`).
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
@@ -290,14 +330,17 @@ def single_pass_attention(
             logit = (grouped * keys).sum(dim=-1, keepdim=True)  # [B, Hkv, G*q, 1]
         else:
             logit = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*q, width]
+        logit = extras.cap(logit)
         if segment.bias is not None:
             logit = logit + segment.bias
-        elif width > 1 or q_len > 1:
+            if segment.window is not None:
+                logit = logit.masked_fill(~_grouped(segment.window, group), float("-inf"))
+        elif width > 1 or q_len > 1 or segment.window is not None:
             logit = logit.masked_fill(~_visibility(segment, q_len, group), float("-inf"))
         logits.append(logit)
         values.append(vals)
         widths.append(width)
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    probs = extras.probabilities(torch.cat(logits, dim=-1), q_len)
     parts = probs.split(widths, dim=-1)
     out = None
     for part, vals in zip(parts, values, strict=True):
@@ -330,33 +373,67 @@ def fused_attention(
     segments: list[Segment],
     scaling: float,
     whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Softmax attention over the segments through torch's fused `scaled_dot_product_attention`,
     without the attention mass: for prefill chunks, where the block loop's explicit softmax
     costs ~4x more on CPU (the mass then comes from a window of queries, see
     `agent_kv.kv.attention`). Each segment is read whole (INT8 dequantized, rotated): a transient
-    float copy of the live cache for one layer. Causality and row lengths as in
-    `segmented_attention`.
+    float copy of the live cache for one layer. Causality, row lengths and windows as in
+    `segmented_attention`. The fused kernel has no soft-capping or sinks: a call with `extras`
+    runs an explicit softmax instead, `SAMPLE_BLOCK` queries at a time.
 
     Args:
         query: `[B, Hq, q, D]`.
         segments: as for `segmented_attention`.
         scaling: softmax scale.
         whole: `read_whole(segments, q, ...)` when the caller has it already.
+        extras: soft-capping and sinks (`kernels.softmax_extras`).
 
     Returns:
         `out [B, q, Hq, D]` in the query's dtype.
     """
     keys, values, visible = whole or read_whole(segments, query.shape[2], query.device)
-    out = F.scaled_dot_product_attention(
-        query.float(), keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
-    )
-    return out.to(query.dtype).transpose(1, 2)
+    if not extras.active:
+        out = F.scaled_dot_product_attention(
+            query.float(), keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
+        )
+        return out.to(query.dtype).transpose(1, 2)
+    batch, q_heads, q_len, head_dim = query.shape
+    outs = []
+    for start in range(0, q_len, SAMPLE_BLOCK):
+        chosen = torch.arange(start, min(start + SAMPLE_BLOCK, q_len), device=query.device)
+        probs = _probabilities(query, chosen, keys, visible, scaling, extras)  # [B, Hkv, G*s, L]
+        out = torch.matmul(probs, values)  # [B, Hkv, G*s, D]
+        outs.append(out.reshape(batch, q_heads, len(chosen), head_dim))
+    return torch.cat(outs, dim=2).to(query.dtype).transpose(1, 2)
 
 
 SAMPLE_BLOCK = 128
-"""Sampled queries scored at a time by `sampled_mass` (bounds its `[B, Hq, block, L]` float
-logits)."""
+"""Queries scored at a time by `sampled_mass` and by `fused_attention`'s explicit softmax
+(bounds their `[B, Hq, block, L]` float logits)."""
+
+
+def _probabilities(
+    query: torch.Tensor,
+    chosen: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    extras: SoftmaxExtras,
+) -> torch.Tensor:
+    """float32 `[B, Hkv, G*s, L]`: the attention probabilities of the queries `chosen` (int64
+    `[s]`) of `query` `[B, Hq, q, D]` over whole keys `[B, Hkv, L, D]` with visibility
+    `[B, 1, q, L]` (`read_whole`), soft-capped and with sinks as `extras` says; row `g*s + i`
+    is query `chosen[i]` of the g-th query head of a KV head."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    sample = query[:, :, chosen].float() * scaling  # [B, Hq, s, D]
+    grouped = sample.reshape(batch, kv_heads, group * len(chosen), head_dim)
+    logits = extras.cap(torch.matmul(grouped, keys.transpose(-1, -2)))  # [B, Hkv, G*s, L]
+    seen = visible[:, :, chosen].repeat(1, 1, group, 1)
+    return extras.probabilities(logits.masked_fill(~seen, float("-inf")), len(chosen))
 
 
 def sampled_mass(
@@ -366,11 +443,12 @@ def sampled_mass(
     scaling: float,
     whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     reduce: str = "sum",
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> list[torch.Tensor]:
     """The attention mass per stored token from a sample of a call's queries: the mass of
     `segmented_attention`, summed over the queries at `offsets` only, each under its own
-    causal limit (query i of the call sees slots `j <= lengths[b] - q + i`); with
-    `reduce="max"`, the largest probability any of those queries and query heads gave the
+    causal limit (query i of the call sees slots `j <= lengths[b] - q + i`, within its window);
+    with `reduce="max"`, the largest probability any of those queries and query heads gave the
     token instead (KVzip's importance, Kim et al. 2025, §3.2).
 
     Args:
@@ -380,22 +458,16 @@ def sampled_mass(
         scaling: softmax scale.
         whole: `read_whole(segments, q, ...)` when the caller has it already.
         reduce: `"sum"` or `"max"` over the queries and the query heads of a KV head.
+        extras: soft-capping and sinks (`kernels.softmax_extras`).
 
     Returns:
         `[mass [B, Hkv, L_s] float32 per segment]`; masked slots get zero mass.
     """
     keys, _, visible = whole or read_whole(segments, query.shape[2], query.device)
-    batch, q_heads, _, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    group = q_heads // kv_heads
-    mass = keys.new_zeros(batch, kv_heads, keys.shape[2])
+    mass = keys.new_zeros(*keys.shape[:3])
     for start in range(0, len(offsets), SAMPLE_BLOCK):
         chosen = offsets[start : start + SAMPLE_BLOCK]
-        sample = query[:, :, chosen].float() * scaling  # [B, Hq, s, D]
-        grouped = sample.reshape(batch, kv_heads, group * len(chosen), head_dim)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G*s, L]
-        seen = visible[:, :, chosen].repeat(1, 1, group, 1)  # row g*s + i is query i
-        probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+        probs = _probabilities(query, chosen, keys, visible, scaling, extras)
         if reduce == "max":
             mass = torch.maximum(mass, probs.amax(dim=-2))
         else:
@@ -409,6 +481,7 @@ def attention_profile(
     segments: list[Segment],
     scaling: float,
     whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    extras: SoftmaxExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """The shape of each query's attention distribution, the inputs of ARKV's per-layer
     Original:Quantized ratio (docs/methods.md, ARKV, "Per-layer OQ ratio").
@@ -421,7 +494,8 @@ def attention_profile(
     - log kurtosis `log(m4 / m2^2)` of the weights around their mean `1/n_i` (central moments
       over the visible keys): high when a few keys stand out from a flat rest.
     Rows that see fewer than two keys are left out. Segments are read whole, as in
-    `fused_attention`.
+    `fused_attention`. The logits are soft-capped as `extras` says; sinks are left out, so `p`
+    is the distribution over the real tokens (the statistics need weights that sum to one).
 
     Args:
         query: `[B, Hq, q, D]`, the last `q` new tokens of the call.
@@ -429,6 +503,7 @@ def attention_profile(
         scaling: softmax scale.
         whole: `read_whole(segments, n, ...)` for the call's `n >= q` new tokens, when the
             caller has it already (the rows of the last `q` are used).
+        extras: soft-capping (and sinks, unused here) of the call.
 
     Returns:
         `[B, Hkv, 3]` float32: the three statistics, each a mean over the `q` queries and the
@@ -441,7 +516,8 @@ def attention_profile(
     group = q_heads // kv_heads
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float() * scaling
     visible = visible.repeat(1, 1, group, 1)  # [B, 1, G*q, L], rows (head, query) as `grouped`
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    logits = extras.cap(torch.matmul(grouped, keys.transpose(-1, -2)))
+    logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [B, Hkv, G*q, L]
     n = visible.sum(dim=-1).float()  # [B, 1, G*q]
     counted = n >= 2

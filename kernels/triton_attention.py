@@ -28,8 +28,10 @@ bits are more than their inputs carry).
 
 Refused (`unsupported` says why; `kernels.dispatch` then uses `kernels.reference`): more than
 `MAX_QUERIES` queries or `MAX_ROWS` query rows per KV head, segments with `cos`/`sin` (the
-store's rerotate mode, which rotates keys at read), and FP8 codes on CUDA devices older than
-compute capability 8.9.
+store's rerotate mode, which rotates keys at read), FP8 codes on CUDA devices older than
+compute capability 8.9, and the model-family features the kernels do not implement: a
+sliding-window mask (`Segment.window`; Mistral, Gemma-2/3, gpt-oss sliding layers), logit
+soft-capping and attention sinks (`kernels.softmax_extras`; Gemma-2, gpt-oss).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.reference import Segment, check_segments
+from kernels.softmax_extras import NO_EXTRAS, SoftmaxExtras
 from kernels.triton_device import require_launchable
 
 BLOCK_N = 64
@@ -58,12 +61,15 @@ sm_90 (244 registers, no spill); with 4 it spills. Found by compiling ahead of t
 timed on a GPU, like `BLOCK_N` and `PROGRAMS_PER_SM`."""
 
 
-def unsupported(query: torch.Tensor, segments: list[Segment]) -> str | None:
+def unsupported(
+    query: torch.Tensor, segments: list[Segment], extras: SoftmaxExtras = NO_EXTRAS
+) -> str | None:
     """Why the Triton kernel does not take this call, or None when it does.
 
     Args:
         query: `[B, Hq, q, D]`.
         segments: as for `kernels.reference.segmented_attention`.
+        extras: the call's soft-capping and sinks (`kernels.softmax_extras`).
     """
     q_heads, q_len = query.shape[1], query.shape[2]
     kv_heads = segments[0].keys.shape[1]
@@ -73,6 +79,12 @@ def unsupported(query: torch.Tensor, segments: list[Segment]) -> str | None:
         return f"{q_heads // kv_heads * q_len} query rows per KV head (at most {MAX_ROWS})"
     if any(segment.cos is not None for segment in segments):
         return "keys rotated at read (rerotate mode)"
+    if any(segment.window is not None for segment in segments):
+        return "a sliding-window mask"
+    if extras.softcap is not None:
+        return "logit soft-capping"
+    if extras.sinks is not None:
+        return "attention sinks"
     fp8 = any(segment.keys.dtype == FP8_DTYPE for segment in segments)
     if fp8 and query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 9):
         return "FP8 codes on a GPU older than compute capability 8.9"

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 
@@ -260,19 +261,26 @@ async def test_oversized_body_is_a_413(client):
     assert response.json()["error"]["code"] == "request_too_large"
 
 
-async def test_busy_model_gives_429_then_503(client, service):
-    held = threading.Event()
-    release = threading.Event()
+async def test_busy_model_gives_429_then_503(client, service, monkeypatch):
+    """One turn at a time (`max_batch` 1) and the running one stuck in its forward call: the
+    next turn waits (the one place in the queue), a third is refused at once, and the waiting
+    one gives up after `queue_timeout_s`."""
+    service.scheduler.max_batch = 1
+    held, release = threading.Event(), threading.Event()
+    step = service.engine.step_packed
 
-    def hold():
-        with service._model_lock:
-            held.set()
-            release.wait(10)
+    def stuck(parts):
+        held.set()
+        release.wait(10)
+        return step(parts)
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(5)
+    monkeypatch.setattr(service.engine, "step_packed", stuck)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    holder = threading.Thread(
+        target=service.run, args=(body["messages"], SamplingParams(max_new_tokens=1))
+    )
+    holder.start()
+    assert held.wait(10)
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     for _ in range(100):
         if service.queue_full():
@@ -285,4 +293,5 @@ async def test_busy_model_gives_429_then_503(client, service):
     assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "timeout"
     release.set()
     holder.join()
+    monkeypatch.setattr(service.engine, "step_packed", step)
     assert (await client.post("/chat", json=body)).status_code == 200

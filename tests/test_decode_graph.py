@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agent_kv.kv.attention import register_attention
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime.decode_graph import decode_logits
+from agent_kv.runtime.decode_graph import DecodeGraph, decode_logits
 from agent_kv.runtime.engine import Engine
 
 
@@ -43,7 +43,7 @@ def _engines(model, name: str, params: dict, int8: Int8Config | None):
     "name,params,int8",
     [
         ("conf-kv", {"budget": 96, "protect_recent": 16}, Int8Config(fp_window=16, group=8)),
-        ("full", {}, None),
+        ("h2o", {"budget": 64, "sinks": 4}, None),
     ],
 )
 def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
@@ -52,7 +52,7 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
     prompt = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     for engine, sequence in runs:
         engine.feed(sequence, prompt)
-    for _ in range(40):  # past 2 full-KV capacities and several evictions and INT8 groups
+    for _ in range(40):  # several evictions and INT8 groups
         token = int(runs[0][1].last_logits.argmax())
         for engine, sequence in runs:
             engine.feed(sequence, [token])
@@ -66,8 +66,24 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
         torch.equal(e.store.live_positions(layer), c.store.live_positions(layer))
         for layer in range(e.store.num_layers)
     )
+    assert c.store.evicted_tokens > 0
     if int8 is not None:
-        assert c.store.quantized_tokens > 0 and c.store.evicted_tokens > 0
+        assert c.store.quantized_tokens > 0
+
+
+def test_full_kv_decodes_eagerly(tiny_model):
+    """Full KV's store has no bound (it grows by doubling): its steps stay eager, where torch's
+    attention reads a growing cache faster than a compiled loop (`DecodeGraph.takes`)."""
+    full, budgeted = (
+        _engines(tiny_model, name, params, None)[1]
+        for name, params in [("full", {}), ("conf-kv", {"budget": 96, "protect_recent": 16})]
+    )
+    takes = []
+    for engine in (full, budgeted):
+        sequence = engine.new_sequence()
+        engine.feed(sequence, list(range(100)))
+        takes.append(DecodeGraph.takes(sequence.store, range(1), 1))
+    assert takes == [False, True]
 
 
 def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):

@@ -73,7 +73,9 @@ def test_rerotate_without_eviction_matches_original_positions(smollm):
     ids = token_ids(smollm, TEXT)[:400]
     logits = []
     for rerotate in (False, True):
-        engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 128, None, rerotate=rerotate)
+        engine = Engine(
+            smollm.model, smollm.tokenizer, make_policy("full"), 128, None, rerotate=rerotate
+        )
         session = engine.new_sequence()
         logits.append(
             torch.stack(

@@ -13,7 +13,12 @@ from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.serving.session_store import HistorySync, SessionBusyError, SessionStore, sync_history
+from agent_kv.serving.session_store import (
+    HistorySync,
+    SessionBusyError,
+    SessionStore,
+    prepare_history,
+)
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 SLOTS = 256  # a store's first allocation: 256 token slots per layer
@@ -112,6 +117,15 @@ def test_requests_to_one_session_are_serialised(engine):
     for thread in threads:
         thread.join(5)
     assert order == ["first in", "first out", "second in"]
+
+
+def sync_history(engine, session, ids):
+    """A request's history met as the chat service meets it: prepared, then its new tokens
+    prefilled."""
+    sync = prepare_history(engine, session, ids)
+    if sync.prefilled_tokens:
+        engine.feed(session, ids[sync.reused_tokens :])
+    return sync
 
 
 def fresh_logits(engine, ids):

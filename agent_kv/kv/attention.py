@@ -17,6 +17,15 @@
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
+Model-family keywords of transformers' attention interface:
+- `sliding_window` (Mistral, Phi-3, Qwen2/3, Gemma-2/3, gpt-oss): the layer's window, which must
+  be the store's (`KVStore.windows`, from the config: `agent_kv.kv.layer_windows`); the call's
+  segments carry each query's window mask (`ForwardCall.segments`) and the store keeps the
+  window only (`KVStore.trim_windows`);
+- `softcap` (Gemma-2) and `s_aux` (gpt-oss's per-head sinks): applied in every read path
+  (`kernels.softmax_extras`); the Triton decode kernel implements neither, nor windows, so
+  such calls take the PyTorch path (`kernels.dispatch`).
+
 Load a model with `attn_implementation="agent_kv"` (done by `agent_kv.runtime.model_loading`).
 """
 
@@ -26,6 +35,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from agent_kv.kv.packed_call import PackedCall
 from agent_kv.kv.store import ForwardCall
 from kernels.dispatch import decode_attention
 from kernels.reference import (
@@ -35,6 +45,7 @@ from kernels.reference import (
     sampled_mass,
     segmented_attention,
 )
+from kernels.softmax_extras import SoftmaxExtras
 
 NAME = "agent_kv"
 SCORED_QUERIES = 64
@@ -60,10 +71,6 @@ def scored_offsets(query_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(query_len - 1, -1, -stride, device=device).flip(0)
 
 
-UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
-"""Attention keywords of some model families this function does not implement."""
-
-
 def store_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -72,7 +79,10 @@ def store_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kv_store: ForwardCall | None = None,
+    kv_store: ForwardCall | PackedCall | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function over the store.
@@ -85,14 +95,20 @@ def store_attention(
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
         kv_store: the call (`agent_kv.kv.store.ForwardCall`, from `KVStore.begin_forward`):
-            read, given the new tokens and the attention mass.
+            read, given the new tokens and the attention mass; or a `PackedCall` of several
+            sequences packed into one row (`R = 1`), each span of `q` run through its own
+            call.
+        sliding_window: the layer's window in tokens (a query at `p` sees keys at
+            `p - window < k <= p`), or None for full attention.
+        softcap: Gemma-2's attention logit soft-cap, or None.
+        s_aux: gpt-oss's sink logits `[Hq]`, or None.
 
     Returns:
         `(out [R, q, Hq, D], None)`.
 
     Raises:
-        ValueError: no `kv_store`, an explicit attention mask, dropout, or a feature in
-            `UNSUPPORTED_FEATURES` was requested.
+        ValueError: no `kv_store`, an explicit attention mask, dropout, or a `sliding_window`
+            other than the store's for this layer (a config the store was not made from).
     """
     if kv_store is None:
         raise ValueError("agent_kv attention reads the store: call the model with kv_store=")
@@ -100,41 +116,53 @@ def store_attention(
         raise ValueError("agent_kv attention takes no attention mask: the store holds no padding")
     if dropout:
         raise ValueError("agent_kv attention is inference-only (dropout must be 0)")
-    unsupported = [name for name in UNSUPPORTED_FEATURES if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(
-            f"agent_kv attention does not implement {', '.join(unsupported)} "
-            "(sliding-window layers, logit soft-capping, attention sinks)"
-        )
+    features = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
+    if isinstance(kv_store, PackedCall):
+        outs = [
+            store_attention(
+                module, *(t[:, :, start:end] for t in (query, key, value)), None, scaling,
+                kv_store=call, **features,
+            )[0]
+            for call, (start, end) in zip(kv_store.calls, kv_store.spans, strict=True)
+        ]  # fmt: skip
+        return torch.cat(outs, dim=1), None
     call = kv_store
     store = call.store
     layer = module.layer_idx
+    if sliding_window != store.windows[layer]:
+        raise ValueError(
+            f"layer {layer} attends through a sliding window of {sliding_window} tokens, but its "
+            f"store was made for {store.windows[layer]}: make the store with "
+            "KVStore.for_model(model) (windows from the config: agent_kv.kv.layer_windows)"
+        )
+    extras = SoftmaxExtras(softcap, s_aux)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_len = query.shape[2]
     if store.reconstructing:
-        return _reconstruction_attention(call, layer, query, key, value, scale), None
+        return _reconstruction_attention(call, layer, query, key, value, scale, extras), None
     if not call.static and store.recall_due(query_len):
         store.recall(layer, query, scale)
     call.stage(layer, key, value)
-    segments = [*call.segments(layer), call.new_segment(key, value)]
+    segments = [*call.segments(layer), call.new_segment(key, value, layer)]
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
     offsets = None  # every query scored (the store's default)
     if query_len > SCORED_QUERIES:
         offsets = scored_offsets(query_len, query.device)
         whole = read_whole(segments, query_len, query.device)
-        out = fused_attention(query, segments, scale, whole)
-        masses = sampled_mass(query, offsets, segments, scale, whole)
+        out = fused_attention(query, segments, scale, whole, extras)
+        masses = sampled_mass(query, offsets, segments, scale, whole, extras=extras)
     else:
-        out, masses = decode_attention(query, segments, scale)
+        out, masses = decode_attention(query, segments, scale, extras)
     call.record_attention(layer, masses, query.shape[1] // key.shape[1], offsets)
     if query_len > 1 and store.observation_window:
         observed = min(query_len, store.observation_window)
         if observed != query_len or query_len > SCORED_QUERIES:
-            _, masses = segmented_attention(query[:, :, -observed:], segments, scale)
+            last = [segment.last_queries(observed) for segment in segments]
+            _, masses = segmented_attention(query[:, :, -observed:], last, scale, extras=extras)
         call.record_window(layer, masses, observed)
     if query_len > 1 and store.profile_prefill:
         window = query[:, :, -PROFILED_QUERIES:]
-        stats = attention_profile(window, segments, scale, whole)
+        stats = attention_profile(window, segments, scale, whole, extras)
         store.record_profile(layer, stats)
     return out, None
 
@@ -146,17 +174,18 @@ def _reconstruction_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    extras: SoftmaxExtras,
 ) -> torch.Tensor:
     """A reconstruction call's attention (`KVStore.reconstructing`, KVzip): the output, and
     for the store every stored token's largest attention probability over all the call's
     queries and query heads (`ForwardCall.record_reconstruction`); no other statistic, no
     recall, and the call's own tokens are not kept."""
-    segments = [*call.segments(layer), call.new_segment(key, value)]
+    segments = [*call.segments(layer), call.new_segment(key, value, layer)]
     query_len = query.shape[2]
     whole = read_whole(segments, query_len, query.device)
-    out = fused_attention(query, segments, scale, whole)
+    out = fused_attention(query, segments, scale, whole, extras)
     offsets = torch.arange(query_len, device=query.device)
-    maxes = sampled_mass(query, offsets, segments, scale, whole, reduce="max")
+    maxes = sampled_mass(query, offsets, segments, scale, whole, reduce="max", extras=extras)
     call.record_reconstruction(layer, maxes)
     return out
 

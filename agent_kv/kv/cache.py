@@ -15,15 +15,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from agent_kv.kv.store import KVStore
 
 
-class StoreCacheLayer(CacheLayerMixin):
-    """One layer's view of the store, in transformers' cache-layer protocol."""
+class PassThroughLayer(CacheLayerMixin):
+    """A cache layer that stores nothing: `update` hands the new keys and values back (the
+    attention function reads and writes the store through its call)."""
 
     is_sliding = False
 
-    def __init__(self, store: KVStore, layer_idx: int):
+    def __init__(self):
         super().__init__()
-        self.store = store
-        self.layer_idx = layer_idx
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -37,8 +36,8 @@ class StoreCacheLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        """Most live tokens of any row in this layer (after eviction: fewer than seen)."""
-        return max(self.store.length(self.layer_idx, row) for row in range(self.store.batch))
+        """0: positions come with every call (`position_ids`)."""
+        return 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """`(query_length, 0)`: the registered mask function builds no mask (causality and
@@ -50,12 +49,26 @@ class StoreCacheLayer(CacheLayerMixin):
         return -1
 
 
-class StoreCache(Cache):
-    """A `Cache` whose layers are the layers of one `KVStore`."""
+class StoreCacheLayer(PassThroughLayer):
+    """One layer's view of the store, in transformers' cache-layer protocol; `is_sliding`
+    says whether the layer attends through a sliding window (`KVStore.windows`). No model's
+    forward depends on it here: the registered mask function builds no mask, whatever layer
+    transformers sizes it by."""
 
-    def __init__(self, store: KVStore):
-        super().__init__(layers=[StoreCacheLayer(store, i) for i in range(store.num_layers)])
+    def __init__(self, store: KVStore, layer_idx: int):
+        super().__init__()
         self.store = store
+        self.layer_idx = layer_idx
+        self.is_sliding = store.windows[layer_idx] is not None
+
+    def get_seq_length(self) -> int:
+        """Most live tokens of any row in this layer (after eviction: fewer than seen)."""
+        return max(self.store.length(self.layer_idx, row) for row in range(self.store.batch))
+
+
+class PassThroughCache(Cache):
+    """A `Cache` of pass-through layers: what the model sees of a forward call whose
+    attention reads and writes the store itself."""
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """0: the queries' positions come with every call (`position_ids`), and the mask
@@ -63,5 +76,25 @@ class StoreCache(Cache):
         return 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """`(query_length, 0)` (`StoreCacheLayer.get_mask_sizes`)."""
+        """`(query_length, 0)` (`PassThroughLayer.get_mask_sizes`)."""
         return query_length, 0
+
+
+class PackedCache(PassThroughCache):
+    """The cache of a packed call over several stores (`agent_kv.kv.packed_call`): layers
+    that hold nothing, since each sequence's attention goes through its own store's call.
+
+    Args:
+        num_layers: the model's decoder layers.
+    """
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[PassThroughLayer() for _ in range(num_layers)])
+
+
+class StoreCache(PassThroughCache):
+    """A `Cache` whose layers are the layers of one `KVStore`."""
+
+    def __init__(self, store: KVStore):
+        super().__init__(layers=[StoreCacheLayer(store, i) for i in range(store.num_layers)])
+        self.store = store

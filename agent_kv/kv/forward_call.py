@@ -8,6 +8,11 @@ commit that writes it all back for every layer at once.
 rows' FP slots and folds the mass into the per-token statistics with a handful of operations
 over `[layers, rows, ...]` tensors; `KVStore.end_forward` then moves the host lengths on.
 
+In a sliding-window layer (`KVStore.windows`) every segment also carries its window mask
+(`Segment.window`): query `i` of a row, at original position `origin + i`, sees the stored and
+new tokens at positions `> origin + i - window`, from the positions the store keeps per slot,
+so a chunk is masked per query and a decode step reads the mask from tensors like the rest.
+
 A static call (`static=True`) reads a fixed width of every segment (`KVStore.decode_widths`:
 its capacity, or the policy's bound), masked by length tensors, so nothing it does depends on
 a host value that changes between decode steps and it synchronises nothing: a decode step
@@ -89,6 +94,9 @@ class ForwardCall:
             if self.widths[name]
         }
         self._new_lengths = torch.full((len(rows),), n, device=store.device)
+        steps = torch.arange(n, device=store.device)
+        self._query_positions = tensors.origin[:, None] + steps  # [R, n], original positions
+        self._new_positions = steps  # [n], the new tokens' offsets from origin
         self._read: list[tuple[str, ...]] = [()] * layers
         self._new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self._masses: list[dict[str, torch.Tensor] | None] = [None] * layers
@@ -102,8 +110,9 @@ class ForwardCall:
 
     def segments(self, layer: int) -> list[Segment]:
         """The stored segments of `layer` for the call's rows, in reading order (quantized, if
-        it has width, then FP, if it has), each masked by its lengths; in rerotate mode with
-        every token rotated to its rank among the row's live tokens."""
+        it has width, then FP, if it has), each masked by its lengths (and in a sliding-window
+        layer by each query's window); in rerotate mode with every token rotated to its rank
+        among the row's live tokens."""
         store = self.store
         rows = self._rows
         widths = dict(self.widths)
@@ -135,6 +144,11 @@ class ForwardCall:
                     "value_scales": self._view(store.scales, "values", layer, None),
                     "scale_index": self._view(table, "group", layer, width),
                 }
+            window = store.windows[layer]
+            mask = None
+            if window is not None:
+                positions = self._view(table, "positions", layer, width)
+                mask = self._window(positions, self._query_positions, window)
             out.append(
                 Segment(
                     keys=self._view(table, "keys", layer, width),
@@ -143,10 +157,20 @@ class ForwardCall:
                     cos=cos,
                     sin=sin,
                     bias=bias[name],
+                    window=mask,
                     **quantized,
                 )
             )
         return out
+
+    @staticmethod
+    def _window(positions: torch.Tensor, queries: torch.Tensor, window: int) -> torch.Tensor:
+        """`[R, 1, n, W]` bool: which of the slots at `positions` (`[R, W]`, or `[W]` for every
+        row) each query at `queries` (`[R, n]`, or `[n]`) sees in a window of `window` tokens:
+        `position > query - window` (transformers' `sliding_window_overlay`)."""
+        if positions.dim() == 1:
+            positions, queries = positions[None], queries[None]
+        return positions[:, None, None, :] > (queries - window)[:, None, :, None]
 
     def _view(self, table, name: str, layer: int, width: int | None) -> torch.Tensor:
         """Field `name` of `table` for `layer` and the call's rows, up to slot `width`: the
@@ -157,10 +181,20 @@ class ForwardCall:
         field = table[name][layer, self._rows]
         return field if width is None else field.narrow(table.specs[name].slot_dim - 1, 0, width)
 
-    def new_segment(self, keys: torch.Tensor, values: torch.Tensor) -> Segment:
+    def new_segment(
+        self, keys: torch.Tensor, values: torch.Tensor, layer: int | None = None
+    ) -> Segment:
         """The call's own tokens `[R, H, n, D]` as the last, causal segment: query `i` of a row
-        sees new token `j <= i`."""
-        return Segment(keys=keys, values=values, lengths=self._new_lengths, causal=True)
+        sees new token `j <= i`, and in a sliding-window `layer` (when given) only
+        `j > i - window` (a mask only when the call is longer than the window)."""
+        window = None if layer is None else self.store.windows[layer]
+        mask = None
+        if window is not None and self.n > window:
+            offsets = self._new_positions
+            mask = self._window(offsets, offsets, window)
+        return Segment(
+            keys=keys, values=values, lengths=self._new_lengths, causal=True, window=mask
+        )
 
     # -- what attention leaves ---------------------------------------------------------------
 

@@ -10,6 +10,8 @@ between them.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from agent_kv.errors import ConfigError
@@ -22,17 +24,23 @@ class Rotary:
     Args:
         rotary_emb: the model's rotary module, called as `rotary_emb(x, position_ids)` and
             returning `(cos, sin)` `[B, L, D]` (transformers' Llama, Qwen2/3, Mistral...).
+        halved: the module returns tables over half the channels, `[B, L, D/2]` (gpt-oss:
+            channels `i` and `i + D/2` turn by one angle, which is the rotate-half rotation
+            with the tables repeated, so `cos_sin` repeats them).
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module):
+    def __init__(self, rotary_emb: torch.nn.Module, halved: bool = False):
         self.rotary_emb = rotary_emb
+        self.halved = halved
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> Rotary:
         """The rotary embedding of a transformers causal LM.
 
         Raises:
-            ConfigError: the model has no rotary embedding (e.g. GPT-2's learned positions).
+            ConfigError: the model has no rotary embedding (e.g. GPT-2's learned positions),
+                or one per layer type (Gemma-3's local and global RoPE bases), where rerotate
+                mode turns every layer's keys with one table.
         """
         rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
         if rotary is None:
@@ -40,12 +48,23 @@ class Rotary:
                 f"positions 'rerotate' needs a rotary-embedding model; "
                 f"{type(model).__name__} has none"
             )
-        return cls(rotary)
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            raise ConfigError(
+                f"positions 'rerotate' needs one rotary embedding for every layer; "
+                f"{type(model).__name__} has one per layer type: use original positions"
+            )
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        device = next(model.parameters()).device
+        probe = cls(rotary).cos_sin(torch.zeros(1, 1, dtype=torch.long, device=device))[0]
+        return cls(rotary, halved=probe.shape[-1] * 2 == head_dim)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 `(cos, sin)`, each `[B, L, D]`, for integer `positions` `[B, L]`."""
         probe = torch.empty(0, dtype=torch.float32, device=positions.device)
         cos, sin = self.rotary_emb(probe, positions)
+        if self.halved:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos.float(), sin.float()
 
     @staticmethod

@@ -30,6 +30,13 @@ and its attention folded into the statistics, for all layers at once) -> `end_fo
 lengths and peaks). Eviction gathers the kept slots to the front of each segment (contiguous
 compaction, CONF-KV §4), so attention reads dense prefixes, never an indirection table.
 
+Sliding-window layers (`windows`, from the model's config: `agent_kv.kv.layer_windows`): the
+attention function masks each query to its window (`ForwardCall.segments`), and after every
+forward call `end_forward` drops from those layers the tokens no later query can see
+(`trim_windows`), so such a layer holds its window and no more: the window is its policy, and
+eviction policies step the full-attention layers only (`Policy.step`). Pinned tokens are
+dropped with the rest once out of the window (the model cannot see them there either).
+
 Positions: by default keys are stored rotated at their original positions and the next
 token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
 see `agent_kv.kv.rope`) keys are stored unrotated and rotated at every read to their rank among
@@ -47,6 +54,7 @@ import torch
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.forward_call import CallTensors, ForwardCall
+from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.slot_table import FieldSpec, SlotTable, bytes_view
 from kernels import dispatch
@@ -72,6 +80,10 @@ META_FIELDS = (
     "scores", "accumulated", "hit_mean", "hit_m2", "window_mass", "reconstruction",
 )  # fmt: skip
 """Per-token float32 statistics of both segments, one value per KV head (`[L, B, H, S]`)."""
+WINDOW_SLACK = 32
+"""Tokens a sliding-window layer may hold past its window before `trim_windows` drops them
+(they are masked out meanwhile): the compaction then runs once per `WINDOW_SLACK + 1` decode
+steps instead of after each, as `Policy.evict_slack` does for evictions."""
 ALLOCATED_FIELDS = {"fp": ("keys", "values"), "q": ("keys", "values"), "scales": ("keys", "values")}
 """The fields of each segment that hold keys, values and scales: what `allocated_nbytes`
 counts (positions, statistics and scale indices are bookkeeping, not KV)."""
@@ -264,6 +276,8 @@ class KVStore:
             positions.
         max_positions: the model's trained context in tokens (0: unchecked); no forward call
             may place a token past it.
+        windows: per layer, its sliding window in tokens (a query at position `p` sees keys
+            at `p - window < k <= p`), or None for a full-attention layer; default all None.
 
     Attributes:
         fp, q: the FP and quantized segments (`SlotTable`: fields `keys`, `values`,
@@ -274,9 +288,12 @@ class KVStore:
         appended: tokens ever appended per row (the next original position).
         statistics: which of `STATISTICS` forward calls fold into the per-token statistics
             (the policy says, `Policy.prepare`).
+        window_slack: tokens a sliding-window layer may hold past its window before they are
+            dropped (`WINDOW_SLACK`; 0: after every call).
 
     Raises:
-        ValueError: non-positive sizes or an `ema_decay` outside [0, 1).
+        ValueError: non-positive sizes, an `ema_decay` outside [0, 1), or `windows` without
+            one positive window or None per layer.
         ConfigError: invalid `int8` settings.
     """
 
@@ -292,9 +309,13 @@ class KVStore:
         int8: Int8Config | None = None,
         rotary: Rotary | None = None,
         max_positions: int = 0,
+        windows: tuple[int | None, ...] | None = None,
     ):
         if min(num_layers, kv_heads, head_dim, batch) <= 0:
             raise ValueError("num_layers, kv_heads, head_dim and batch must be positive")
+        windows = (None,) * num_layers if windows is None else tuple(windows)
+        if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must give {num_layers} positive windows or None")
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay}")
         if int8 is not None:
@@ -319,6 +340,12 @@ class KVStore:
         self.int8 = int8
         self.rotary = rotary
         self.max_positions = max_positions
+        self.windows = windows
+        self.window_slack = WINDOW_SLACK
+        self.window_dropped = 0
+        """Tokens dropped from sliding-window layers as they left the window (`trim_windows`;
+        not evictions, which `evicted_tokens` counts)."""
+        self._global = torch.tensor([w is None for w in windows], device=device)
         self.statistics = frozenset(STATISTICS)
         self._pinned = torch.zeros(batch, 0, dtype=torch.bool)  # host: positions pinned
         self._pinned_device: torch.Tensor | None = None
@@ -366,8 +393,13 @@ class KVStore:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
-        """A store shaped for a transformers causal LM (reads `model.config`); `rerotate`
-        selects in-cache positions (raises `ConfigError` for models without RoPE)."""
+        """A store shaped for a transformers causal LM (reads `model.config`, its sliding-window
+        layers included: `agent_kv.kv.layer_windows`); `rerotate` selects in-cache positions.
+
+        Raises:
+            ConfigError: `rerotate` for a model without one RoPE for all layers, or a model
+                whose layers agent_kv cannot run (`layer_windows`).
+        """
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -377,6 +409,7 @@ class KVStore:
         if rerotate:
             kwargs["rotary"] = Rotary.from_model(model)
         kwargs.setdefault("max_positions", int(getattr(cfg, "max_position_embeddings", 0) or 0))
+        kwargs.setdefault("windows", layer_windows(cfg))
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, **kwargs)
 
     # -- shape and lengths -------------------------------------------------------------------
@@ -457,18 +490,33 @@ class KVStore:
         Also sets what a static decode step reads (`decode_widths`): a row that has been
         stepped holds at most the pinned tokens plus `fp_tokens` FP tokens before a decode
         call appends one, so the step reads that much of the FP segment, not the chunk's room.
+
+        The policy bounds the full-attention layers; a sliding-window layer holds up to
+        `window_hold()` tokens between calls whatever the policy, so a bounded segment holds
+        at least that (FP: up to the INT8 FP window, with mixed precision).
         """
         pinned = max(max(row) for row in self.pinned_live())
-        fp = None if fp_tokens is None else pinned + fp_tokens + chunk
+        hold = self.window_hold()
+        fp_hold = hold if self.int8 is None else min(hold, self.int8.max_fp_tokens)
+        fp = None if fp_tokens is None else max(pinned + fp_tokens, fp_hold) + chunk
+        if q_tokens:  # a quantized segment that sliding-window layers may fill too
+            q_tokens = max(q_tokens, hold)
         if self.max_positions:  # no row ever holds more live tokens than the model's context
             fp = None if fp is None else min(fp, self.max_positions)
             q_tokens = None if q_tokens is None else min(q_tokens, self.max_positions)
             fp_tokens = None if fp_tokens is None else min(fp_tokens, self.max_positions)
         self._bounds = (fp, q_tokens)
+        held = None if fp_tokens is None else max(pinned + fp_tokens, fp_hold)
         self._decode_bounds = (
             q_tokens,
-            None if fp_tokens is None else _round_up(pinned + fp_tokens, CAPACITY_GRAIN),
+            None if held is None else _round_up(held, CAPACITY_GRAIN),
         )
+
+    @property
+    def fp_bounded(self) -> bool:
+        """Whether a policy's bound fixes the FP segment's capacity (`bound_capacity`); an
+        unbounded store (full KV) grows by doubling."""
+        return self._decode_bounds[1] is not None
 
     def decode_widths(self) -> dict[str, int]:
         """The slots of each segment a static decode step reads (`ForwardCall(static=True)`):
@@ -606,6 +654,44 @@ class KVStore:
         for row in call.rows:
             self.appended[row] += n
         self._note_peak()
+        self.trim_windows(call.rows)
+
+    # -- sliding-window layers ---------------------------------------------------------------
+
+    def window_hold(self) -> int:
+        """The most tokens a sliding-window layer's row holds between forward calls: its
+        window less the new query's own slot, plus `window_slack` (0 without such layers)."""
+        return max((w - 1 + self.window_slack for w in self.windows if w), default=0)
+
+    def global_layers(self) -> torch.Tensor:
+        """`[L]` bool on the store's device: which layers attend to every token (the ones an
+        eviction policy steps)."""
+        return self._global
+
+    def trim_windows(self, rows: range) -> int:
+        """Drop from every sliding-window layer of `rows` the tokens no later query can see
+        (positions `<= seen - window`: the next query sits at `seen`), once a layer holds
+        more than `window - 1 + window_slack`; pinned ones too (the window wins: the model
+        cannot see them). Decided on host counts first: nothing due, no tensor operation.
+        Returns the tokens dropped (`window_dropped`; not evictions: no cold tier, no
+        `evicted_tokens`).
+        """
+        due = [
+            layer
+            for layer, window in enumerate(self.windows)
+            if window and any(self.length(layer, r) > window - 1 + self.window_slack for r in rows)
+        ]
+        if not due:
+            return 0
+        layers, span = slice(due[0], due[-1] + 1), slice(rows.start, rows.stop)
+        windows = torch.tensor([w or 0 for w in self.windows[layers]], device=self.device)
+        horizon = torch.tensor([self.seen(r) for r in rows], device=self.device)
+        positions = self.joint("positions", layers, span)  # [L', R, S]
+        seen = positions > horizon[None, :, None] - windows[:, None, None]
+        keep = self.valid(layers, span) & (seen | (windows == 0)[:, None, None])
+        dropped = self._compact_counted(keep, layers, span)
+        self.window_dropped += dropped
+        return dropped
 
     def _pinned_counts(self, rows: range, n: int) -> list[int]:
         """Per row of `rows`, how many of its next `n` positions are pinned already."""
@@ -763,17 +849,23 @@ class KVStore:
         keep = keep & self.valid(layers, rows)
         if self.recalling:
             self._to_cold(~keep, layers, rows)
+        evicted = self._compact_counted(keep, layers, rows)
+        self.evicted_tokens += evicted
+        return evicted
+
+    def _compact_counted(self, keep: torch.Tensor, layers: slice, rows: slice) -> int:
+        """`_compact` to the `keep` mask `[L', R', S]`, noting each row whose cache changed
+        (`changed_at`); returns the tokens removed, summed over layers and rows."""
         before = self._host_lengths(layers, rows)
         self._compact(keep, layers, rows)
-        evicted = 0
+        removed = 0
         for (layer, row), old in before.items():
             gone = old - self.length(layer, row)
             if gone:
                 self.changed_at[row] = self.seen(row)
-            evicted += gone
-        self.evicted_tokens += evicted
+            removed += gone
         self._pinned_live = None
-        return evicted
+        return removed
 
     def _host_lengths(self, layers: slice, rows: slice) -> dict[tuple[int, int], int]:
         return {
@@ -1275,6 +1367,7 @@ class KVStore:
             "ema_decay": self.ema_decay,
             "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
             "max_positions": self.max_positions,
+            "windows": list(self.windows),
             "rerotate": self.rotary is not None,
             "pinned": self._pinned,
             "counters": [
@@ -1282,6 +1375,7 @@ class KVStore:
                 self.evicted_tokens,
                 self.quantized_tokens,
                 self.peak_allocated_bytes,
+                self.window_dropped,
             ],
             "row_counters": [self.row_peak_bytes, self.changed_at],
             "profile": self.profile,
@@ -1304,7 +1398,7 @@ class KVStore:
         int8 = None if state["int8"] is None else Int8Config(*state["int8"])
         store = cls(
             layers, heads, dim, keys.dtype, keys.device, state["ema_decay"], state["batch"],
-            int8, rotary, state["max_positions"],
+            int8, rotary, state["max_positions"], state.get("windows"),
         )  # fmt: skip
         for name in ("fp", "q", "scales"):
             table = getattr(store, name)
@@ -1325,6 +1419,7 @@ class KVStore:
         store._pins_changed()
         store.peak_bytes, store.evicted_tokens, store.quantized_tokens = state["counters"][:3]
         store.peak_allocated_bytes = max(state["counters"][3], store.allocated_nbytes())
+        store.window_dropped = state["counters"][4] if len(state["counters"]) > 4 else 0
         store.row_peak_bytes, store.changed_at = (list(v) for v in state["row_counters"])
         return store
 

@@ -17,8 +17,12 @@ The eager step (`compile=False` on the engine, `--no-compile`) is the same funct
 the oracle the compiled one is tested against.
 
 Steps the graph does not take run eagerly (`DecodeGraph.takes`): prefill chunks, steps of some
-rows only, rerotate positions (rotation tables follow host lengths), a cold tier (recall
-inserts tokens mid-call) and reconstruction passes.
+rows only, stores without a policy's bound (full KV), rerotate positions (rotation tables
+follow host lengths), a cold tier (recall inserts tokens mid-call) and reconstruction passes.
+Sliding-window layers, logit soft-capping and attention sinks (Mistral, Gemma-2/3, gpt-oss)
+are taken: their masks come from the positions the store keeps and the call's origin tensor,
+all tensor operations; dropping the tokens that left a window runs after the step, on the
+host (`KVStore.end_forward`).
 """
 
 from __future__ import annotations
@@ -78,9 +82,13 @@ class DecodeGraph:
     @staticmethod
     def takes(store: KVStore, rows: range, n: int) -> bool:
         """Whether a call of `n` tokens for `rows` of `store` runs as a graph: one token for
-        every row, original positions, no cold tier, no reconstruction."""
+        every row of a store whose FP capacity a policy bounds (`KVStore.fp_bounded`; full
+        KV's growing read is faster through torch's eager attention than as a compiled
+        loop: `benchmarks/decode_latency.py`), original positions, no cold tier, no
+        reconstruction."""
         return (
             n == 1
+            and store.fp_bounded
             and rows == range(store.batch)
             and store.rotary is None
             and not store.recalling

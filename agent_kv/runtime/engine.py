@@ -19,9 +19,10 @@ from functools import cached_property
 
 import torch
 
-from agent_kv.errors import ConfigError, TurnCancelled
-from agent_kv.kv.cache import StoreCache
+from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
+from agent_kv.kv.cache import PackedCache, StoreCache
 from agent_kv.kv.confidence import confidence
+from agent_kv.kv.packed_call import PackedCall
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.policy_spec import PolicySpec
@@ -29,37 +30,9 @@ from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
+from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder, cut_at_stop
 from agent_kv.runtime.sampling import SamplingParams, sample_next
 from agent_kv.runtime.sequence import Sequence, StepRecord
-
-
-@dataclass
-class Generation:
-    """A finished reply.
-
-    Attributes:
-        text: generated text up to (not including) the first stop string or end-of-turn token.
-        raw_text: everything generated and fed to the cache (stop strings included, EOS not).
-        token_ids: generated token ids (EOS included when it ended the reply).
-        finish_reason: "stop" (EOS, stop string or a complete grammar) or "length"
-            (max_new_tokens reached).
-        prompt_tokens: tokens prefilled for this reply.
-        ttft_s: seconds from the start of the prefill to the first sampled token.
-        decode_s: seconds spent after the first token.
-    """
-
-    text: str
-    raw_text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    ttft_s: float
-    decode_s: float
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens generated after the first one, per second of decode."""
-        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class Engine:
@@ -122,7 +95,8 @@ class Engine:
         eos = min(self.eos_ids) if eos is None else eos
         return GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos)
 
-    def _matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A matcher for `params.grammar` (None without one)."""
         return None if params.grammar is None else self.grammars.matcher(params.grammar)
 
     @classmethod
@@ -220,14 +194,31 @@ class Engine:
             chunk = token_ids[start : start + self.prefill_chunk]
             last_chunk = start + self.prefill_chunk >= len(token_ids)
             logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
-            if self.policy.reconstructs and len(chunk) > 1:  # a decoded token: none
-                self._reconstruct(cache.store, cache, row, chunk)
-            # Inside a prompt the logits after a chunk boundary say nothing about the reply:
-            # only the last chunk's confidence gates the budget (None = no signal).
-            self._apply_policy(cache.store, range(row, row + 1), logits, [last_chunk], [records])
+            self._after_chunk(self.policy, cache, row, chunk, logits, last_chunk, records)
             if fed is not None:
                 fed(chunk, logits[0])
         return logits[0]
+
+    def _after_chunk(
+        self,
+        policy: Policy,
+        cache: StoreCache,
+        row: int,
+        chunk: list[int],
+        logits: torch.Tensor,
+        last_chunk: bool,
+        records: list[StepRecord],
+    ) -> None:
+        """What follows a forward call of `chunk` on `row`: KVzip's reconstruction pass, then
+        `policy`'s step with the confidence of `logits` `[1, vocab]`. Inside a prompt the
+        logits after a chunk boundary say nothing about the reply: only the last chunk's
+        confidence gates the budget (`last_chunk`; otherwise the no-signal budget).
+        """
+        if policy.reconstructs and len(chunk) > 1:  # a decoded token: none
+            self._reconstruct(cache.store, cache, row, chunk)
+        self._apply_policy(
+            cache.store, range(row, row + 1), logits, [last_chunk], [records], policy
+        )
 
     def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
         """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
@@ -264,14 +255,16 @@ class Engine:
         logits: torch.Tensor,
         gated: list[bool],
         records: list[list[StepRecord]],
+        policy: Policy | None = None,
     ) -> None:
-        """Confidence from `logits` `[len(rows), vocab]`, one policy step per row, one
-        `StepRecord` appended to each row's `records`."""
+        """Confidence from `logits` `[len(rows), vocab]`, one step of `policy` (default: the
+        engine's) per row, one `StepRecord` appended to each row's `records`."""
+        policy = policy or self.policy
         confs = [float(c) for c in confidence(logits)]
         gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
         appended = [store.nbytes(row) for row in rows]
         for i, row in enumerate(rows):
-            evicted = self.policy.step(store, gates[i], rows=range(row, row + 1))
+            evicted = policy.step(store, gates[i], rows=range(row, row + 1))
             records[i].append(
                 StepRecord(
                     seen_tokens=store.seen(row),
@@ -281,7 +274,7 @@ class Engine:
                     cold_kv_bytes=store.cold_nbytes(row),
                     confidence=confs[i],
                     gated=gated[i],
-                    budget=self.policy.budget(gates[i]),
+                    budget=policy.budget(gates[i]),
                     evicted=evicted,
                 )
             )
@@ -331,7 +324,7 @@ class Engine:
             raise ValueError("generate_batch needs at least one prompt, none of them empty")
         start = time.perf_counter()
         batch = len(prompts)
-        matchers = [self._matcher(params) for _ in range(batch)]
+        matchers = [self.matcher(params) for _ in range(batch)]
         store = KVStore.for_model(self.model, batch=batch, **self.store_options)
         cache = StoreCache(store)
         steps: list[list[StepRecord]] = [[] for _ in range(batch)]
@@ -375,7 +368,7 @@ class Engine:
             raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
             generations.append(
                 Generation(
-                    text=_cut_at_stop(raw_text, params.stop),
+                    text=cut_at_stop(raw_text, params.stop),
                     raw_text=raw_text,
                     token_ids=generated[row],
                     finish_reason=finish[row],
@@ -416,14 +409,19 @@ class Engine:
         return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
 
     def _forward(
-        self, cache: StoreCache, rows: range, chunks: list[list[int]], all_positions: bool = False
+        self,
+        cache: StoreCache,
+        rows: range,
+        chunks: list[list[int]],
+        all_positions: bool = False,
+        policy: Policy | None = None,
     ) -> torch.Tensor:
         """One model call: `chunks[i]` (equal lengths `n`) for row `rows[i]` of the cache's
-        store. Returns float32 logits after each row's last token, `[len(rows), vocab]`, or
-        with `all_positions` after every token, `[len(rows), n, vocab]`."""
+        store, whose capacity `policy` (default: the engine's) bounds. Returns float32 logits
+        after each row's last token, `[len(rows), vocab]`, or with `all_positions` after every
+        token, `[len(rows), n, vocab]`."""
         store = cache.store
-        self.policy.prepare(store)
-        store.bound_capacity(*self.policy.slot_bounds(store), self.prefill_chunk)
+        self._prepare(policy or self.policy, store)
         n = len(chunks[0])
         if (
             self.decode_graph is not None
@@ -443,6 +441,70 @@ class Engine:
         call.commit()
         store.end_forward(call)
         return out.logits.float() if all_positions else out.logits[:, -1].float()
+
+    def _prepare(self, policy: Policy, store: KVStore) -> None:
+        """Before a forward call: the policy's per-call state, and the store's capacity fixed
+        by the policy's bound (`KVStore.bound_capacity`)."""
+        policy.prepare(store)
+        store.bound_capacity(*policy.slot_bounds(store), self.prefill_chunk)
+
+    @torch.no_grad()
+    def step_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
+        """One forward call over several sequences (continuous batching): each part's tokens
+        (a decode token, or a prefill chunk of at most `prefill_chunk` tokens) packed into one
+        row (`agent_kv.kv.packed_call`), each sequence read and written through its own store;
+        then each part's policy steps its store, gated as `PackedPart.gated` says, and the
+        sequence moves on as `feed` moves it (`token_ids`, `last_logits`, a `StepRecord`).
+        A single part runs as `feed` runs it (the decode graph with `compile`), so a batch of
+        one is exactly the serial path.
+
+        Returns:
+            per part, float32 logits `[vocab]` after its last token; or, for a part whose
+            tokens would pass the model's context, the `ContextOverflowError` (that part is
+            left out of the call and its sequence is unchanged).
+        """
+        results: list[torch.Tensor | AgentKVError | None] = [None] * len(parts)
+        calls, running = [], []
+        for i, part in enumerate(parts):
+            store = part.sequence.store
+            self._prepare(part.policy, store)
+            try:
+                if len(parts) > 1:
+                    calls.append(store.begin_forward(range(1), len(part.tokens)))
+                else:
+                    store.check_context(store.seen(0) + len(part.tokens))
+            except ContextOverflowError as err:
+                results[i] = err
+                continue
+            running.append(i)
+        if not running:
+            return results
+        if len(parts) == 1:
+            part = parts[0]
+            logits = self._forward(part.sequence.cache, range(1), [part.tokens], policy=part.policy)
+        else:
+            packed = PackedCall(calls)
+            out = self.model(
+                input_ids=torch.tensor(
+                    [[t for i in running for t in parts[i].tokens]], device=self.model.device
+                ),
+                position_ids=packed.position_ids(),
+                cache=PackedCache(len(parts[0].sequence.cache.layers)),
+                use_cache=True,
+                logits_to_keep=packed.last_indices(),
+                kv_store=packed,
+            )
+            packed.commit()
+            logits = out.logits[0].float()  # [len(running), vocab]
+        for k, i in enumerate(running):
+            part, sequence = parts[i], parts[i].sequence
+            self._after_chunk(
+                part.policy, sequence.cache, 0, part.tokens, logits[k : k + 1], part.gated,
+                sequence.steps,
+            )  # fmt: skip
+            sequence.token_ids.extend(part.tokens)
+            sequence.last_logits = results[i] = logits[k]
+        return results
 
     def generate(
         self,
@@ -471,59 +533,34 @@ class Engine:
                 sequence keeps every token fed before it.
         """
         params.validate()
-        matcher = self._matcher(params)
-        start = time.perf_counter()
+        decoder = ReplyDecoder(params, self.matcher(params), self.tokenizer, self.eos_ids, on_text)
         if prompt_ids:
             self.feed(sequence, prompt_ids, cancel)
         elif sequence.last_logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        generated: list[int] = []
-        first_token_at = None
-        finish = "length"
-        sent = 0  # characters of the reply handed to on_text
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        for _ in range(params.max_new_tokens):
+        while (token := decoder.choose(sequence.last_logits)) is not None:
             _check_cancel(cancel)
-            logits = sequence.last_logits
-            token = sample_next(
-                logits if matcher is None else matcher.constrain(logits), params, generator
-            )
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            generated.append(token)
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            if matcher is not None:
-                matcher.advance(token)
             self.feed(sequence, [token])
-            text = self.tokenizer.decode(generated, skip_special_tokens=False)
-            if any(s in text for s in params.stop) or (matcher is not None and matcher.done):
-                finish = "stop"
-                break
-            if on_text is not None:
-                safe = len(text.rstrip("\ufffd")) - hold
-                if safe > sent:
-                    on_text(text[sent:safe])
-                    sent = safe
-        end = time.perf_counter()
-        raw_ids = [t for t in generated if t not in self.eos_ids]
-        raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
-        reply = _cut_at_stop(raw_text, params.stop)
-        if on_text is not None and len(reply) > sent:
-            on_text(reply[sent:])
-        return Generation(
-            text=reply,
-            raw_text=raw_text,
-            token_ids=generated,
-            finish_reason=finish,
-            prompt_tokens=len(prompt_ids),
-            ttft_s=first_token_at - start,
-            decode_s=end - first_token_at,
-        )
+            decoder.fed()
+        return decoder.generation(len(prompt_ids))
+
+
+@dataclass
+class PackedPart:
+    """One sequence's share of a packed forward call (`Engine.step_packed`).
+
+    Attributes:
+        sequence: the sequence (its store has one row).
+        tokens: its new tokens: one decode token, or a prefill chunk.
+        policy: the policy that manages its store.
+        gated: whether the call's confidence chooses its budget: True for a decode token and
+            a prompt's last chunk, False for an earlier chunk (the no-signal budget).
+    """
+
+    sequence: Sequence
+    tokens: list[int]
+    policy: Policy
+    gated: bool
 
 
 @dataclass
@@ -539,11 +576,6 @@ class BatchGeneration:
     generations: list[Generation]
     store: KVStore
     steps: list[list[StepRecord]]
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    """`text` up to the first occurrence of any stop string."""
-    return text[: min((text.find(s) for s in stop if s in text), default=len(text))]
 
 
 def _check_cancel(cancel: threading.Event | None) -> None:

@@ -2,7 +2,7 @@
 `/v1/chat/completions` and `/chat`, and the in-process LangChain model).
 
 A turn renders the messages with the model's chat template, matches the tokens against the
-session's history so only what is new is prefilled (`sync_history`), pins what the rules
+session's history so only what is new is prefilled (`prepare_history`), pins what the rules
 protect (`protection`), and decodes the reply.
 
 Which session a turn runs in:
@@ -13,13 +13,17 @@ Which session a turn runs in:
   session (id `auto-...`, reported back so the client can name it) is made. The newest
   `max_anonymous` anonymous sessions are kept.
 
-Model calls run one at a time (the engine owns one model). A turn is first admitted
-(`admit`): at most `max_waiting` turns may be admitted and not yet running (then
-`QueueFullError`, at once); only then is its prompt templated, tokenized and checked, and it
-waits for the model at most `queue_timeout_s` seconds (then `QueueTimeoutError`). Before it
-runs, its session store makes room for the most KV its session can hold during the turn
-(`turn_kv_bound`), so a byte cap holds while the turn runs. A turn given a `cancel` event
-stops at the next wait slice, prefill chunk or decode step once it is set (`TurnCancelled`).
+Turns run together: each is a row of the service's `BatchScheduler` (continuous batching:
+every running turn's next decode token, and the next prefill chunk of one still prefilling,
+in one forward call per step), each with its own session store, policy, pins and sampling.
+A turn is first admitted (`admit`): at most `max_waiting` turns may be admitted and not yet
+running (then `QueueFullError`, at once); only then is its prompt templated, tokenized and
+checked. It then waits, at most `queue_timeout_s` seconds in all (then `QueueTimeoutError`),
+for its session (turns to one session run one after another), for room under the session
+store's KV cap (its session reserves the most KV it can hold during the turn,
+`turn_kv_bound`, so the cap holds while every running turn grows), and for a place in the
+batch (`max_batch`). A turn given a `cancel` event stops at the next wait slice, prefill chunk
+or decode step once it is set (`TurnCancelled`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
+from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError
+from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.kv.store import WINDOW_SLACK
+from agent_kv.runtime.batch_scheduler import BatchScheduler
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.sampling import SamplingParams
@@ -45,26 +51,20 @@ from agent_kv.serving.session_store import (
     HistorySync,
     SessionStore,
     plan_history_sync,
-    sync_history,
+    prepare_history,
 )
 from agent_kv.valid_text import check_unicode
 
 ANONYMOUS_PREFIX = "auto-"
-WAIT_SLICE_S = 0.1
-"""Seconds between checks of a waiting turn's `cancel` event."""
 
 
 class QueueFullError(AgentKVError):
     """Too many turns are already waiting for the model."""
 
 
-class QueueTimeoutError(AgentKVError):
-    """A turn waited longer than the service's `queue_timeout_s` for the model."""
-
-
 class Admission:
     """A turn's place among those admitted and not yet running (`ChatService.admit`). It is
-    given up when the turn gets the model or ends; `release` may be called more than once."""
+    given up when the turn joins the batch or ends; `release` may be called more than once."""
 
     def __init__(self, service: ChatService):
         self._service = service
@@ -151,9 +151,9 @@ class ChatTurn:
         reply: the generated reply.
         sync: how the prompt was matched against the session's history.
         kv: the cache's figures after the turn.
-        ttft_s: seconds from the model being free for this turn to the first reply token
-            (prefill of the new tokens included).
-        wait_s: seconds the turn waited for the model.
+        ttft_s: seconds from the turn joining the batch to the first reply token (prefill of
+            the new tokens included).
+        wait_s: seconds the turn waited for its session, KV room and a place in the batch.
         evicted_in_turn: tokens evicted during this turn, summed over layers.
         quantized_in_turn: tokens moved to INT8 during this turn, summed over layers.
         content: the reply's text, "" when the reply is tool calls (`parse_reply`).
@@ -190,8 +190,10 @@ class ChatService:
         rules: the default pin rules (default: the system message and the latest tool
             message).
         max_waiting: turns allowed to wait for the model at once.
-        queue_timeout_s: seconds a turn may wait for the model.
+        queue_timeout_s: seconds a turn may wait for its session, KV room and the batch.
         max_anonymous: anonymous sessions kept (the newest).
+        max_batch: turns running at once as rows of one forward call
+            (`agent_kv.runtime.batch_scheduler`); 1 serves one turn at a time.
 
     Raises:
         ValueError: a non-positive limit.
@@ -205,11 +207,13 @@ class ChatService:
         max_waiting: int = 32,
         queue_timeout_s: float = 600.0,
         max_anonymous: int = 16,
+        max_batch: int = 16,
     ):
         for name, value in [
             ("max_waiting", max_waiting),
             ("queue_timeout_s", queue_timeout_s),
             ("max_anonymous", max_anonymous),
+            ("max_batch", max_batch),
         ]:
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -219,10 +223,16 @@ class ChatService:
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self.max_anonymous = max_anonymous
-        self._model_lock = threading.Lock()
+        self.scheduler = BatchScheduler(engine, max_batch)
+        self._window_holds = [
+            None if window is None else window - 1 + WINDOW_SLACK
+            for window in layer_windows(engine.model.config)
+        ]  # per layer, what a sliding-window layer can hold between calls
         self._count_lock = threading.Lock()
         self._waiting = 0
+        self._anonymous_lock = threading.Lock()
         self._anonymous: OrderedDict[str, int] = OrderedDict()  # id -> its last prompt length
+        self._claimed: set[str] = set()  # anonymous sessions a turn has chosen and not ended
 
     def queue_full(self) -> bool:
         """Whether a turn admitted now would be refused with `QueueFullError`."""
@@ -305,7 +315,7 @@ class ChatService:
             on_text: receives the reply's text as it grows (`Engine.generate`).
             cancel: once set, the turn stops at its next check (`TurnCancelled`).
             admission: the turn's place from `admit` (default: admitted here).
-            on_start: called with the session id once the turn holds the model and its
+            on_start: called with the session id once the turn holds its
                 session, before any prefill.
             reply: the tools offered, the tool choice and the reply format
                 (`agent_kv.runtime.tool_calls`): the tools are rendered into the prompt, the
@@ -337,65 +347,74 @@ class ChatService:
             prompt_ids = self.prompt_ids(messages, reply.tools)
             self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
             pins = protected_spans(self.engine.tokenizer, messages, rules, reply.tools)
-            queued = time.perf_counter()
-            with self._model(policy, cancel, admitted):
-                turn = self._run_turn(
-                    messages, params, session_id, policy, on_text, cancel, on_start,
-                    prompt_ids, pins, queued,
-                )  # fmt: skip
+            deadline = time.monotonic() + self.queue_timeout_s
+            turn = self._run_turn(
+                messages, params, session_id, policy or self.engine.policy, on_text, cancel,
+                on_start, prompt_ids, pins, admitted, deadline,
+            )  # fmt: skip
             turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply)
             return turn
 
     def _run_turn(
         self, messages, params, session_id, policy, on_text, cancel, on_start, prompt_ids,
-        pins, queued,
+        pins, admitted, deadline,
     ) -> ChatTurn:  # fmt: skip
-        """The part of `run` that holds the model."""
-        started = time.perf_counter()
-        if session_id is None:
+        """The part of `run` that holds the session and runs in the batch."""
+        queued = time.perf_counter()
+        anonymous = session_id is None
+        if anonymous:
             session_id = self._anonymous_session(prompt_ids)
-        turn_policy = self.engine.policy  # `_model` put the turn's policy in place
         need = partial(
             self.turn_kv_bound,
-            turn_policy,
+            policy,
             prompt_ids,
             sum(end - start for start, end in pins),
             params.max_new_tokens,
         )
-        with self.sessions.use(session_id, need, turn_policy.name) as session:
-            check_policy_precision(turn_policy, None, session.store)
-            if on_start is not None:
-                on_start(session_id)
-            evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
-            steps_before = len(session.steps)
-            sync = sync_history(self.engine, session, prompt_ids, pins, cancel)
-            if sync.rebuild == "scratch":
-                evicted, quantized, steps_before = 0, 0, 0
-            prefilled = time.perf_counter()
-            reply = self.engine.generate(session, [], params, on_text, cancel)
-            store = session.store
-            report = KVReport(
-                policy=turn_policy.name,
-                session_id=session_id,
-                rebuild=sync.rebuild,
-                kv_bytes=store.nbytes(),
-                peak_kv_bytes=store.peak_bytes,
-                full_kv_bytes=store.full_kv_nbytes(),
-                cold_kv_bytes=store.cold_nbytes(),
-                evicted_tokens=store.evicted_tokens,
-                quantized_tokens=store.quantized_tokens,
-                pinned_tokens=store.pinned_tokens(),
-                confidence=ConfidenceSummary.of(session.steps[steps_before:]),
-            )
-        if session_id in self._anonymous:
-            self._anonymous[session_id] = len(prompt_ids)
-            self._anonymous.move_to_end(session_id)
+        joined, ran = [], False
+        try:
+            with self.sessions.use(session_id, need, policy.name, cancel, deadline) as session:
+                check_policy_precision(policy, None, session.store)
+                if on_start is not None:
+                    on_start(session_id)
+                evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
+                steps_before = len(session.steps)
+                sync = prepare_history(self.engine, session, prompt_ids, pins)
+                if sync.rebuild == "scratch":
+                    evicted, quantized, steps_before = 0, 0, 0
+
+                def on_join() -> None:
+                    joined.append(time.perf_counter())
+                    admitted.release()
+
+                reply = self.scheduler.generate(
+                    session, prompt_ids[sync.reused_tokens :], params, policy, on_text, cancel,
+                    on_join, deadline,
+                )  # fmt: skip
+                store = session.store
+                report = KVReport(
+                    policy=policy.name,
+                    session_id=session_id,
+                    rebuild=sync.rebuild,
+                    kv_bytes=store.nbytes(),
+                    peak_kv_bytes=store.peak_bytes,
+                    full_kv_bytes=store.full_kv_nbytes(),
+                    cold_kv_bytes=store.cold_nbytes(),
+                    evicted_tokens=store.evicted_tokens,
+                    quantized_tokens=store.quantized_tokens,
+                    pinned_tokens=store.pinned_tokens(),
+                    confidence=ConfidenceSummary.of(session.steps[steps_before:]),
+                )
+                ran = True
+        finally:
+            if anonymous:
+                self._release_anonymous(session_id, len(prompt_ids) if ran else None)
         return ChatTurn(
             reply=reply,
             sync=sync,
             kv=report,
-            ttft_s=prefilled - started + reply.ttft_s,
-            wait_s=started - queued,
+            ttft_s=reply.ttft_s,
+            wait_s=joined[0] - queued,
             evicted_in_turn=store.evicted_tokens - evicted,
             quantized_in_turn=store.quantized_tokens - quantized,
         )
@@ -411,14 +430,15 @@ class ChatService:
         """The most allocated KV bytes the session `outline` describes can hold during one
         turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`.
 
-        The turn appends what `sync_history` prefills (the prompt past the history it
+        The turn appends what `prepare_history` leaves to prefill (the prompt past the history it
         shares) and the reply, to layers cut back to the shared history when the client
         changed it; a cache rebuilt from scratch starts as a new session's, after the old one
         is let go (`Sequence.restart`). Under a policy that bounds tokens
         (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
         than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
-        next eviction; the store's growth rule then bounds its buffers
-        (`StoreFootprint.allocation_bound`).
+        next eviction (a sliding-window layer, whatever the policy: `max(L, window - 1 +
+        WINDOW_SLACK)` plus the chunk, `agent_kv.kv.layer_windows`); the store's growth rule
+        then bounds its buffers (`StoreFootprint.allocation_bound`).
         """
         sync = plan_history_sync(outline.token_ids, prompt_ids, outline.changed_at)
         appended = sync.prefilled_tokens + max_new_tokens
@@ -432,47 +452,44 @@ class ChatService:
             if sync.rebuild == "truncated":
                 held = min(held, sync.reused_tokens)
             grown = held + appended
-            if budgets is not None:
+            hold = self._window_holds[layer]
+            if hold is not None:  # a sliding-window layer: its window bounds it, not the policy
+                grown = min(grown, max(held, hold) + chunk)
+            elif budgets is not None:
                 grown = min(grown, max(held, pinned_tokens + budgets[layer]) + chunk)
             most.append(grown)
         quantizes = self.engine.store_options["int8"] is not None or policy.manages_precision
         bound = footprint.allocation_bound(most, quantizes)
         return max(bound, outline.footprint.allocated_bytes)
 
-    @contextmanager
-    def _model(self, policy: Policy | None, cancel: threading.Event | None, admitted: Admission):
-        """Hold the model for one turn, with `policy` in place of the engine's own; the
-        turn's admission is given up once it holds the model."""
-        deadline = time.monotonic() + self.queue_timeout_s
-        while not self._model_lock.acquire(timeout=WAIT_SLICE_S):
-            if cancel is not None and cancel.is_set():
-                raise TurnCancelled("the turn was cancelled while waiting for the model")
-            if time.monotonic() >= deadline:
-                raise QueueTimeoutError(
-                    f"waited {self.queue_timeout_s:g} s for the model without getting it; "
-                    "retry later"
-                )
-        admitted.release()
-        default = self.engine.policy
-        self.engine.policy = policy or default
-        try:
-            yield
-        finally:
-            self.engine.policy = default
-            self._model_lock.release()
-
     def _anonymous_session(self, prompt_ids: list[int]) -> str:
-        """The anonymous session this prompt continues, or a new one (called with the model
-        held, so no other turn is using an anonymous session)."""
-        known = set(self.sessions.ids())
-        for sid in [sid for sid in self._anonymous if sid not in known]:
-            del self._anonymous[sid]  # dropped by the TTL or the byte cap
-        match = self.sessions.longest_prefix(prompt_ids, dict(self._anonymous))
-        if match is not None:
+        """The anonymous session this prompt continues, or a new one; claimed by the turn
+        (no other turn chooses it) until `_release_anonymous`."""
+        with self._anonymous_lock:
+            known = set(self.sessions.ids())
+            for sid in [sid for sid in self._anonymous if sid not in known]:
+                if sid not in self._claimed:
+                    del self._anonymous[sid]  # dropped by the TTL or the byte cap
+            candidates = {s: n for s, n in self._anonymous.items() if s not in self._claimed}
+            match = self.sessions.longest_prefix(prompt_ids, candidates)
+            if match is None:
+                while len(self._anonymous) >= self.max_anonymous:
+                    idle = [sid for sid in self._anonymous if sid not in self._claimed]
+                    if not idle:
+                        break
+                    del self._anonymous[idle[0]]
+                    self.sessions.drop(idle[0])
+                match = f"{ANONYMOUS_PREFIX}{uuid.uuid4().hex[:16]}"
+                self._anonymous[match] = 0
+            self._claimed.add(match)
             return match
-        while len(self._anonymous) >= self.max_anonymous:
-            oldest, _ = self._anonymous.popitem(last=False)
-            self.sessions.drop(oldest)
-        session_id = f"{ANONYMOUS_PREFIX}{uuid.uuid4().hex[:16]}"
-        self._anonymous[session_id] = len(prompt_ids)
-        return session_id
+
+    def _release_anonymous(self, session_id: str, prompt_tokens: int | None) -> None:
+        """The turn in anonymous session `session_id` ended, having run a prompt of
+        `prompt_tokens` (None: it failed), which a later prompt must continue to reuse the
+        session."""
+        with self._anonymous_lock:
+            self._claimed.discard(session_id)
+            if prompt_tokens is not None and session_id in self._anonymous:
+                self._anonymous[session_id] = prompt_tokens
+                self._anonymous.move_to_end(session_id)

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_kv.errors import AgentKVError, KVCapacityError
+from agent_kv.errors import AgentKVError, KVCapacityError, QueueTimeoutError, TurnCancelled
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sequence import Sequence, SequenceOutline
 from agent_kv.serving.protection import apply_pins
@@ -57,25 +57,22 @@ class HistorySync:
     rebuild: str
 
 
-def sync_history(
+def prepare_history(
     engine: Engine,
     session: Sequence,
     token_ids: list[int],
     pins: list[tuple[int, int]] | None = None,
-    cancel: threading.Event | None = None,
 ) -> HistorySync:
-    """Bring `session` to exactly `token_ids` (a request's whole conversation, tokenized),
-    prefilling only what the cache does not hold; `session.last_logits` then predicts the
-    token after `token_ids`. `pins` (token spans of `token_ids`), when given, are made the
-    row's pins (`apply_pins`) before anything is prefilled, so no chunk evicts them.
-
-    The request is matched token by token against `session.token_ids`. When it diverges
+    """Make `session` ready to take `token_ids[sync.reused_tokens:]` (the returned sync) as
+    its next tokens, with no model call: `token_ids` (a request's whole conversation,
+    tokenized) is matched token by token against `session.token_ids`; when it diverges
     before the end of the history (or stops short of it), the cache is truncated to the
-    divergence point if that is exact (`KVStore.truncate`), else rebuilt from scratch.
+    divergence point if that is exact (`KVStore.truncate`), else rebuilt from scratch. `pins`
+    (token spans of `token_ids`), when given, are then made the row's pins (`apply_pins`), so
+    no prefill chunk evicts them.
 
     Raises:
         ValueError: `token_ids` is empty.
-        TurnCancelled: `cancel` was set before a prefill chunk (`Engine.feed`).
     """
     sync = plan_history_sync(session.token_ids, token_ids, session.store.changed_at[0])
     if sync.rebuild == "truncated":
@@ -85,13 +82,11 @@ def sync_history(
         session.restart(engine.new_sequence)
     if pins is not None:
         apply_pins(session.store, pins)
-    if sync.prefilled_tokens:
-        engine.feed(session, token_ids[sync.reused_tokens :], cancel)
     return sync
 
 
 def plan_history_sync(history: list[int], token_ids: list[int], exact_from: int) -> HistorySync:
-    """How `sync_history` meets `token_ids` in a session whose history is `history` and
+    """How `prepare_history` meets `token_ids` in a session whose history is `history` and
     whose cache is exact back to `exact_from` tokens (`KVStore.changed_at`): extended, cut
     back to where the two diverge (keeping at least one token to re-feed, whose logits the
     reply needs), or rebuilt from scratch when the cut would pass `exact_from`.
@@ -159,6 +154,7 @@ class _Entry:
     saved: SequenceOutline | None = None  # what the file on disk holds, while there
     policy: str | None = None
     in_flight: int = 0
+    reserved: int = 0  # bytes reserved by the request holding it (`SessionStore.use`)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -199,6 +195,7 @@ class SessionStore:
         self.spilled = 0
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a request ends
         self.fresh = SequenceOutline.describe(engine.new_sequence())
         """The outline of a new session of this engine (what one allocates at first)."""
         if self.spill_dir is not None:
@@ -211,6 +208,8 @@ class SessionStore:
         session_id: str,
         need: Callable[[SequenceOutline], int] | None = None,
         policy: str | None = None,
+        cancel: threading.Event | None = None,
+        deadline: float | None = None,
     ) -> Iterator[Sequence]:
         """Hold the session `session_id` for one request: created when new, restored when it
         was saved to disk. Other requests to it wait until this one ends; afterwards the TTL
@@ -220,12 +219,22 @@ class SessionStore:
             need: the most allocated KV bytes the session can hold during the request, given
                 its outline now (history and `StoreFootprint`; see
                 `ChatService.turn_kv_bound`); with a cap, idle sessions leave memory first
-                until it fits beside the others. None: its allocated bytes now.
+                until it fits beside the others, and it stays reserved for the request
+                (requests running at once each count their reservation). None: its
+                allocated bytes now.
             policy: the name of the policy the request runs (listed by `describe`).
+            cancel: once set, a request still waiting (for the session or for room) stops.
+            deadline: `time.monotonic()` until which the request may wait for the session
+                and, with a cap, for requests in flight to end and leave room; None: wait for
+                the session as long as it takes, and refuse at once what does not fit beside
+                the requests in flight.
 
         Raises:
             KVCapacityError: with a cap, `need` does not fit even with every other session
-                out of memory (nothing is changed).
+                out of memory, or (without a deadline) beside the requests in flight
+                (nothing is changed).
+            QueueTimeoutError: the deadline passed while waiting.
+            TurnCancelled: `cancel` was set while waiting.
         """
         with self._lock:
             entry = self._entries.get(session_id)
@@ -233,51 +242,70 @@ class SessionStore:
                 entry = self._entries[session_id] = _Entry(None, self.clock(), time.time())
             entry.in_flight += 1
         try:
-            with entry.lock:
+            _acquire(entry.lock, cancel, deadline)
+            try:
                 if self.max_kv_bytes is not None:
-                    self._make_room(session_id, entry, need)
+                    self._make_room(session_id, entry, need, cancel, deadline)
                 if entry.session is None:
                     entry.session = self._restore(session_id)
                     entry.saved = None
                 if policy is not None:
                     entry.policy = policy
                 yield entry.session
+            finally:
+                entry.lock.release()
         finally:
             with self._lock:
                 entry.in_flight -= 1
+                entry.reserved = 0
                 entry.last_used, entry.last_used_wall = self.clock(), time.time()
                 if entry.session is None and entry.saved is None and not entry.in_flight:
                     del self._entries[session_id]  # refused before it ever held a cache
                 self._enforce()
+                self._room.notify_all()
 
     def _make_room(
-        self, session_id: str, entry: _Entry, need: Callable[[SequenceOutline], int] | None
+        self,
+        session_id: str,
+        entry: _Entry,
+        need: Callable[[SequenceOutline], int] | None,
+        cancel: threading.Event | None,
+        deadline: float | None,
     ) -> None:
-        """Move idle sessions out of memory, least recently used first, until `entry` can
-        grow to `need(outline)` bytes under the cap; called holding the entry's lock."""
+        """Reserve `need(outline)` bytes for `entry` under the cap, moving idle sessions out
+        of memory (least recently used first) and, with a deadline, waiting for requests in
+        flight to end when their reservations leave no room; called holding the entry's
+        lock."""
         if entry.session is not None:
             outline = SequenceOutline.describe(entry.session)
         else:
             outline = entry.saved if entry.saved is not None else self.fresh
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
-        with self._lock:
-            held = self._allocated_bytes() - (
-                entry.session.store.allocated_nbytes() if entry.session is not None else 0
-            )
+        with self._room:
+            while True:
+                busy = sum(
+                    max(other.reserved, other.session.store.allocated_nbytes())
+                    for sid, other in self._entries.items()
+                    if sid != session_id and other.in_flight and other.session is not None
+                )  # held, or reserved, by the requests in flight
+                if busy + needed <= self.max_kv_bytes:
+                    break
+                if deadline is None or needed > self.max_kv_bytes:
+                    raise KVCapacityError(
+                        f"this request may hold up to {needed} bytes of KV cache; the cap on "
+                        f"all sessions is {self.max_kv_bytes} bytes"
+                        + (f", {busy} of them held by requests in flight" if busy else "")
+                        + ": send a shorter prompt or max_tokens, or use a budgeted policy"
+                    )
+                _wait_slice(self._room, cancel, deadline, "room under the KV cap")
             idle = self._idle_lru(exclude=session_id)
-            idle_bytes = sum(self._entries[sid].session.store.allocated_nbytes() for _, sid in idle)
-            busy = held - idle_bytes  # held by sessions with requests in flight
-            if busy + needed > self.max_kv_bytes:
-                raise KVCapacityError(
-                    f"this request may hold up to {needed} bytes of KV cache; the cap on all "
-                    f"sessions is {self.max_kv_bytes} bytes"
-                    + (f", {busy} of them held by requests in flight" if busy else "")
-                    + ": send a shorter prompt or max_tokens, or use a budgeted policy"
-                )
+            sizes = {sid: self._entries[sid].session.store.allocated_nbytes() for _, sid in idle}
+            held = busy + sum(sizes.values())
             while held + needed > self.max_kv_bytes:
                 _, sid = idle.pop(0)
-                held -= self._entries[sid].session.store.allocated_nbytes()
+                held -= sizes[sid]
                 self._evict(sid)
+            entry.reserved = needed
 
     def longest_prefix(self, token_ids: list[int], required: dict[str, int]) -> str | None:
         """The session, among the idle ones in memory named in `required`, whose history
@@ -453,3 +481,29 @@ class SessionStore:
     def _path(self, session_id: str) -> Path:
         digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return self.spill_dir / f"{digest}.pt"
+
+
+WAIT_SLICE_S = 0.1
+"""Seconds between a waiting request's checks of its `cancel` event and deadline."""
+
+
+def _check_wait(cancel: threading.Event | None, deadline: float | None, what: str) -> None:
+    """Raise if a request waiting for `what` was cancelled or is past its deadline."""
+    if cancel is not None and cancel.is_set():
+        raise TurnCancelled(f"the turn was cancelled while waiting for {what}")
+    if deadline is not None and time.monotonic() >= deadline:
+        raise QueueTimeoutError(f"waited too long for {what}; retry later")
+
+
+def _acquire(lock: threading.Lock, cancel: threading.Event | None, deadline: float | None):
+    """Take a session's lock, waiting in slices while the request may still wait."""
+    while not lock.acquire(timeout=WAIT_SLICE_S):
+        _check_wait(cancel, deadline, "the session (another request to it is running)")
+
+
+def _wait_slice(
+    room: threading.Condition, cancel: threading.Event | None, deadline: float, what: str
+) -> None:
+    """One slice of waiting on `room` (held), after checking the request may still wait."""
+    _check_wait(cancel, deadline, what)
+    room.wait(WAIT_SLICE_S)

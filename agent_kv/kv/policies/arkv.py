@@ -205,11 +205,14 @@ class TriState(Policy):
         the Quantized tier go in whole groups, the lowest-scored first; the others wait in FP
         while the layer's bytes allow (`original + rho * quantized` FP tokens), and the
         lowest-scored of them are evicted when they do not. The layers' choices are applied
-        together: one compaction and one quantization.
+        together: one compaction and one quantization. Sliding-window layers keep their
+        window, unassigned (`agent_kv.kv.policies.base`).
         """
         pinned_live = store.pinned_live()
         due_layers = []
         for idx, plan in enumerate(plans):
+            if store.windows[idx] is not None:  # its window is its policy (`Policy.step`)
+                continue
             unpinned = store.length(idx, row) - pinned_live[idx][row]
             fp_unpinned = unpinned - store.q.lengths[idx][row]  # pinned tokens are all FP
             over = unpinned > plan.original + plan.quantized

@@ -10,6 +10,10 @@ Decisions, "One policy interface"; docs/methods.md, "Shared eviction step"): pro
 INT8 when the store keeps mixed precision. Ranks, protection and the choice are tensors over
 `[layers, rows, slots]` (the store's joint slot space: `KVStore.valid`), so a step is a fixed
 handful of operations whatever the number of layers and rows.
+
+Policies step the full-attention layers only: a sliding-window layer (Mistral, Gemma-2/3,
+gpt-oss) keeps its window, which the store trims after every call (`KVStore.trim_windows`),
+and no budget, pin or rank changes what it holds.
 """
 
 from __future__ import annotations
@@ -181,7 +185,8 @@ class Policy(ABC):
         out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
         and the top-ranked others fill the rest of the budget. Whether any layer is over its
         budget is decided on the host from the store's host counts, so a step with nothing to
-        evict runs no tensor operation.
+        evict runs no tensor operation. Sliding-window layers are left as they are (module
+        docstring).
         """
         rows = range(store.batch) if rows is None else rows
         budgets = [
@@ -224,7 +229,8 @@ class Policy(ABC):
         ranks = torch.where(view.valid, ranks, -torch.inf)
         slack = torch.clamp(budget // 2, max=self.evict_slack)  # never below half the budget
         keep_count = torch.maximum(pinned + budget - slack, protected.sum(dim=-1))
-        keep_count = torch.where(held - pinned > budget, keep_count, held)
+        over = (held - pinned > budget) & store.global_layers()[:, None]
+        keep_count = torch.where(over, keep_count, held)
         keep = _descending_rank(ranks) < keep_count[..., None]
         return store.compact_joint(keep, slice(None), rows)
 
@@ -238,13 +244,14 @@ def _descending_rank(values: torch.Tensor) -> torch.Tensor:
 
 
 def _over_budget(store: KVStore, rows: range, budgets: list[list[int]]) -> bool:
-    """Whether some layer of `rows` holds more unpinned tokens than its budget (host counts:
-    no tensor is read)."""
+    """Whether some full-attention layer of `rows` holds more unpinned tokens than its budget
+    (host counts: no tensor is read)."""
     pinned = store.pinned_live()
     return any(
         store.length(layer, row) - pinned[layer][row] > budget[layer]
         for row, budget in zip(rows, budgets, strict=True)
         for layer in range(store.num_layers)
+        if store.windows[layer] is None
     )
 
 

@@ -1,0 +1,277 @@
+"""Continuous batching: the turns of many sequences decoded as rows of one forward call per
+step, each with its own store, policy, budget, pins and sampling.
+
+One thread owns the model. Each step it runs, in one packed call (`Engine.step_packed`), the
+next decode token of every running turn and the next prefill chunk of at most
+`prefill_chunks` turns still prefilling (taken in turn, round robin, so a new short prompt is
+not stuck behind a long one; chunks are the engine's own `prefill_chunk` boundaries, so a
+sequence sees exactly the calls it would see alone), as Sarathi-Serve and vLLM schedule
+chunked prefill beside decodes. Turns join the batch between steps, in arrival order, while
+fewer than `max_batch` are running, and leave it when their reply ends. A step of one turn is
+the serial path itself (`Engine.feed`, compiled with `compile`), so a lone turn runs as fast
+as it would without the scheduler.
+
+Callers block in `generate`, which has `Engine.generate`'s contract: the same reply (greedy
+replies are token-for-token those of serving the turns one at a time, up to the float
+rounding that batched products may differ in), streamed through `on_text` from the
+scheduler's thread, and `TurnCancelled` once `cancel` is set (the sequence keeps what was
+fed). A sequence must not run two turns at once (the caller serialises them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from agent_kv.errors import QueueTimeoutError, TurnCancelled
+from agent_kv.kv.policies import Policy
+from agent_kv.runtime.engine import Engine, PackedPart
+from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import Sequence
+
+WAIT_SLICE_S = 0.1
+"""Seconds between a waiting caller's checks of its deadline."""
+
+
+@dataclass(eq=False)  # compared by identity: turns are found in queues
+class _Turn:
+    """One turn in the scheduler: what is left to prefill, the token to feed next, and how
+    it ends."""
+
+    sequence: Sequence
+    policy: Policy
+    pending: list[int]
+    decoder: ReplyDecoder
+    prompt_tokens: int
+    cancel: threading.Event | None
+    on_join: Callable[[], None] | None
+    deadline: float | None
+    next_token: int | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Generation | None = None
+    error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """End the turn: its reply, or `error`."""
+        if error is None:
+            self.result = self.decoder.generation(self.prompt_tokens)
+        self.error = error
+        self.done.set()
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+
+class BatchScheduler:
+    """Runs turns of many sequences on one engine with continuous batching (module
+    docstring).
+
+    Args:
+        engine: the model, tokenizer and default policy; from now on only this scheduler
+            runs its model.
+        max_batch: turns running at once (decoding or prefilling); more wait, in order.
+        prefill_chunks: prefill chunks per step (each up to the engine's `prefill_chunk`
+            tokens): the per-step token budget is these chunks plus one token per decoding
+            turn.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, engine: Engine, max_batch: int = 16, prefill_chunks: int = 1):
+        if max_batch < 1 or prefill_chunks < 1:
+            raise ValueError(
+                f"max_batch and prefill_chunks must be >= 1, got {max_batch}, {prefill_chunks}"
+            )
+        self.engine = engine
+        self.max_batch = max_batch
+        self.prefill_chunks = prefill_chunks
+        self.steps = 0
+        """Forward calls run so far."""
+        self.rows = 0
+        """Sequences over all forward calls so far (`rows / steps` is the mean batch)."""
+        self._arrivals: deque[_Turn] = deque()
+        self._running: list[_Turn] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def running(self) -> int:
+        """Turns in the batch now."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Turns waiting to join the batch."""
+        return len(self._arrivals)
+
+    def generate(
+        self,
+        sequence: Sequence,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        policy: Policy | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        on_join: Callable[[], None] | None = None,
+        deadline: float | None = None,
+    ) -> Generation:
+        """Prefill `prompt_ids` into `sequence`, then decode a reply, as a row of the batch;
+        blocks until the reply ends. As `Engine.generate`, with:
+
+        Args:
+            policy: the policy managing `sequence` during the turn (default: the engine's).
+            on_join: called (from the scheduler's thread) when the turn joins the batch.
+            deadline: `time.monotonic()` by which the turn must have joined the batch.
+
+        Raises:
+            ConfigError, GrammarError, ValueError, ContextOverflowError: as `Engine.generate`,
+                before the turn is queued (a rerotate overflow: when its chunk would run).
+            QueueTimeoutError: the deadline passed before the turn joined the batch.
+            TurnCancelled: `cancel` was set (before it joined: nothing was fed).
+            RuntimeError: the scheduler was closed.
+        """
+        params.validate()
+        engine = self.engine
+        decoder = ReplyDecoder(
+            params, engine.matcher(params), engine.tokenizer, engine.eos_ids, on_text
+        )
+        if not prompt_ids and sequence.last_logits is None:
+            raise ValueError("nothing to generate from: the session is empty and the prompt too")
+        store = sequence.store
+        if prompt_ids and store.positions_mode == "original":
+            store.check_context(store.seen_tokens + len(prompt_ids))
+        turn = _Turn(
+            sequence, policy or engine.policy, list(prompt_ids), decoder, len(prompt_ids),
+            cancel, on_join, deadline,
+        )  # fmt: skip
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the batch scheduler is closed")
+            self._arrivals.append(turn)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="agent-kv-batch", daemon=True
+                )
+                self._thread.start()
+        while not turn.done.wait(WAIT_SLICE_S):
+            self._give_up_waiting(turn)
+        if turn.error is not None:
+            raise turn.error
+        return turn.result
+
+    def close(self) -> None:
+        """Stop taking turns and stop the scheduler's thread after its current step; turns
+        not finished end with `RuntimeError`."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        """The scheduler's thread: steps while turns wait or run, then ends (the next
+        `generate` starts another), so an idle scheduler holds no thread."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    break
+                if not self._arrivals and not self._running:
+                    self._thread = None
+                    return
+                self._admit()
+            self._step()
+        closed = RuntimeError("the batch scheduler was closed")
+        with self._lock:
+            ended = [*self._running, *self._arrivals]
+            self._running, self._thread = [], None
+            self._arrivals.clear()
+        for turn in ended:
+            turn.finish(closed)
+
+    def _give_up_waiting(self, turn: _Turn) -> None:
+        """From the caller's thread: end a turn that has not joined the batch yet once its
+        caller left or its deadline passed (the scheduler may be inside a long step)."""
+        if turn.cancelled():
+            error = TurnCancelled("the turn was cancelled while waiting for the model")
+        elif turn.deadline is not None and time.monotonic() >= turn.deadline:
+            error = QueueTimeoutError("waited too long for a place in the batch; retry later")
+        else:
+            return
+        with self._lock:
+            if turn in self._arrivals:
+                self._arrivals.remove(turn)
+                turn.finish(error)
+
+    def _admit(self) -> None:
+        """Move arrivals into the batch, in order, while there is room (called holding
+        `_lock`)."""
+        while self._arrivals and len(self._running) < self.max_batch:
+            turn = self._arrivals.popleft()
+            turn.decoder.started = time.perf_counter()  # its TTFT counts from here
+            if turn.on_join is not None:
+                turn.on_join()
+            if not turn.pending:  # a reply straight from the sequence's last logits
+                try:
+                    self._choose(turn, turn.sequence.last_logits)
+                except Exception as err:
+                    turn.finish(err)
+            if not turn.done.is_set():
+                self._running.append(turn)
+
+    def _step(self) -> None:
+        """One forward call over the running turns, then each turn moves on."""
+        for turn in [t for t in self._running if t.cancelled()]:
+            self._running.remove(turn)
+            turn.finish(TurnCancelled("the turn was cancelled: its caller went away"))
+        decoding = [t for t in self._running if t.next_token is not None]
+        prefilling = [t for t in self._running if t.pending][: self.prefill_chunks]
+        if not decoding and not prefilling:
+            return
+        chunk = self.engine.prefill_chunk
+        parts = [PackedPart(t.sequence, [t.next_token], t.policy, True) for t in decoding] + [
+            PackedPart(t.sequence, t.pending[:chunk], t.policy, len(t.pending) <= chunk)
+            for t in prefilling
+        ]
+        turns = decoding + prefilling
+        try:
+            results = self.engine.step_packed(parts)
+        except Exception as err:  # the model call failed: every turn in it fails
+            for turn in turns:
+                self._running.remove(turn)
+                turn.finish(err)
+            return
+        self.steps += 1
+        self.rows += len(parts)
+        for turn, part, result in zip(turns, parts, results, strict=True):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                if turn.pending:
+                    del turn.pending[: len(part.tokens)]
+                    if turn.pending:
+                        continue
+                else:
+                    turn.decoder.fed()
+                self._choose(turn, result)
+            except Exception as err:  # this turn's own failure (an overflow, its on_text)
+                turn.finish(err)
+            if turn.done.is_set():
+                self._running.remove(turn)
+        # prefilling turns take turns: the ones that just ran go to the back
+        ran = {id(t) for t in prefilling}
+        self._running.sort(key=lambda t: id(t) in ran and bool(t.pending))
+
+    @staticmethod
+    def _choose(turn: _Turn, logits: torch.Tensor) -> None:
+        """The turn's next token from `logits` `[vocab]`, or its end."""
+        turn.next_token = turn.decoder.choose(logits)
+        if turn.next_token is None:
+            turn.finish()

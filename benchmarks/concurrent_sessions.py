@@ -1,0 +1,176 @@
+"""Many agents on one model: the aggregate decode throughput of N sessions served together
+(continuous batching, `ChatService(max_batch=N)`) against the same sessions served one turn
+at a time (`max_batch=1`, what the server did before), and the time to first token of a turn
+that arrives while they decode, against the same turn on an idle server; side by side in
+one run.
+
+Each session is an agent episode in progress: a system prompt and an observation of about
+`--history` tokens already in its cache (a first turn of one token, untimed), then a timed
+turn: a short user message and exactly `--reply` decoded tokens (end-of-turn ignored).
+Throughput is all the timed turns' decoded tokens over the wall time from their submission to
+the last one's end (prefill of the short messages included). The arriving turn is a new
+session with a `--history`-token prompt, sent when the N timed turns have decoded about a
+third of their tokens; its time to first token is measured from its submission (waiting
+included) to its first token, and compared with the same turn sent alone.
+
+    .venv/bin/python benchmarks/concurrent_sessions.py                  # 8 sessions, conf-kv
+    .venv/bin/python benchmarks/concurrent_sessions.py --sessions 4 --reply 16 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+from agent_kv.evals.texts import licence_text
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.chat_service import ChatService
+
+SYSTEM = (
+    "You are a web agent. Each user message is the accessibility tree of the current page. "
+    "Reply with exactly one action."
+)
+
+
+def observation(tokenizer, index: int, size: int) -> str:
+    """The `index`-th slice of `size` tokens of the licence texts, as text."""
+    ids = tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
+    start = (index * size) % max(len(ids) - size, 1)
+    return tokenizer.decode(ids[start : start + size])
+
+
+def messages(tokenizer, index: int, size: int, reply: str | None = None) -> list[dict]:
+    """A session's conversation: the system prompt and an observation; with `reply` (the
+    model's reply to it, as the cache holds it), that reply and a short follow-up."""
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": observation(tokenizer, index, size)},
+    ]
+    if reply is not None:
+        history += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "The page scrolled. What next?"},
+        ]
+    return history
+
+
+def make_service(loaded, args, max_batch: int) -> ChatService:
+    engine = Engine(
+        loaded.model, loaded.tokenizer, make_policy(args.policy, budget=args.budget),
+        compile=args.compile,
+    )  # fmt: skip
+    engine.eos_ids = set()  # every timed turn decodes exactly --reply tokens
+    engine.warm_up()
+    return ChatService(engine, max_batch=max_batch)
+
+
+def run(loaded, args, max_batch: int) -> dict:
+    """One setting: N sessions' timed turns submitted together, and an arriving turn."""
+    service = make_service(loaded, args, max_batch)
+    tokenizer = loaded.tokenizer
+    first_replies = []
+    for i in range(args.sessions):  # each session's history, untimed
+        turn = service.run(
+            messages(tokenizer, i, args.history), SamplingParams(max_new_tokens=1),
+            session_id=f"s{i}",
+        )  # fmt: skip
+        first_replies.append(turn.reply.text)
+    # the arriving turn alone first (its own session, then dropped)
+    arriving = messages(tokenizer, args.sessions, args.history)
+    alone = service.run(arriving, SamplingParams(max_new_tokens=1), session_id="alone")
+    alone_ttft = alone.wait_s + alone.ttft_s
+    service.sessions.drop("alone")
+    replies: dict[str, int] = {}
+    rebuilds: list[str] = []
+    params = SamplingParams(max_new_tokens=args.reply)
+
+    def timed(i: int) -> None:
+        conversation = messages(tokenizer, i, args.history, first_replies[i])
+        turn = service.run(conversation, params, session_id=f"s{i}")
+        replies[f"s{i}"] = len(turn.reply.token_ids)
+        rebuilds.append(turn.sync.rebuild)
+
+    threads = [threading.Thread(target=timed, args=(i,)) for i in range(args.sessions)]
+    rows_before, steps_before = service.scheduler.rows, service.scheduler.steps
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    arrival = {}
+
+    def arrive() -> None:
+        sent = time.perf_counter()
+        turn = service.run(arriving, SamplingParams(max_new_tokens=1), session_id="arriving")
+        arrival["ttft"] = turn.wait_s + turn.ttft_s
+        arrival["submit_to_end"] = time.perf_counter() - sent
+
+    arrival_thread = threading.Thread(target=arrive)
+    third = rows_before + args.sessions * args.reply // 3  # decode rows run so far
+    while all(t.is_alive() for t in threads) and service.scheduler.rows < third:
+        time.sleep(0.01)
+    arrival_thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    arrival_thread.join()
+    scheduler = service.scheduler
+    steps = scheduler.steps - steps_before
+    service.scheduler.close()
+    assert rebuilds == ["none"] * args.sessions, rebuilds  # each turn extends its history
+    return {
+        "step_ms": wall / steps * 1e3,
+        "tokens": sum(replies.values()),
+        "wall": wall,
+        "alone_ttft": alone_ttft,
+        "loaded_ttft": arrival["ttft"],
+        "mean_batch": scheduler.rows / max(scheduler.steps, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--history", type=int, default=400, help="tokens of each history")
+    parser.add_argument("--reply", type=int, default=32, help="tokens each timed turn decodes")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="the batched setting's max_batch (serve's default)",
+    )
+    parser.add_argument("--policy", default="conf-kv")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    thread_setting.choose(args.threads)
+    loaded = load_model()
+    results = {}
+    for label, max_batch in [("one at a time", 1), (f"{args.sessions} together", args.max_batch)]:
+        results[label] = run(loaded, args, max_batch)
+        print(f"  {label} done", flush=True)
+    base = results["one at a time"]
+    base_rate = base["tokens"] / base["wall"]
+    print(
+        f"\n{args.sessions} sessions x {args.reply} decoded tokens, {args.history}-token "
+        f"histories, {args.policy} budget {args.budget}, compile {args.compile}\n"
+    )
+    print("| serving | decode tok/s (all sessions) | vs one at a time | mean rows per call "
+          "| ms per call | arriving turn's TTFT, loaded / alone |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, r in results.items():
+        rate = r["tokens"] / r["wall"]
+        ratio = r["loaded_ttft"] / r["alone_ttft"]
+        print(
+            f"| {label} | {rate:.1f} | {rate / base_rate:.2f}x | {r['mean_batch']:.1f} | "
+            f"{r['step_ms']:.0f} | {r['loaded_ttft']:.2f} s / {r['alone_ttft']:.2f} s "
+            f"({ratio:.2f}x) |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Continuous batching (`agent_kv.runtime.batch_scheduler`) on the default model: sessions
+decoded together give the replies they get one at a time; a packed call equals its parts run
+alone; a lone turn is the serial path exactly; waiting turns time out or are cancelled without
+touching their sequence; a failed step fails its own turns only."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from agent_kv.errors import QueueTimeoutError, TurnCancelled
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store import Int8Config
+from agent_kv.runtime.batch_scheduler import BatchScheduler
+from agent_kv.runtime.engine import Engine, PackedPart
+from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.serving.chat_service import ChatService
+
+TOPICS = ["rivers", "violins", "glaciers", "bread", "comets", "chess"]
+QUESTIONS = [
+    "Tell me one fact about {t}.",
+    "Why do people like {t}?",
+    "Name a colour linked to {t}.",
+    "Give a short title for a story about {t}.",
+    "What is the opposite of {t}?",
+    "Say goodbye in a sentence about {t}.",
+]
+
+
+def conversation(topic: str, turns: int, replies: list[str]) -> list[dict]:
+    messages = [{"role": "system", "content": f"You are a helpful guide to {topic}."}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[i].format(t=topic)})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    return messages
+
+
+def run_session(service: ChatService, topic: str, out: dict) -> None:
+    """Six turns of one session, each resending the whole conversation."""
+    replies, tokens = [], []
+    for turn in range(6):
+        result = service.run(
+            conversation(topic, turn + 1, replies),
+            SamplingParams(max_new_tokens=6),
+            session_id=topic,
+        )
+        replies.append(result.reply.text)
+        tokens.append(result.reply.token_ids)
+    out[topic] = tokens
+    out[f"{topic} evicted"] = result.kv.evicted_tokens
+
+
+def test_six_sessions_decoded_together_equal_one_at_a_time(smollm):
+    """6 sessions x 6 turns, greedy, under CONF-KV with INT8 and a budget that evicts:
+    token-for-token the replies of serving the sessions one after another."""
+
+    def service(max_batch: int) -> ChatService:
+        engine = Engine(
+            smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=48, protect_recent=8),
+            prefill_chunk=64, int8=Int8Config(fp_window=16, group=8),
+        )  # fmt: skip
+        return ChatService(engine, max_batch=max_batch)
+
+    serial, together = {}, {}
+    one_at_a_time = service(1)
+    for topic in TOPICS:
+        run_session(one_at_a_time, topic, serial)
+    batched = service(8)
+    threads = [threading.Thread(target=run_session, args=(batched, t, together)) for t in TOPICS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert together == serial
+    assert all(serial[f"{topic} evicted"] > 0 for topic in TOPICS)  # the budget evicted
+    scheduler = batched.scheduler
+    assert scheduler.rows / scheduler.steps > 2  # the sessions really shared forward calls
+    assert one_at_a_time.scheduler.rows == one_at_a_time.scheduler.steps  # batch of one
+
+
+def test_packed_call_equals_its_parts_alone(smollm):
+    """A decode token of one sequence and a prefill chunk of another in one packed call:
+    the same logits and stored keys as each run alone (fp tolerance)."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=64)
+    prompts = [list(range(200, 260)), list(range(300, 330))]
+    alone, packed = [], []
+    for holder in (alone, packed):
+        for prompt in prompts:
+            sequence = engine.new_sequence()
+            engine.feed(sequence, prompt)
+            holder.append(sequence)
+    steps = [[7], list(range(400, 440))]
+    expected = [engine.feed(s, tokens).clone() for s, tokens in zip(alone, steps, strict=True)]
+    parts = [PackedPart(s, t, engine.policy, True) for s, t in zip(packed, steps, strict=True)]
+    got = engine.step_packed(parts)
+    for want, have, a, b in zip(expected, got, alone, packed, strict=True):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+        assert a.token_ids == b.token_ids and a.store.seen_tokens == b.store.seen_tokens
+        n = a.store.length(5, 0)
+        torch.testing.assert_close(
+            b.store.fp["keys"][5, 0, :, :n], a.store.fp["keys"][5, 0, :, :n], atol=1e-5, rtol=1e-5
+        )
+        assert len(a.steps) == len(b.steps)
+
+
+def test_lone_turn_is_the_serial_path(smollm):
+    """Alone in the scheduler, a sampled turn gives exactly `Engine.generate`'s reply and
+    leaves exactly its cache."""
+    engine = Engine(
+        smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=32, protect_recent=8)
+    )
+    scheduler = BatchScheduler(engine)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, stop=["\n\n"])
+    prompt = smollm.tokenizer("The capital of France is a city that")["input_ids"]
+    direct, queued = engine.new_sequence(), engine.new_sequence()
+    want = engine.generate(direct, prompt, params)
+    streamed = []
+    got = scheduler.generate(queued, prompt, params, on_text=streamed.append)
+    assert got.token_ids == want.token_ids and got.text == want.text == "".join(streamed)
+    assert got.finish_reason == want.finish_reason
+    assert torch.equal(direct.last_logits, queued.last_logits)
+    assert direct.token_ids == queued.token_ids
+    scheduler.close()
+
+
+class _Blocked:
+    """Stands in for `Engine.step_packed`: the first call waits for `release`."""
+
+    def __init__(self, engine: Engine):
+        self.inner = engine.step_packed
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, parts):
+        if not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        return self.inner(parts)
+
+
+def test_waiting_turns_time_out_or_are_cancelled_untouched(smollm, monkeypatch):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    blocked = _Blocked(engine)
+    monkeypatch.setattr(engine, "step_packed", blocked)
+    scheduler = BatchScheduler(engine, max_batch=1)
+    params = SamplingParams(max_new_tokens=3)
+    results = {}
+    first = threading.Thread(
+        target=lambda: results.update(
+            first=scheduler.generate(engine.new_sequence(), [5, 6], params)
+        )
+    )
+    first.start()
+    assert blocked.entered.wait(30)
+    late = engine.new_sequence()
+    with pytest.raises(QueueTimeoutError):
+        scheduler.generate(late, [7, 8], params, deadline=time.monotonic() + 0.3)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(TurnCancelled, match="waiting"):
+        scheduler.generate(late, [7, 8], params, cancel=cancel)
+    assert late.token_ids == [] and late.store.seen_tokens == 0  # nothing was fed
+    blocked.release.set()
+    first.join(30)
+    assert len(results["first"].token_ids) == 3
+    assert scheduler.running == 0 and scheduler.waiting == 0
+    scheduler.close()
+
+
+def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeypatch):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    scheduler = BatchScheduler(engine)
+    real = engine.step_packed
+    failures = iter([RuntimeError("device lost")])
+
+    def flaky(parts):
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return real(parts)
+
+    monkeypatch.setattr(engine, "step_packed", flaky)
+    params = SamplingParams(max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="device lost"):
+        scheduler.generate(engine.new_sequence(), [5, 6], params)
+    reply = scheduler.generate(engine.new_sequence(), [5, 6], params)
+    assert len(reply.token_ids) == 2
+    scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.generate(engine.new_sequence(), [5], params)
