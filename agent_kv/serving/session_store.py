@@ -157,6 +157,10 @@ class _Entry:
     reserved: int = 0  # bytes reserved by the request holding it (`SessionStore.use`)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def allocated_bytes(self) -> int:
+        """The allocated KV bytes of its session in memory (0 while on disk or not made)."""
+        return 0 if self.session is None else self.session.store.allocated_nbytes()
+
 
 class SessionStore:
     """Sessions of one engine, by id.
@@ -284,10 +288,10 @@ class SessionStore:
         with self._room:
             while True:
                 busy = sum(
-                    max(other.reserved, other.session.store.allocated_nbytes())
+                    max(other.reserved, other.allocated_bytes())
                     for sid, other in self._entries.items()
-                    if sid != session_id and other.in_flight and other.session is not None
-                )  # held, or reserved, by the requests in flight
+                    if sid != session_id and other.in_flight
+                )  # held, or reserved (its session perhaps not yet made), by requests in flight
                 if busy + needed <= self.max_kv_bytes:
                     break
                 if deadline is None or needed > self.max_kv_bytes:
