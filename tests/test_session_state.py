@@ -24,7 +24,12 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     policy = make_policy("conf-kv", budget=128, protect_recent=16)
     engine = Engine(
-        smollm.model, smollm.tokenizer, policy, 64, Int8Config(fp_window=16, group=8), rerotate
+        smollm.model,
+        smollm.tokenizer,
+        policy,
+        64,
+        Int8Config(fp_window=16, group=8),
+        rerotate=rerotate,
     )
     session = engine.new_sequence()
     session.store.pin(0, 10)
