@@ -15,7 +15,8 @@ Callers block in `generate`, which has `Engine.generate`'s contract: the same re
 replies are token-for-token those of serving the turns one at a time, up to the float
 rounding that batched products may differ in), streamed through `on_text` from the
 scheduler's thread, and `TurnCancelled` once `cancel` is set (the sequence keeps what was
-fed). A sequence must not run two turns at once (the caller serialises them).
+fed). A sequence must not run two turns at once (the caller serialises them). `feed` is
+`Engine.feed`'s counterpart: a turn that ends after its prompt, through the same chunks.
 """
 
 from __future__ import annotations
@@ -47,18 +48,18 @@ class _Turn:
     sequence: Sequence
     policy: Policy
     pending: list[int]
-    decoder: ReplyDecoder
+    decoder: ReplyDecoder | _PrefillOnly
     prompt_tokens: int
     cancel: threading.Event | None
     on_join: Callable[[], None] | None
     deadline: float | None
     next_token: int | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    result: Generation | None = None
+    result: Generation | torch.Tensor | None = None
     error: BaseException | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
-        """End the turn: its reply, or `error`."""
+        """End the turn: its reply (a prefill-only turn: its last logits), or `error`."""
         if error is None:
             self.result = self.decoder.generation(self.prompt_tokens)
         self.error = error
@@ -66,6 +67,22 @@ class _Turn:
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
+
+
+class _PrefillOnly:
+    """The decoder of a turn that only prefills (`BatchScheduler.feed`): it chooses no token,
+    so the turn ends after its prompt's last chunk, and its result is that chunk's logits."""
+
+    def __init__(self):
+        self.started = 0.0  # set as the turn joins, as a reply's decoder's is
+        self.logits: torch.Tensor | None = None
+
+    def choose(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        return None
+
+    def generation(self, prompt_tokens: int) -> torch.Tensor | None:
+        return self.logits
 
 
 class BatchScheduler:
@@ -152,6 +169,55 @@ class BatchScheduler:
             sequence, policy or engine.policy, list(prompt_ids), decoder, len(prompt_ids),
             cancel, on_join, deadline,
         )  # fmt: skip
+        return self._run(turn)
+
+    def feed(
+        self,
+        sequence: Sequence,
+        token_ids: list[int],
+        policy: Policy | None = None,
+        cancel: threading.Event | None = None,
+        deadline: float | None = None,
+    ) -> torch.Tensor:
+        """Run `token_ids` through the model into `sequence` as a row of the batch, with no
+        reply: `Engine.feed` through the scheduler. The tokens go in the engine's
+        `prefill_chunk` chunks, each followed by `policy`'s step (only the last chunk gated
+        by its confidence), exactly as `Engine.feed` feeds them; blocks until the last chunk
+        ran. One token (a teacher-forced reply token) is one chunk: a decode-sized call.
+
+        Args:
+            sequence: the sequence to extend (one row; not in another turn now).
+            token_ids: the tokens, at least one.
+            policy: the policy managing `sequence` (default: the engine's).
+            cancel: set it to stop before the next chunk (or while waiting to join).
+            deadline: `time.monotonic()` by which the turn must have joined the batch.
+
+        Returns:
+            `[vocab]` float32 logits after the last token (also `sequence.last_logits`).
+
+        Raises:
+            ValueError: `token_ids` is empty.
+            ContextOverflowError: as `Engine.feed` (original positions: before anything is
+                queued; rerotate: when the chunk that passes the context would run, the
+                chunks before it fed).
+            QueueTimeoutError: the deadline passed before the turn joined the batch.
+            TurnCancelled: `cancel` was set; the sequence holds the chunks fed before it.
+            RuntimeError: the scheduler was closed.
+        """
+        if not token_ids:
+            raise ValueError("feed needs at least one token")
+        store = sequence.store
+        if store.positions_mode == "original":
+            store.check_context(store.seen_tokens + len(token_ids))
+        turn = _Turn(
+            sequence, policy or self.engine.policy, list(token_ids), _PrefillOnly(),
+            len(token_ids), cancel, None, deadline,
+        )  # fmt: skip
+        return self._run(turn)
+
+    def _run(self, turn: _Turn) -> Generation | torch.Tensor:
+        """Queue `turn` (starting the scheduler's thread when none runs) and block until it
+        ends; its result, or its error raised."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
