@@ -191,6 +191,15 @@ def test_batch_rows_each_follow_the_grammar(engine, smollm):
     params = SamplingParams(
         max_new_tokens=8, temperature=1.0, seed=5, grammar=Grammar("regex", "(yes|no)")
     )
-    batch = engine.generate_batch([prompt(smollm, "Is it red?"), prompt(smollm, "Hi")], params)
+    prompts = [prompt(smollm, "Is it red?"), prompt(smollm, "Hi")]
+    batch = engine.generate_batch(prompts, params)
     assert [g.text in ("yes", "no") for g in batch.generations] == [True, True]
     assert all(g.finish_reason == "stop" for g in batch.generations)
+    longest = max(len(g.token_ids) for g in batch.generations)
+    for row, ids in enumerate(prompts):
+        alone = engine.new_sequence()  # the same reply as the prompt decoded alone
+        reply = batch.generations[row].token_ids
+        assert reply == engine.generate(alone, ids, params).token_ids
+        assert alone.store.seen(0) == len(ids) + len(reply)  # the completing token fed
+        # one decode call per token of the longest reply, a finished row fed its last token
+        assert batch.store.seen(row) == len(ids) + longest

@@ -30,8 +30,8 @@ from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
-from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder, cut_at_stop
-from agent_kv.runtime.sampling import SamplingParams, sample_next
+from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
+from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence, StepRecord
 
 
@@ -312,7 +312,9 @@ class Engine:
         done; its reply is fixed when it finishes. With a `seed`, every row samples from its
         own generator seeded alike, so a batch equals its prompts run one by one.
 
-        With a grammar, each row has its own matcher and finishes when its grammar is complete.
+        Each row's reply is decoded by its own `ReplyDecoder`, as `generate` decodes one
+        (sampling, end of the reply, text). With a grammar, each row has its own matcher and
+        finishes when its grammar is complete.
 
         Raises:
             ConfigError: invalid sampling parameters; `GrammarError` (a `ConfigError`): a
@@ -323,60 +325,27 @@ class Engine:
         if not prompts or not all(prompts):
             raise ValueError("generate_batch needs at least one prompt, none of them empty")
         start = time.perf_counter()
-        batch = len(prompts)
-        matchers = [self.matcher(params) for _ in range(batch)]
-        store = KVStore.for_model(self.model, batch=batch, **self.store_options)
+        decoders = [
+            ReplyDecoder(params, self.matcher(params), self.tokenizer, self.eos_ids, started=start)
+            for _ in prompts
+        ]  # each with its own matcher and (with a seed) its own generator seeded alike
+        store = KVStore.for_model(self.model, batch=len(prompts), **self.store_options)
         cache = StoreCache(store)
-        steps: list[list[StepRecord]] = [[] for _ in range(batch)]
+        steps: list[list[StepRecord]] = [[] for _ in prompts]
         logits = torch.stack(
             [self._prefill_row(cache, row, p, steps[row]) for row, p in enumerate(prompts)]
         )  # [B, vocab]
-        generators = [
-            None if params.seed is None else torch.Generator().manual_seed(params.seed)
-            for _ in range(batch)
-        ]
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
-        done_at = [0.0] * batch
-        first_token_at = None
-        for _ in range(params.max_new_tokens):
-            feed = []
-            for row in range(batch):
-                if done_at[row]:
-                    feed.append(generated[row][-1])
-                    continue
-                matcher = matchers[row]
-                row_logits = logits[row] if matcher is None else matcher.constrain(logits[row])
-                token = sample_next(row_logits, params, generators[row])
-                generated[row].append(token)
-                feed.append(token)
-                if matcher is not None and token not in self.eos_ids:
-                    matcher.advance(token)
-                text = self.tokenizer.decode(generated[row], skip_special_tokens=False)
-                complete = matcher is not None and matcher.done
-                if token in self.eos_ids or complete or any(s in text for s in params.stop):
-                    finish[row] = "stop"
-                    done_at[row] = time.perf_counter()
-            first_token_at = first_token_at or time.perf_counter()
-            if all(done_at):
+        while True:
+            chosen = [decoder.choose(logits[row]) for row, decoder in enumerate(decoders)]
+            running = [row for row, token in enumerate(chosen) if token is not None]
+            if not running:
                 break
+            # a finished row is fed its last token (a row ends only after choosing one)
+            feed = [decoders[row].generated[-1] if t is None else t for row, t in enumerate(chosen)]
             logits = self.decode(cache, feed, steps)
-        end = time.perf_counter()
-        generations = []
-        for row in range(batch):
-            raw_ids = [t for t in generated[row] if t not in self.eos_ids]
-            raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
-            generations.append(
-                Generation(
-                    text=cut_at_stop(raw_text, params.stop),
-                    raw_text=raw_text,
-                    token_ids=generated[row],
-                    finish_reason=finish[row],
-                    prompt_tokens=len(prompts[row]),
-                    ttft_s=first_token_at - start,
-                    decode_s=(done_at[row] or end) - first_token_at,
-                )
-            )
+            for row in running:
+                decoders[row].fed()
+        generations = [d.generation(len(prompts[row])) for row, d in enumerate(decoders)]
         return BatchGeneration(generations=generations, store=store, steps=steps)
 
     @torch.no_grad()
