@@ -127,7 +127,7 @@ def run(loaded, args, max_batch: int) -> dict:
         "wall": wall,
         "alone_ttft": alone_ttft,
         "loaded_ttft": arrival["ttft"],
-        "mean_batch": scheduler.rows / max(scheduler.steps, 1),
+        "mean_batch": (scheduler.rows - rows_before) / max(steps, 1),
     }
 
 

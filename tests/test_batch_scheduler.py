@@ -1,7 +1,8 @@
 """Continuous batching (`agent_kv.runtime.batch_scheduler`) on the default model: sessions
 decoded together give the replies they get one at a time; a packed call equals its parts run
 alone; a lone turn is the serial path exactly; waiting turns time out or are cancelled without
-touching their sequence; a failed step fails its own turns only."""
+touching their sequence; a failed step fails its own turns only; prompts arriving together
+share a step up to the per-step budget of prefill tokens."""
 
 from __future__ import annotations
 
@@ -191,3 +192,44 @@ def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeyp
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.generate(engine.new_sequence(), [5], params)
+
+
+def test_prefill_chunks_share_a_step_up_to_the_token_budget(smollm, monkeypatch):
+    """Turns that arrive together prefill in the same step while their chunks fit the
+    per-step budget of prefill tokens; the next chunk waits for the next step."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=128)
+    blocked = _Blocked(engine)
+    steps: list[list[int]] = []
+
+    def recording(parts):
+        steps.append(sorted(len(part.tokens) for part in parts))
+        return blocked(parts)
+
+    monkeypatch.setattr(engine, "step_packed", recording)
+    scheduler = BatchScheduler(engine, max_batch=8, prefill_tokens=256)
+    params = SamplingParams(max_new_tokens=2)
+    prompts = [[5, 6], [7] * 100, [8] * 100, [9] * 300]
+    replies = {}
+
+    def turn(i: int) -> None:
+        replies[i] = scheduler.generate(engine.new_sequence(), prompts[i], params)
+
+    threads = [threading.Thread(target=turn, args=(0,))]
+    threads[0].start()
+    assert blocked.entered.wait(30)  # the first turn's prefill step holds the model
+    for i in (1, 2, 3):  # queued in this order
+        threads.append(threading.Thread(target=turn, args=(i,)))
+        threads[-1].start()
+        while scheduler.waiting < i:
+            time.sleep(0.01)
+    blocked.release.set()
+    for thread in threads:
+        thread.join(60)
+    assert steps[0] == [2]
+    assert steps[1] == [1, 100, 100]  # the first turn's decode token and two whole prompts
+    assert [128] in [[s for s in step if s > 1] for step in steps]  # then the long one's chunk
+    for step in steps:
+        assert sum(s for s in step if s > 1) <= 256 or len([s for s in step if s > 1]) == 1
+    assert sorted(replies) == [0, 1, 2, 3]
+    assert all(len(reply.token_ids) == 2 for reply in replies.values())
+    scheduler.close()

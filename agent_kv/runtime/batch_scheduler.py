@@ -2,14 +2,17 @@
 step, each with its own store, policy, budget, pins and sampling.
 
 One thread owns the model. Each step it runs, in one packed call (`Engine.step_packed`), the
-next decode token of every running turn and the next prefill chunk of at most
-`prefill_chunks` turns still prefilling (taken in turn, round robin, so a new short prompt is
-not stuck behind a long one; chunks are the engine's own `prefill_chunk` boundaries, so a
-sequence sees exactly the calls it would see alone), as Sarathi-Serve and vLLM schedule
-chunked prefill beside decodes. Turns join the batch between steps, in arrival order, while
-fewer than `max_batch` are running, and leave it when their reply ends. A step of one turn is
-the serial path itself (`Engine.feed`, compiled with `compile`), so a lone turn runs as fast
-as it would without the scheduler.
+next decode token of every running turn and the next prefill chunks of turns still
+prefilling, under a per-step budget of prefill tokens (`prefill_tokens`, by default the
+engine's `prefill_chunk`): chunks are taken in turn, round robin, so a new short prompt is not
+stuck behind a long one, while they fit the budget (the first always runs). Chunks are the
+engine's own `prefill_chunk` boundaries, so a sequence sees exactly the calls it would see
+alone. This is chunked prefill beside decodes as Sarathi-Serve and vLLM schedule it: the
+budget bounds how long one step, and so every running turn's next token, can take. Turns
+join the batch between steps, in arrival order, while fewer than `max_batch` are running,
+and leave it when their reply ends. A step of one turn is the serial path itself
+(`Engine.feed`, compiled with `compile`), so a lone turn runs as fast as it would without
+the scheduler.
 
 Callers block in `generate`, which has `Engine.generate`'s contract: the same reply (greedy
 replies are token-for-token those of serving the turns one at a time, up to the float
@@ -93,22 +96,23 @@ class BatchScheduler:
         engine: the model, tokenizer and default policy; from now on only this scheduler
             runs its model.
         max_batch: turns running at once (decoding or prefilling); more wait, in order.
-        prefill_chunks: prefill chunks per step (each up to the engine's `prefill_chunk`
-            tokens): the per-step token budget is these chunks plus one token per decoding
-            turn.
+        prefill_tokens: prefill tokens per step (None: the engine's `prefill_chunk`); chunks
+            are packed while their tokens fit, and the first chunk of a step always runs
+            (a chunk is at most `prefill_chunk` tokens). Each decoding turn adds one token.
 
     Raises:
         ValueError: a limit below 1.
     """
 
-    def __init__(self, engine: Engine, max_batch: int = 16, prefill_chunks: int = 1):
-        if max_batch < 1 or prefill_chunks < 1:
+    def __init__(self, engine: Engine, max_batch: int = 16, prefill_tokens: int | None = None):
+        prefill_tokens = engine.prefill_chunk if prefill_tokens is None else prefill_tokens
+        if max_batch < 1 or prefill_tokens < 1:
             raise ValueError(
-                f"max_batch and prefill_chunks must be >= 1, got {max_batch}, {prefill_chunks}"
+                f"max_batch and prefill_tokens must be >= 1, got {max_batch}, {prefill_tokens}"
             )
         self.engine = engine
         self.max_batch = max_batch
-        self.prefill_chunks = prefill_chunks
+        self.prefill_tokens = prefill_tokens
         self.steps = 0
         """Forward calls run so far."""
         self.rows = 0
@@ -298,10 +302,16 @@ class BatchScheduler:
             self._running.remove(turn)
             turn.finish(TurnCancelled("the turn was cancelled: its caller went away"))
         decoding = [t for t in self._running if t.next_token is not None]
-        prefilling = [t for t in self._running if t.pending][: self.prefill_chunks]
+        chunk = self.engine.prefill_chunk
+        prefilling, budget = [], self.prefill_tokens
+        for turn in (t for t in self._running if t.pending):
+            size = min(len(turn.pending), chunk)
+            if prefilling and size > budget:
+                break
+            prefilling.append(turn)
+            budget -= size
         if not decoding and not prefilling:
             return
-        chunk = self.engine.prefill_chunk
         parts = [PackedPart(t.sequence, [t.next_token], t.policy, True) for t in decoding] + [
             PackedPart(t.sequence, t.pending[:chunk], t.policy, len(t.pending) <= chunk)
             for t in prefilling
