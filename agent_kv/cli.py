@@ -302,8 +302,18 @@ def bench_command(
         int,
         typer.Option(
             min=1,
-            help="Ray actors: worker processes, each with its own browser, sites and model, "
-            "running one episode at a time.",
+            help="Ray actors: worker processes, each with its own sites and model, running "
+            "--episodes-per-engine episodes at a time.",
+        ),
+    ] = 1,
+    episodes_per_engine: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Episodes each worker runs at once on its one model (each with its own "
+            "browser, all on the worker's sites): their forward calls are batched "
+            "(continuous batching), so N episodes need one model in memory, not N. 1 runs "
+            "one episode at a time.",
         ),
     ] = 1,
     ray_address: Annotated[
@@ -412,6 +422,7 @@ def bench_command(
         agreement and "full" in names and mode == "free",
         mode,
         positions,
+        episodes_per_engine,
     )
     actors = bench.RayActors(workers, ray_address)
     try:  # a missing model or broken Chromium fails as the actors start, once

@@ -4,12 +4,14 @@ shared by this module's tests; one real sweep behind the browser and model marke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -253,6 +255,44 @@ class FakeRunner:
 
     def close(self) -> None:
         pass
+
+
+class OverlappingRunner(FakeRunner):
+    """A `FakeRunner` for sweeps of several episodes at once: the jobs in `meet` wait for
+    each other at a barrier before they go on (a sweep that does not run them together
+    fails them, BrokenBarrierError after 20 s); `hold` adds seconds to some jobs; every
+    record says when its episode started and ended (`time.perf_counter()` in the process
+    that ran it) and on which thread."""
+
+    def __init__(self, settings=None, meet=frozenset(), hold=None, **kwargs):
+        super().__init__(settings, **kwargs)
+        self.meet, self.hold = meet, hold or {}
+        self._barrier = threading.Barrier(len(meet), timeout=20) if meet else None
+
+    def __call__(self, task, job: Job, trace_dir: Path, on_step) -> dict:
+        started = time.perf_counter()
+        if job.key in self.meet:
+            self._barrier.wait()
+        time.sleep(self.hold.get(job.key, 0.0))
+        record = super().__call__(task, job, trace_dir, on_step)
+        thread = threading.current_thread().name
+        return {**record, "started": started, "ended": time.perf_counter(), "thread": thread}
+
+
+def _spans(records: list[dict]) -> dict[tuple, tuple[float, float]]:
+    """Job key -> (started, ended) of the records of `OverlappingRunner`."""
+    return {bench.record_key(r): (r["started"], r["ended"]) for r in records if "started" in r}
+
+
+def _most_at_once(spans) -> int:
+    """The most intervals of `spans` open at one time (one ending as another starts: not
+    both)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
 
 
 class NoModelRunner(FakeRunner):
@@ -596,6 +636,7 @@ def test_ray_address_is_checked_quickly():
     [
         (["--policies", "lru"], "unknown policy 'lru'"),
         (["--workers", "0"], "--workers"),
+        (["--episodes-per-engine", "0"], "--episodes-per-engine"),
         (["--ray-address", "head-node"], "--ray-address must be"),
     ],
 )
@@ -681,3 +722,129 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
     assert (tmp_path / "success_vs_memory.png").exists()
     assert not (tmp_path / "agreement_vs_memory.png").exists()
     assert "## Success per k" in summary and "| h2o 256 | 1/2 | 0/1 | 0/1 | 1 |" in summary
+
+
+def test_episodes_per_engine_runs_jobs_at_once_in_process(tmp_path: Path, two_tasks, monkeypatch):
+    """Three jobs at a time on one runner: the two full-KV episodes overlap (they meet at a
+    barrier), a task's replaying jobs start only once its own full-KV episode ended (task
+    2's while task 1's still runs), a crash is its own error record, and every step is
+    reported before its episode's record."""
+    monkeypatch.setattr(bench, "STEP_POLL_S", 0.05)
+    events = _spy_on_progress(monkeypatch)
+    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512, 1024])
+    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    crashing = Job(2, "window", 512).key
+    runner = OverlappingRunner(
+        meet={full1, full2}, hold={full1: 1.0}, crash={crashing}, seconds=0.1, steps=2
+    )
+    settings = bench.BenchSettings(episodes_per_engine=3)
+    written = bench.run_bench(two_tasks, jobs, tmp_path, runner, settings, progress=False)
+    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    records = {bench.record_key(r): r for r in bench.read_results(tmp_path / "results.jsonl")}
+    assert len(records) == 6
+    assert records[crashing]["end_reason"] == "error"
+    assert "browser died" in records[crashing]["error"]
+    assert [k for k, r in records.items() if r["end_reason"] == "error"] == [crashing]
+    spans = _spans(written)
+    for job in jobs:
+        if job.policy != "full" and job.key != crashing:
+            full = bench.full_job(job.task_id).key
+            assert spans[job.key][0] >= spans[full][1], job  # after its reference ended
+    assert spans[Job(2, "window", 1024).key][0] < spans[full1][1]  # not after task 1's
+    assert 2 <= _most_at_once(spans.values()) <= 3
+    assert len({r["thread"] for r in written if "thread" in r}) >= 2
+    assert json.loads((tmp_path / "settings.json").read_text())["episodes_per_engine"] == 3
+    for job in jobs:  # each episode's steps, then its record
+        mine = [e[0] for e in events if e[1] == job.key]
+        steps = 0 if job.key == crashing else 2
+        assert mine == ["step"] * steps + ["finish"], job
+
+
+def test_a_sweep_recorded_before_episodes_per_engine_resumes(tmp_path: Path, two_tasks):
+    """A settings.json without a setting added since takes it at its default; another value
+    is refused like any other changed setting."""
+    jobs = bench.make_jobs(two_tasks[:1], ["full"], [])
+    recorded = dataclasses.asdict(bench.BenchSettings())
+    del recorded["episodes_per_engine"]
+    (tmp_path / "settings.json").write_text(json.dumps(recorded))
+    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), progress=False)
+    assert len(bench.read_results(tmp_path / "results.jsonl")) == 1
+    other = bench.BenchSettings(episodes_per_engine=2)
+    with pytest.raises(ConfigError, match="episodes_per_engine 1 -> 2"):
+        bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
+
+
+def test_a_ray_actor_runs_episodes_per_engine_at_once(tmp_path: Path, two_tasks, local_ray):
+    """One actor, two episodes at a time (a threaded actor): the two full-KV episodes meet
+    in it, and each replaying job starts after its task's full-KV episode ended."""
+    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
+    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    factory = functools.partial(OverlappingRunner, meet={full1, full2}, seconds=0.2)
+    settings = bench.BenchSettings(episodes_per_engine=2)
+    actors = bench.RayActors(1, factory=factory)
+    written = bench.run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
+    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    assert all(r["end_reason"] == "stop" for r in written), written
+    assert len({r["pid"] for r in written}) == 1 and os.getpid() not in {r["pid"] for r in written}
+    spans = _spans(written)
+    for task_id in (1, 2):
+        assert spans[Job(task_id, "window", 512).key][0] >= spans[bench.full_job(task_id).key][1]
+    assert _most_at_once(spans.values()) == 2
+
+
+def test_a_killed_ray_worker_fails_every_episode_it_ran_and_is_replaced_once(
+    tmp_path: Path, two_tasks, local_ray
+):
+    """An actor running two episodes dies during them: both are error records, one fresh
+    actor takes its place and runs the rest."""
+    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512, 1024])
+    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    factory = functools.partial(
+        OverlappingRunner, meet={full1, full2}, die={full1}, hold={full2: 3.0}, seconds=0.1
+    )
+    settings = bench.BenchSettings(episodes_per_engine=2)
+    actors = bench.RayActors(1, factory=factory)
+    written = bench.run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
+    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    errors = {bench.record_key(r): r for r in written if r["end_reason"] == "error"}
+    assert set(errors) == {full1, full2}
+    assert all(r["error"].startswith("ActorDiedError") for r in errors.values())
+    others = [r for r in written if r["end_reason"] != "error"]
+    assert len(others) == 4 and len({r["pid"] for r in others}) == 1  # one replacement
+
+
+@pytest.mark.browser
+@pytest.mark.model
+def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smollm, monkeypatch):
+    """Two episodes at a time on one loaded model, each with its own Chromium (two tasks'
+    full KV, then a window replaying the first's beside the second): every record complete
+    (the window's with its agreement replay: its engine and full KV's both scheduled), and
+    only the scheduler's thread ran the model. Short observations and no reference replay
+    (`force_reply` through the scheduler: `test_scheduled_engine.py`) keep it quick."""
+    import agent_kv.runtime.model_loading as model_loading
+
+    monkeypatch.setattr(model_loading, "load_model", lambda model=None: smollm)
+    threads_seen: set[str] = set()
+    hook = smollm.model.register_forward_pre_hook(
+        lambda module, args: threads_seen.add(threading.current_thread().name)
+    )
+    tasks = [load_task(1), load_task(2)]
+    jobs = [*bench.make_jobs(tasks, ["full"], []), Job(1, "window", 64)]
+    settings = bench.BenchSettings(
+        max_steps=1, max_obs_tokens=200, reference_accuracy=False, episodes_per_engine=2
+    )
+    runner = bench.EpisodeRunner(settings)
+    try:
+        written = bench.run_bench(tasks, jobs, tmp_path, runner, settings, progress=False)
+        scheduler = runner._scheduler
+    finally:
+        runner.close()
+        hook.remove()
+    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    for record in written:
+        assert record["end_reason"] != "error", record
+        assert record["peak_kv_bytes"] > 0 and record["steps"] == 1
+    window = next(r for r in written if r["policy"] == "window")
+    assert window["steps_compared"] == 1 and "agreement_error" not in window
+    assert threads_seen == {"agent-kv-batch"}
+    assert scheduler.rows > scheduler.steps  # the two episodes shared forward calls

@@ -17,16 +17,22 @@ At the end `DIR/summary.md` holds the table of `aggregate` and `DIR/success_vs_m
 plots success rate against mean peak KV memory, one labelled point per row.
 
 **Scheduling** (`run_bench`): the episodes run on Ray actors (`RayActors`), each a worker
-process holding its own runner (the model, a headless Chromium and the sites), one episode at
-a time; the driver hands the next job to whichever actor is free and writes each record as
-its episode finishes (`ray.wait`), so a slow episode holds up no other record. By default a
-local Ray instance is started for the sweep and shut down after it (`ray_session`); an
-existing cluster is joined by address. An actor whose worker process dies (killed, out of
-memory, a crash in native code) makes its episode an error record; the actor is replaced by
-a fresh one and the sweep goes on. Ray itself neither restarts actors nor retries their calls
-(`max_restarts=0`, `max_task_retries=0`): a crash that killed a process would most likely
-kill it again, and a silent retry would hide it. A `Runner` passed in instead runs the
-episodes one after another in the calling process, without Ray (tests, debugging).
+process holding its own runner (the model, headless Chromium and the sites), running
+`BenchSettings.episodes_per_engine` episodes at a time (one by default); the driver hands
+the next job to whichever actor has a free place and writes each record as its episode
+finishes (`ray.wait`), so a slow episode holds up no other record. With more than one
+episode per engine the runner keeps one model and runs every episode's model calls through
+one `BatchScheduler` (continuous batching: their decode tokens and prefill chunks share
+forward calls, `agent_kv.runtime.scheduled_engine`), each episode in a thread with its own
+browser, all on the same sites. By default a local Ray instance is started for the sweep and
+shut down after it (`ray_session`); an existing cluster is joined by address. An actor whose
+worker process dies (killed, out of memory, a crash in native code) makes its episode an
+error record; the actor is replaced by a fresh one and the sweep goes on. Ray itself neither
+restarts actors nor retries their calls (`max_restarts=0`, `max_task_retries=0`): a crash
+that killed a process would most likely kill it again, and a silent retry would hide it (a
+process that dies takes every episode it was running with it: each is an error record). A
+`Runner` passed in instead runs the episodes in the calling process, without Ray (tests,
+debugging): one after another, or `episodes_per_engine` at a time in threads.
 
 **Agreement with full KV** (`agent_kv.harness.agreement`): every job but `full` also replays
 its task's full-KV episode teacher-forced beside full KV and records how often its own
@@ -61,10 +67,12 @@ import json
 import logging
 import math
 import os
+import queue
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -159,6 +167,12 @@ class BenchSettings:
             "scripted" (scripted navigation, free answer: the recall suite's runner,
             `agent_kv.harness.recall`).
         positions: "original" or "rerotate" (`PolicySpec`), for every policy of the sweep.
+        episodes_per_engine: episodes run at once on one runner, i.e. one model in memory
+            (`EpisodeRunner`): each its own thread and browser, their model calls batched by
+            one `BatchScheduler`. 1 (the default) runs one episode at a time on a plain
+            `Engine`. Success and memory do not depend on it; the time figures (decode
+            tokens/s, seconds per step) are per episode while the model is shared, so it is
+            recorded with the sweep like the other settings.
     """
 
     max_steps: int = 6
@@ -171,10 +185,17 @@ class BenchSettings:
     agreement: bool = True
     mode: str = "free"
     positions: str = "original"
+    episodes_per_engine: int = 1
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_engine < 1:
+            raise ValueError(f"episodes_per_engine must be >= 1, got {self.episodes_per_engine}")
 
 
 class Runner(Protocol):
-    """Runs the jobs of a sweep one at a time (`EpisodeRunner` is the real one)."""
+    """Runs the jobs of a sweep (`EpisodeRunner` is the real one): one at a time, or, with
+    `BenchSettings.episodes_per_engine` N > 1, called from up to N threads at once (it must
+    then be safe to call so)."""
 
     def start(self, sites: Iterable[str]) -> object:
         """Get ready for jobs on `sites` (start the browser, load the model), before the
@@ -213,8 +234,10 @@ class RayActors:
     `factory(settings)` builds.
 
     Attributes:
-        count: actors (>= 1), each running one episode at a time and asking Ray for 1 CPU;
-            with the real runner each holds its own model, browser and sites.
+        count: actors (>= 1), each asking Ray for 1 CPU and running
+            `BenchSettings.episodes_per_engine` episodes at a time (a threaded actor,
+            `max_concurrency`, when more than one); with the real runner each holds its own
+            model, sites and browsers (one per episode at a time).
         address: the cluster to join (`check_ray_address`); None starts a local Ray
             instance for the sweep (`ray_session`).
         factory: builds an actor's runner; it is sent to the workers, so it must be
@@ -413,7 +436,8 @@ def _check_settings(out: Path, settings: BenchSettings) -> None:
     path = out / SETTINGS
     current = dataclasses.asdict(settings)
     if path.exists():
-        recorded = json.loads(path.read_text(encoding="utf-8"))
+        # a setting added since the sweep was recorded had its default then
+        recorded = {**dataclasses.asdict(BenchSettings()), **json.loads(path.read_text("utf-8"))}
         changed = sorted(key for key in current if recorded.get(key) != current[key])
         if changed:
             diffs = ", ".join(f"{k} {recorded.get(k)!r} -> {current[k]!r}" for k in changed)
@@ -445,8 +469,9 @@ def run_bench(
             joined cluster, on the filesystem of the node that ran the episode).
         runner: where the episodes run: `RayActors` on Ray (default `RayActors()`: one
             actor with an `EpisodeRunner`, on a local Ray instance), or a `Runner` that
-            runs them one after another in this process, without Ray (the caller closes
-            it).
+            runs them in this process, without Ray (the caller closes it): one after
+            another, or `settings.episodes_per_engine` at a time in threads (a job that
+            replays a task's full-KV episode starts after that episode finished).
         settings: episode settings for the runners the actors build (default
             `BenchSettings()`); recorded in `out/settings.json`.
         progress: show a progress bar on stderr, in agent steps (`StepProgress`).
@@ -502,12 +527,62 @@ def run_bench(
                 _run_on_ray(runner or RayActors(), settings, work, write, steps.step)
             else:
                 runner.start({site for task, _, _ in work for site in task.sites})
-                for task, job, trace_dir in work:
-                    on_step = functools.partial(steps.step, job)
-                    write(_run_job(runner, task, job, trace_dir, on_step))
+                _run_in_process(runner, work, write, steps.step, settings.episodes_per_engine)
         finally:
             bar.close()
     return written
+
+
+def _run_in_process(
+    runner: Runner,
+    work: list[tuple[Task, Job, Path]],
+    write: Callable[[dict[str, Any]], None],
+    report: StepReport,
+    at_once: int,
+) -> None:
+    """Run `work` (task, job, trace directory) on `runner` in this process, `at_once` jobs
+    at a time, calling `write` with each record as its episode finishes and `report` with
+    each agent step, both from this thread.
+
+    One at a time, the jobs run in order on this thread. More run in threads of a pool:
+    a job starts when a place is free and its task's full-KV episode is not still to run
+    (`_next_ready`); the episodes' steps are queued and passed on while this thread waits
+    for a finished episode (at most `STEP_POLL_S` at a time), so a job's steps all reach
+    `report` before its record reaches `write`.
+    """
+    if at_once == 1:
+        for task, job, trace_dir in work:
+            write(_run_job(runner, task, job, trace_dir, functools.partial(report, job)))
+        return
+    from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+    steps: queue.SimpleQueue[tuple[Job, int]] = queue.SimpleQueue()
+    waiting = deque(work)
+    references = {(job.task_id, job.agent) for _, job, _ in work if job.policy == "full"}
+    running: dict[Future, Job] = {}
+    with ThreadPoolExecutor(at_once, thread_name_prefix="agent-kv-episode") as pool:
+        try:
+            while waiting or running:
+                while len(running) < at_once and (item := _next_ready(waiting, references)):
+                    task, job, trace_dir = item
+                    on_step = functools.partial(_queue_step, steps, job)
+                    running[pool.submit(_run_job, runner, task, job, trace_dir, on_step)] = job
+                done, _ = wait(running, timeout=STEP_POLL_S, return_when=FIRST_COMPLETED)
+                while not steps.empty():
+                    report(*steps.get())
+                for future in done:
+                    job = running.pop(future)
+                    if job.policy == "full":
+                        references.discard((job.task_id, job.agent))
+                    write(future.result())
+        finally:  # stopped early (an interrupt): no job starts after this
+            for future in running:
+                future.cancel()
+
+
+def _queue_step(steps: queue.SimpleQueue, job: Job, step: int) -> None:
+    """An episode's `on_step` in a thread: queue `(job, step)` for the thread that reports."""
+    steps.put((job, step))
 
 
 def check_ray_address(address: str) -> None:
@@ -633,8 +708,10 @@ def _run_on_ray(
     report: StepReport,
 ) -> None:
     """Run `work` (task, job, trace directory) on `actors.count` Ray actors (no more than
-    there are jobs), calling `write` with each record as its episode finishes and `report`
-    with each agent step while the episodes run.
+    there are jobs), each running up to `settings.episodes_per_engine` episodes at a time (a
+    threaded actor: `max_concurrency`), calling `write` with each record as its episode
+    finishes and `report` with each agent step while the episodes run. A job whose task's
+    full-KV episode is still to run waits for it (`_next_ready`).
 
     The actors put their episodes' steps on one `ray.util.queue.Queue` (an actor of its
     own, asking for no CPU); the driver waits for a finished episode at most `STEP_POLL_S`
@@ -644,19 +721,24 @@ def _run_on_ray(
 
     Every actor starts its runner first, for the sites of all the jobs, so that a missing
     model or browser stops the sweep at once. An actor whose process dies mid-sweep gets
-    an error record for its episode and is replaced by a fresh actor (its runner starts on
-    its first job) while jobs remain. `ray.util.ActorPool` is not used: it hands a dead
-    actor the next job and does not say which job a failed result belonged to.
+    an error record for each episode it was running and is replaced by one fresh actor (its
+    runner starts on its first job) while jobs remain. `ray.util.ActorPool` is not used: it
+    hands a dead actor the next job and does not say which job a failed result belonged
+    to.
     """
     import ray
     from ray.exceptions import RayActorError, RayError, RayTaskError
     from ray.util.queue import Queue
 
     count = min(actors.count, len(work))
+    places = settings.episodes_per_engine  # episodes an actor runs at once
     env_vars = {}  # a joined cluster's workers do not inherit this process's environment
     if os.environ.get(thread_setting.ENV):
         env_vars[thread_setting.ENV] = os.environ[thread_setting.ENV]
-    host = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(_RunnerHost)
+    options: dict[str, Any] = {"num_cpus": 1, "max_restarts": 0, "max_task_retries": 0}
+    if places > 1:
+        options["max_concurrency"] = places
+    host = ray.remote(**options)(_RunnerHost)
     if env_vars:
         host = host.options(runtime_env={"env_vars": env_vars})
     with ray_session(actors.address, count):
@@ -678,12 +760,12 @@ def _run_on_ray(
                 raise AgentKVError(
                     f"a Ray worker died while starting its runner: {_ray_error(err)}"
                 ) from None
-            queue = deque(work)
-            idle = list(live)
+            waiting = deque(work)
+            idle = [actor for _ in range(places) for actor in live]  # one per free place
             running: dict[ray.ObjectRef, tuple[Job, Any]] = {}
             references = {(job.task_id, job.agent) for _, job, _ in work if job.policy == "full"}
-            while queue or running:
-                while idle and (item := _next_ready(queue, references)) is not None:
+            while waiting or running:
+                while idle and (item := _next_ready(waiting, references)) is not None:
                     actor = idle.pop()
                     task, job, trace_dir = item
                     running[actor.run.remote(task, job, trace_dir)] = (job, actor)
@@ -699,17 +781,21 @@ def _run_on_ray(
                     record = ray.get(ready)
                 except RayActorError as err:  # its process died (or cannot be reached)
                     record = _finish(job, error_record(_ray_error(err)))
-                    ray.kill(actor)
-                    live.remove(actor)
-                    if queue:
-                        actor = host.remote(actors.factory, settings, steps)
-                        live.append(actor)
-                        idle.append(actor)
+                    if actor in live:  # the first of its episodes to fail: replace it once
+                        ray.kill(actor)
+                        live.remove(actor)
+                        idle = [other for other in idle if other is not actor]
+                        if waiting:
+                            actor = host.remote(actors.factory, settings, steps)
+                            live.append(actor)
+                            idle += [actor] * places
                 except RayError as err:  # the call failed in Ray (e.g. a record it cannot send)
                     record = _finish(job, error_record(_ray_error(err)))
-                    idle.append(actor)
+                    if actor in live:
+                        idle.append(actor)
                 else:
-                    idle.append(actor)
+                    if actor in live:
+                        idle.append(actor)
                 write(record)
             ray.get([actor.close.remote() for actor in live])
         finally:
@@ -1169,10 +1255,81 @@ def reference_replay(
     }
 
 
+class _Browser:
+    """One browser of an `EpisodeRunner`: a `BrowserEnv` started, used and closed on one
+    thread, as Playwright's sync API requires (it is bound to the thread that started it):
+    the caller's own (`own_thread` False: a runner of one episode at a time), or a thread of
+    this browser's own that runs what `run` hands it, whoever calls (`own_thread` True: a
+    runner called from several threads, e.g. a threaded Ray actor's pool)."""
+
+    def __init__(self, own_thread: bool):
+        self.env = None
+        self._own_thread = own_thread
+        self._thread = None  # a one-thread ThreadPoolExecutor, started on first use
+        self._opened_on: int | None = None  # the thread that started `env`
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on this browser's thread (blocking until it returns); its result, or its
+        exception raised."""
+        if not self._own_thread:
+            return fn()
+        if self._thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="agent-kv-browser")
+        return self._thread.submit(fn).result()
+
+    def open(self, servers, observation: str):
+        """The browser env, started on `servers` if none runs (call on this browser's thread).
+
+        Raises:
+            ChromiumNotFoundError: no usable Chromium.
+            AgentKVError: the env was started on another thread (a runner of one episode at
+                a time called from several threads: build it with the sweep's settings).
+        """
+        from envs.browser_env import BrowserEnv
+
+        if self.env is None:
+            self.env = BrowserEnv(servers, observation=observation)
+            self._opened_on = threading.get_ident()
+        elif self._opened_on != threading.get_ident():
+            raise AgentKVError(
+                "this runner's browser was started on another thread; a runner called from "
+                "several threads needs settings.episodes_per_engine > 1"
+            )
+        return self.env
+
+    def drop(self) -> None:
+        """Close the browser env, if any, ignoring errors: it may be broken (call on this
+        browser's thread; the next `open` starts a fresh one)."""
+        if self.env is not None:
+            try:
+                self.env.close()
+            except Exception:  # noqa: BLE001 - it is already broken
+                pass
+            self.env = None
+
+    def close(self) -> None:
+        """Drop the env on its thread, then end the thread (a later `run` starts another)."""
+        self.run(self.drop)
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
+
 class EpisodeRunner:
-    """The real `Runner`: the sites the jobs' tasks need, one headless Chromium and the
-    model, started by `start` (or the first job) and reused (a browser that died is restarted
-    for the next job). On Ray each actor builds its own from the sweep's settings.
+    """The real `Runner`: the sites the jobs' tasks need, the model, and one headless
+    Chromium per episode it runs at once, started by `start` (or the first job) and reused (a
+    browser that died is restarted for its next job). On Ray each actor builds its own from
+    the sweep's settings.
+
+    With `settings.episodes_per_engine` N > 1 it may be called from up to N threads at once:
+    the episodes share the sites, the loaded model and one `BatchScheduler` over it (each
+    job's engine a `ScheduledEngine` with the job's policy, its agreement replay's full KV
+    too), so only the scheduler's thread runs the model and the episodes' forward calls are
+    batched; each episode runs on the thread of one of N browsers (`_Browser`), and a
+    browser that dies fails its own episode only. With N = 1 each job gets a plain `Engine`
+    and runs on the caller's thread.
 
     Args:
         settings: episode settings.
@@ -1181,57 +1338,106 @@ class EpisodeRunner:
     def __init__(self, settings: BenchSettings):
         self.settings = settings
         self._servers = None
-        self._env = None
         self._loaded = None
+        self._scheduler = None
         self._sites: set[str] = set()
+        self._lock = threading.Lock()  # the servers, the model, the scheduler and `_busy`
+        self._busy = 0  # episodes running now
+        at_once = settings.episodes_per_engine
+        self._browsers = [_Browser(own_thread=at_once > 1) for _ in range(at_once)]
+        self._free: queue.SimpleQueue[_Browser] = queue.SimpleQueue()
+        for browser in self._browsers:
+            self._free.put(browser)
 
     def start(self, sites: Iterable[str] = ()):
         """Start what is not running yet, serving at least `sites` (the sites already served
-        stay; a new one restarts the servers and the browser); return (browser env, loaded
-        model).
+        stay; a new one restarts the servers and the browsers, only while no episode runs),
+        with a browser for each episode that may run at once (those not running one now);
+        return the loaded model.
 
         Raises:
-            ChromiumNotFoundError, AgentKVError: no usable Chromium or model.
+            ChromiumNotFoundError, AgentKVError: no usable Chromium or model; AgentKVError
+                also for a new site while episodes run.
             KeyError: a site that is not bundled.
         """
+        with self._lock:
+            loaded = self._serve(sites)
+        free = []
+        while not self._free.empty():
+            free.append(self._free.get())
+        try:
+            for browser in free:
+                browser.run(functools.partial(browser.open, self._servers, self._observation))
+        finally:
+            for browser in free:
+                self._free.put(browser)
+        return loaded
+
+    @property
+    def _observation(self) -> str:
+        return self.settings.observation
+
+    def _serve(self, sites: Iterable[str]):
+        """Start the sites (at least `sites`), the model and, for more than one episode at a
+        time, the scheduler, if not running; return the loaded model. Called holding
+        `_lock`.
+
+        Raises:
+            AgentKVError: `sites` needs a site not served while episodes run (restarting the
+                servers would break them).
+        """
         from agent_kv.runtime.model_loading import load_model
-        from envs.browser_env import BrowserEnv
         from envs.server import SiteServers
 
         wanted = self._sites | set(sites)
         if self._servers is not None and wanted != self._sites:
-            self._drop_browser()
+            if self._busy:
+                raise AgentKVError(
+                    f"site(s) {', '.join(sorted(wanted - self._sites))} not served while "
+                    "episodes run on the others: start the runner with every site first"
+                )
+            for browser in self._browsers:
+                browser.run(browser.drop)
             self._servers.close()
             self._servers = None
         if self._servers is None:
             self._servers = SiteServers(sorted(wanted))
             self._sites = wanted
-        if self._env is None:
-            self._env = BrowserEnv(self._servers, observation=self.settings.observation)
         if self._loaded is None:
             self._loaded = load_model(self.settings.model)
-        return self._env, self._loaded
+        if self._scheduler is None and self.settings.episodes_per_engine > 1:
+            from agent_kv.kv.policies import make_policy
+            from agent_kv.runtime.batch_scheduler import BatchScheduler
+            from agent_kv.runtime.engine import Engine
 
-    def _drop_browser(self) -> None:
-        if self._env is not None:
-            try:
-                self._env.close()
-            except Exception:  # noqa: BLE001 - it is already broken
-                pass
-            self._env = None
+            model, tokenizer = self._loaded.model, self._loaded.tokenizer
+            shared = Engine(model, tokenizer, make_policy("full"), self.settings.prefill_chunk)
+            self._scheduler = BatchScheduler(shared, max_batch=self.settings.episodes_per_engine)
+        return self._loaded
+
+    def _engine(self, spec):
+        """A job's engine for the policy and store options of `spec` (a `PolicySpec`): over
+        the shared scheduler when episodes run at once, else a plain `Engine`."""
+        if self._scheduler is not None:
+            from agent_kv.runtime.scheduled_engine import ScheduledEngine
+
+            return ScheduledEngine.from_spec(spec, self._scheduler)
+        from agent_kv.runtime.engine import Engine
+
+        loaded = self._loaded
+        return Engine.from_spec(spec, loaded.model, loaded.tokenizer, self.settings.prefill_chunk)
 
     def __call__(
         self, task: Task, job: Job, trace_dir: Path, on_step: Callable[[int], None]
     ) -> dict[str, Any]:
-        """Run the episode (and the reference replay) of `job`, telling `on_step` each agent
-        step as it ends; return the record fields.
+        """Run the episode (and the reference replay) of `job` on a free browser's thread,
+        telling `on_step` each agent step as it ends; return the record fields. Waits for a
+        free browser when `episodes_per_engine` episodes run already.
 
         Raises:
             AgentKVError, ChromiumNotFoundError, and whatever the episode raises.
         """
-        from agent_kv.harness.agent import AgentConfig, run_episode
         from agent_kv.kv.policy_spec import PolicySpec
-        from agent_kv.runtime.engine import Engine
 
         spec = PolicySpec.parse(
             job.policy,
@@ -1240,10 +1446,37 @@ class EpisodeRunner:
             int8=job.precision == "int8",
             positions=self.settings.positions,
         )
-        env, loaded = self.start(task.sites)
-        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, self.settings.prefill_chunk)
+        browser = self._free.get()
+        try:
+            with self._lock:
+                self._serve(task.sites)
+                self._busy += 1
+            try:
+                episode = functools.partial(self._episode, browser, spec, task, job, trace_dir)
+                return browser.run(functools.partial(episode, on_step))
+            finally:
+                with self._lock:
+                    self._busy -= 1
+        finally:
+            self._free.put(browser)
+
+    def _episode(
+        self,
+        browser: _Browser,
+        spec,
+        task: Task,
+        job: Job,
+        trace_dir: Path,
+        on_step: Callable[[int], None],
+    ) -> dict[str, Any]:
+        """`__call__`'s work, on `browser`'s thread."""
+        from agent_kv.harness.agent import AgentConfig, run_episode
+
+        env = browser.open(self._servers, self._observation)
+        engine = self._engine(spec)
+        model_name = self._loaded.name
         if self.settings.mode == "scripted":
-            return self._recall(task, engine, env, trace_dir, loaded.name, on_step)
+            return self._recall(task, engine, browser, trace_dir, model_name, on_step)
         config = AgentConfig(
             max_steps=self.settings.max_steps,
             max_obs_tokens=self.settings.max_obs_tokens,
@@ -1252,26 +1485,26 @@ class EpisodeRunner:
         )
         try:
             summary = run_episode(
-                task, engine, env, trace_dir, loaded.name, config, lambda r: on_step(r["step"])
+                task, engine, env, trace_dir, model_name, config, lambda r: on_step(r["step"])
             ).summary()
         except BaseException:
-            self._drop_browser()
+            browser.drop()
             raise
         if summary["end_reason"] == "error" and "browser" in (summary["error"] or ""):
-            self._drop_browser()
+            browser.drop()
         if self.settings.agreement and job.policy != "full":
             summary.update(self._agreement(task, engine, config, trace_dir.parent))
         if self.settings.reference_accuracy and task.reference_actions:
             try:
-                env, _ = self.start(task.sites)
+                env = browser.open(self._servers, self._observation)
                 obs_tokens = self.settings.max_obs_tokens
                 summary.update(reference_replay(task, engine, env, obs_tokens, job.agent))
             except Exception as err:  # noqa: BLE001 - recorded, the episode stands
                 summary["reference_error"] = traceback.format_exception_only(err)[-1].strip()
-                self._drop_browser()
+                browser.drop()
         return summary
 
-    def _recall(self, task: Task, engine, env, trace_dir: Path, model: str, on_step):
+    def _recall(self, task: Task, engine, browser: _Browser, trace_dir: Path, model: str, on_step):
         """A recall task's record: scripted navigation, free answer (`run_recall_task`),
         in the episode records' terms (`end_reason` "stop", or "error" with the error)."""
         from agent_kv.harness.recall import DEFAULT_FORMAT, run_recall_task
@@ -1282,10 +1515,11 @@ class EpisodeRunner:
         def on_page(number: int, pages: int) -> None:
             on_step(math.ceil(number * steps / pages))
 
+        env = browser.open(self._servers, self._observation)
         try:
             record = run_recall_task(task, engine, env, trace_dir, model, fmt, on_page=on_page)
         except BaseException:
-            self._drop_browser()
+            browser.drop()
             raise
         record = dataclasses.asdict(record)
         failed = record["error"] is not None
@@ -1294,16 +1528,15 @@ class EpisodeRunner:
     def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
         """The agreement fields of `agreement_summary` for `engine` against the full-KV
         trace of the task and `config.agent` under `traces`, or `agreement_error` when there
-        is none to replay."""
+        is none to replay. The full-KV side runs on the same model (through the scheduler
+        when episodes run at once)."""
         from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
-        from agent_kv.kv.policies import make_policy
-        from agent_kv.runtime.engine import Engine
+        from agent_kv.kv.policy_spec import PolicySpec
 
         reference = traces / full_job(task.task_id, config.agent).name
         try:
             trajectory = read_trajectory(reference)
-            model, tokenizer = engine.model, engine.tokenizer
-            full = Engine(model, tokenizer, make_policy("full"), self.settings.prefill_chunk)
+            full = self._engine(PolicySpec.parse("full", None, None))
             return agreement_summary(
                 replay_agreement(task.intent, trajectory, engine, full, config)
             )
@@ -1311,9 +1544,15 @@ class EpisodeRunner:
             return {"agreement_error": traceback.format_exception_only(err)[-1].strip()}
 
     def close(self) -> None:
-        """Close the browser and stop the sites (the model is left to the garbage collector)."""
-        self._drop_browser()
-        if self._servers is not None:
-            self._servers.close()
-            self._servers = None
-            self._sites = set()
+        """Close the browsers (each on its own thread) and the scheduler, and stop the sites
+        (the model is left to the garbage collector)."""
+        for browser in self._browsers:
+            browser.close()
+        with self._lock:
+            if self._scheduler is not None:
+                self._scheduler.close()
+                self._scheduler = None
+            if self._servers is not None:
+                self._servers.close()
+                self._servers = None
+                self._sites = set()
