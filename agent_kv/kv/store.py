@@ -879,12 +879,15 @@ class KVStore:
         and set the host lengths."""
         cq = self.q.capacity
         keep_q, keep_fp = keep[..., :cq], keep[..., cq:]
-        self.fp.gather(kept_first(keep_fp), layers, rows)
         tables = [(self.fp, keep_fp)]
         if any(max(row[rows]) for row in self.q.lengths[layers]):  # quantized tokens to move
-            self._compact_quantized(keep_q, layers, rows)
             tables.append((self.q, keep_q))
         counts = torch.stack([mask.sum(dim=-1) for _, mask in tables]).tolist()
+        # only the kept slots move: past the widest row's count nothing is live afterwards
+        widest = max(count for per_layer in counts[0] for count in per_layer)
+        self.fp.gather(kept_first(keep_fp)[..., :widest], layers, rows)
+        if len(tables) > 1:
+            self._compact_quantized(keep_q, layers, rows)
         for (table, _), per_layer in zip(tables, counts, strict=True):
             _set_lengths(table, layers, rows, per_layer)
 
@@ -892,7 +895,8 @@ class KVStore:
         """Compact the quantized segment to the slots `keep` `[L', R, Cq]` marks, and its
         scale table to the rows those slots use (renumbered in order)."""
         groups = self.scales.capacity
-        self.q.gather(kept_first(keep), layers, rows)
+        widest = int(keep.sum(dim=-1).max())  # past it nothing is live afterwards
+        self.q.gather(kept_first(keep)[..., :widest], layers, rows)
         kept = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).values.bool()
         index = self.q["group"][layers, rows]  # [L', R, Cq], after the gather
         used = torch.zeros(*index.shape[:2], groups + 1, dtype=torch.bool, device=self.device)
