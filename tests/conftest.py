@@ -30,6 +30,42 @@ def smollm() -> LoadedModel:
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(smollm):
+    """A 2-layer Llama with random weights (seed 0), SmolLM2's vocabulary, special tokens and
+    8192-token context, attention through the KV store: behind the default model's tokenizer
+    it serves the same API as the default model at a fraction of its compute (the shape of
+    requests and replies, not what the model writes)."""
+    import transformers
+
+    from agent_kv.kv.attention import register_attention
+
+    register_attention()
+    cfg = smollm.model.config
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id, attn_implementation="agent_kv",
+    )  # fmt: skip
+    with torch_seed(0):
+        return transformers.LlamaForCausalLM(config).eval()
+
+
+@contextlib.contextmanager
+def torch_seed(seed: int) -> Iterator[None]:
+    """Run the block under torch's global RNG seeded with `seed`, then restore its state."""
+    import torch
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
 @contextlib.contextmanager
 def serving(app) -> Iterator[str]:
     """Serve an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its root
