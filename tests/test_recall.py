@@ -107,22 +107,48 @@ def env():
             yield browser
 
 
+SHOWN_QUICK = {404, 416, 425, 432}
+"""The tasks the default run checks in the browser (one per site, two with the fact on their
+second page, one across two sites); every other task is `slow` (~200 page loads in all)."""
+
+
 @pytest.mark.browser
-def test_the_answer_is_shown_on_the_fact_page_and_on_none_after_it(env):
+@pytest.mark.parametrize(
+    "task",
+    [pytest.param(t, marks=() if t.task_id in SHOWN_QUICK else pytest.mark.slow) for t in TASKS],
+    ids=[f"task{t.task_id}" for t in TASKS],
+)
+def test_the_answer_is_shown_on_the_fact_page_and_on_none_after_it(env, task):
     """Scored as an answer, the text of page j (ids left out: "[120]" is no price) passes the
     task's evaluator, and the text of each of the k pages after it fails."""
-    for task in TASKS:
-        pages = [env.reset(task)["text"]]
-        for action in task.reference_actions[:-1]:
-            pages.append(env.step(action).observation["text"])
-        fact = len(pages) - 1 - task.horizon
-        shown = [evaluate(task, _ID.sub("", page), "", {}).score for page in pages[fact:]]
-        assert shown == [1.0] + [0.0] * task.horizon, task.task_id
+    pages = [env.reset(task)["text"]]
+    for action in task.reference_actions[:-1]:
+        pages.append(env.step(action).observation["text"])
+    fact = len(pages) - 1 - task.horizon
+    shown = [evaluate(task, _ID.sub("", page), "", {}).score for page in pages[fact:]]
+    assert shown == [1.0] + [0.0] * task.horizon
+
+
+RECALLED = {
+    401: "Blue road bike: $120",
+    402: "Silver laptop: $1,100",
+    413: "Hearthly coffee grinder: 4.2",
+}
+"""The answer full KV gives to each QUICK task."""
+TRACED = {
+    401: ("Blue road bike - $120", "/category/electronics"),
+    402: ("Price: $1,100", "/category/furniture"),
+}
+"""Of the first task of a run: a text its first page shows, its last page's URL end."""
 
 
 @pytest.mark.browser
-def test_full_kv_recalls_the_note_one_page_back(smollm, env, tmp_path):
-    tasks = [load_task(i) for i in QUICK]
+@pytest.mark.parametrize(
+    "ids", [[402, 413], pytest.param(QUICK, marks=pytest.mark.slow)], ids=["two", "quick"]
+)
+def test_full_kv_recalls_the_note_one_page_back(smollm, env, tmp_path, ids):
+    """The default run: one task of each site; `slow`: the three of QUICK."""
+    tasks = [load_task(i) for i in ids]
     factory_calls = []
 
     def engine():
@@ -130,30 +156,28 @@ def test_full_kv_recalls_the_note_one_page_back(smollm, env, tmp_path):
         return Engine(smollm.model, smollm.tokenizer, make_policy("full"))
 
     records = run_recall(tasks, engine, env, tmp_path, "smollm", FORMATS["notes"])
-    assert len(factory_calls) == 3
-    assert [r.answer for r in records] == [
-        "Blue road bike: $120",
-        "Silver laptop: $1,100",
-        "Hearthly coffee grinder: 4.2",
-    ]
+    assert len(factory_calls) == len(ids)
+    assert [r.answer for r in records] == [RECALLED[i] for i in ids]
     assert all(r.success and r.score == 1.0 and r.error is None for r in records)
-    assert [r.k for r in records] == [1, 1, 1]
+    assert [r.k for r in records] == [1] * len(ids)
     for record in records:
         assert 2000 < record.history_tokens < 3500
         assert record.peak_kv_bytes >= record.peak_kv_live_bytes > 0
         assert record.full_kv_bytes == record.peak_kv_bytes  # full KV evicts nothing
         assert (record.policy, record.positions, record.format) == ("full", "original", "notes")
-    assert success_by_k(records) == {1: {"tasks": 3, "solved": 3, "errors": 0}}
-    assert "| 1 | 3 | 3 | 0 |" in format_by_k(records)
+    n = len(ids)
+    assert success_by_k(records) == {1: {"tasks": n, "solved": n, "errors": 0}}
+    assert f"| 1 | {n} | {n} | 0 |" in format_by_k(records)
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
-    assert [json.loads(line)["task_id"] for line in lines] == QUICK
-    trace = json.loads((tmp_path / "task401" / TRACE_JSON).read_text())
+    assert [json.loads(line)["task_id"] for line in lines] == ids
+    task, (shown, last_url) = tasks[0], TRACED[ids[0]]
+    trace = json.loads((tmp_path / f"task{task.task_id}" / TRACE_JSON).read_text())
     first, last = trace["pages"]
-    assert (
-        first["url"].endswith("/category/bikes") and "Blue road bike - $120" in first["observation"]
-    )
-    assert re.fullmatch(r"note \[Blue road bike: \$120\]\nclick \[\d+\]", first["action"])
-    assert last["url"].endswith("/category/electronics") and "action" not in last
+    start_path = task.start_url.split("__", 2)[2]  # "__CLASSIFIEDS__/listing/13"
+    assert first["url"].endswith(start_path) and shown in first["observation"]
+    note = NOTE.match(task.reference_actions[0])["note"]
+    assert re.fullmatch(rf"note \[{re.escape(note)}\]\nclick \[\d+\]", first["action"])
+    assert last["url"].endswith(last_url) and "action" not in last
     assert trace["record"]["history_tokens"] == records[0].history_tokens
 
 
@@ -192,17 +216,36 @@ def test_the_decoder_is_a_parameter_and_the_agent_format_drops_the_notes(smollm,
 
 @pytest.mark.model
 @pytest.mark.browser
-def test_past_the_context_full_kv_errs_and_a_rerotated_window_answers(smollm, env, tmp_path):
-    """Task 429 (k = 8, ~12K tokens of forum pages) cannot run at original positions; a
-    1024-token window with rerotate positions runs it to an answer (its note is long gone)."""
-    task = load_task(429)
+@pytest.mark.parametrize(
+    ("task_id", "context", "window", "fed", "history"),
+    [
+        (401, 2560, 512, 1000, 2800),
+        pytest.param(429, None, 1024, 6000, 11000, marks=pytest.mark.slow),
+    ],
+    ids=["task401-2560-context", "task429"],
+)
+def test_past_the_context_full_kv_errs_and_a_rerotated_window_answers(
+    smollm, env, tmp_path, monkeypatch, task_id, context, window, fed, history
+):
+    """Task 429 (k = 8, ~12K tokens of forum pages) cannot run at original positions in the
+    model's 8192-token context; a 1024-token window with rerotate positions runs it to an
+    answer (its note is long gone). The default run: task 401 (~3.1K tokens) with the model's
+    config declaring a 2560-token context, and a 512-token window. Full KV stops before the
+    page that would pass the context (`fed` tokens or more in its cache); the window's history
+    passes `history` tokens."""
+    if context is not None:
+        monkeypatch.setattr(smollm.model.config, "max_position_embeddings", context)
+    limit = smollm.model.config.max_position_embeddings
+    task = load_task(task_id)
     full = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     (overflow,) = run_recall([task], full, env, tmp_path / "full", "smollm")
-    assert not overflow.success and "8192-token context" in overflow.error
-    assert overflow.answer is None and 6000 < overflow.history_tokens <= 8192
-    spec = PolicySpec.parse("window", 1024, None, positions="rerotate")
-    window = Engine.from_spec(spec, smollm.model, smollm.tokenizer)
-    (record,) = run_recall([task], window, env, tmp_path / "window", "smollm")
+    assert not overflow.success and f"{limit}-token context" in overflow.error
+    assert overflow.answer is None and fed < overflow.history_tokens <= limit
+    spec = PolicySpec.parse("window", window, None, positions="rerotate")
+    rerotated = Engine.from_spec(spec, smollm.model, smollm.tokenizer)
+    (record,) = run_recall([task], rerotated, env, tmp_path / "window", "smollm")
     assert record.error is None and record.positions == "rerotate"
-    assert record.history_tokens > 11000
-    assert record.peak_kv_live_bytes < overflow.peak_kv_live_bytes
+    assert record.history_tokens > history > limit
+    # less than full KV holds at the same history (it holds every token live)
+    per_token = overflow.peak_kv_live_bytes / overflow.history_tokens
+    assert record.peak_kv_live_bytes < per_token * record.history_tokens
