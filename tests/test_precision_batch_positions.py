@@ -85,8 +85,19 @@ def test_rerotate_without_eviction_matches_original_positions(smollm):
     assert (logits[0] - logits[1]).abs().max() < 1e-3
 
 
-def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(smollm):
-    """A 12K-token stream under a 2K budget: beyond SmolLM2's 8192-token context."""
+@pytest.mark.parametrize(
+    ("context", "stream_tokens", "budget", "chunk"),
+    [(2048, 3000, 512, 256), pytest.param(None, 12_000, 2048, 512, marks=pytest.mark.slow)],
+    ids=["2048-context", "8192-context"],
+)
+def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(
+    smollm, monkeypatch, context, stream_tokens, budget, chunk
+):
+    """A 12K-token stream under a 2K budget: beyond SmolLM2's 8192-token context. The
+    default run: 3,000 tokens under a 512 budget, the model's config declaring a 2048-token
+    context."""
+    if context is not None:
+        monkeypatch.setattr(smollm.model.config, "max_position_embeddings", context)
     head = token_ids(
         smollm,
         "There is important info hidden inside a lot of irrelevant text. Find it and "
@@ -99,21 +110,21 @@ def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(smollm):
     engine = Engine(
         smollm.model,
         smollm.tokenizer,
-        make_policy("conf-kv", budget=2048),
-        prefill_chunk=512,
+        make_policy("conf-kv", budget=budget),
+        prefill_chunk=chunk,
         int8=Int8Config(),
         rerotate=True,
     )
     session = engine.new_sequence()
     session.store.pin(0, len(head))
-    stream = head + filler[: 12_000 - len(head)]
-    assert len(stream) == 12_000 > smollm.model.config.max_position_embeddings
+    stream = head + filler[: stream_tokens - len(head)]
+    assert len(stream) == stream_tokens > smollm.model.config.max_position_embeddings
     engine.feed(session, stream)
     assert torch.isfinite(session.last_logits).all()
-    assert max(session.store.lengths()) <= 2048 + 512 + len(head)
+    assert max(session.store.lengths()) <= budget + chunk + len(head)
     reply = engine.generate(session, question, SamplingParams(max_new_tokens=6))
     assert reply.text.strip().startswith("4817")
-    assert session.store.seen_tokens > 12_000
+    assert session.store.seen_tokens > stream_tokens
 
 
 def test_a_short_row_never_shrinks_the_buffers_of_a_long_one(smollm):
