@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -46,11 +47,23 @@ def test_is_right_takes_the_first_run_of_digits(answer, right):
     assert is_right(answer, "58213") is right
 
 
+SMALL_POLICIES = ["full", "conf-kv", "kvzip", "conf-kv+recall"]
+"""The default run's policies: full KV, a budgeted one (with the paper's figure), KVzip (its
+own peak) and a cold tier."""
+
+
 @pytest.mark.model
-def test_quick_run(smollm, tmp_path):
+@pytest.mark.parametrize("grid", ["small", pytest.param("quick", marks=pytest.mark.slow)])
+def test_quick_run(smollm, tmp_path, monkeypatch, grid):
+    """`slow`: the quick size (what `agent-kv eval needle --quick` runs: 45 trials); by
+    default its lengths at two depths for four of its policies (14 trials)."""
+    policies = needle.POLICIES
+    if grid == "small":
+        monkeypatch.setattr(needle, "QUICK", dataclasses.replace(needle.QUICK, depths=(0.0, 1.0)))
+        policies = SMALL_POLICIES
     text_ids = smollm.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
     lines = []
-    ctx = EvalContext(smollm, text_ids, True, tmp_path, lines.append)
+    ctx = EvalContext(smollm, text_ids, True, tmp_path, lines.append, policies)
     report = needle.run(ctx)
     size = needle.QUICK
     labels = report.data["lengths"]
@@ -59,7 +72,7 @@ def test_quick_run(smollm, tmp_path):
 
     # every policy x length x depth cell, its accuracy what its trials say
     keys = {(c["policy"], c["length"], c["depth"]) for c in cells}
-    assert keys == {(p, n, d) for p in needle.POLICIES for n in labels for d in size.depths}
+    assert keys == {(p, n, d) for p in policies for n in labels for d in size.depths}
     for cell in cells:
         hits = [
             t
@@ -90,7 +103,7 @@ def test_quick_run(smollm, tmp_path):
     }
     # KVzip's reconstruction pass holds a chunk and its repeat on top of the budget for a
     # moment: at this size that reaches full KV's allocation, never more
-    assert all(peak[p] < peak["full"] for p in needle.POLICIES if p not in ("full", "kvzip"))
+    assert all(peak[p] < peak["full"] for p in policies if p not in ("full", "kvzip"))
     assert peak["kvzip"] <= peak["full"]
     for trial in trials:  # the cold tier counted apart, only where there is one
         assert (trial["peak_cold_kv_bytes"] > 0) == trial["policy"].endswith("+recall")
