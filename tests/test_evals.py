@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_kv.evals import experiment_names, run_experiments
+from agent_kv.evals import ablations, experiment_names, perplexity, run_experiments
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.arkv import build_context
 from agent_kv.evals.perplexity import (
     QUICK,
+    Sizes,
     Totals,
     gap_closed,
     int8_budget,
@@ -22,6 +23,7 @@ from agent_kv.evals.perplexity import (
 )
 from agent_kv.evals.report import Report, Table
 from agent_kv.evals.texts import licence_text
+from agent_kv.kv.store import Int8Config
 from tests.test_cli import run_cli
 
 
@@ -81,7 +83,20 @@ def test_the_plain_window_row_keeps_no_sinks_and_the_other_four(smollm):
     assert windows == {f"window {QUICK.window}": 0, f"window {QUICK.window} + 4 sinks": 4}
 
 
-def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
+SMALL = Sizes(lengths=(320,), segments=1, window=136, int8=Int8Config(fp_window=64, group=16))
+"""Half the quick size's tokens: N_low = 281 tokens in the bytes of the 136-token window, fewer
+than the 320 scored, so CONF-KV evicts at both of its budgets (whose halves pass its
+protect_recent, 64)."""
+
+
+@pytest.mark.parametrize("size", ["small", pytest.param("quick", marks=pytest.mark.slow)])
+def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path, monkeypatch, size):
+    """`slow`: the quick size (what `agent-kv eval perplexity --quick` runs, 640 tokens); by
+    default `SMALL`."""
+    if size == "small":
+        for module in (perplexity, ablations):
+            monkeypatch.setattr(module, "QUICK", SMALL)
+    sizes = perplexity.QUICK  # the size the run uses
     reports = run_experiments(["perplexity", "ablations"], smollm, text_ids, tmp_path, quick=True)
     assert [r.experiment for r in reports] == ["perplexity", "ablations"]
     gathered = (tmp_path / "summary.md").read_text()
@@ -90,21 +105,21 @@ def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
 
     result = _results(tmp_path / "perplexity")
     _png(tmp_path / "perplexity" / "perplexity_vs_memory.png")
-    rows = result["lengths"][str(QUICK.lengths[0])]
-    window = f"window {QUICK.window}"
+    rows = result["lengths"][str(sizes.lengths[0])]
+    window = f"window {sizes.window}"
     assert list(rows) == ["full", window, f"{window} + 4 sinks", "conf-kv+int8", "conf-kv-l+int8"]
     for row in rows.values():
-        assert row["tokens"] == QUICK.lengths[0] - 1
+        assert row["tokens"] == sizes.lengths[0] - 1
         assert math.isclose(row["perplexity"], math.exp(row["nll"] / row["tokens"]))
-    # a 192-token window loses what full KV sees on licence text
+    # a 136- or 192-token window loses what full KV sees on licence text
     assert rows["full"]["perplexity"] < rows[window]["perplexity"]
-    n_low = int8_budget(smollm.model, QUICK.window, QUICK.int8)
-    assert result["sizes"]["n_low"] == n_low > QUICK.window  # INT8 buys tokens at equal bytes
+    n_low = int8_budget(smollm.model, sizes.window, sizes.int8)
+    assert result["sizes"]["n_low"] == n_low > sizes.window  # INT8 buys tokens at equal bytes
     for label in ("conf-kv+int8", "conf-kv-l+int8"):
         assert rows[label]["mean_bytes"] <= rows[window]["mean_bytes"]
         assert n_low // 2 <= rows[label]["mean_budget"] <= n_low
     assert rows["full"]["mean_budget"] is None
-    assert rows[window]["mean_budget"] == QUICK.window
+    assert rows[window]["mean_budget"] == sizes.window
     table = reports[0].tables[0]
     closed = {row[1]: row[5:7] for row in table.rows}
     assert closed["full"] == ["-", "-"] and closed[window][0] == "-"
@@ -130,9 +145,9 @@ def test_perplexity_and_ablations_quick(smollm, text_ids, tmp_path):
     )
     # the same tokens in the model's dtype cost more bytes than with INT8
     assert variants["int8 off, same tokens"]["mean_bytes"] > reference["mean_bytes"]
-    assert variants["int8 off, same bytes"]["mean_budget"] <= QUICK.window
-    sinks = variants[f"window {QUICK.window} + 4 sinks"]
-    assert sinks["mean_budget"] == QUICK.window and sinks["tokens"] == rows["full"]["tokens"]
+    assert variants["int8 off, same bytes"]["mean_budget"] <= sizes.window
+    sinks = variants[f"window {sizes.window} + 4 sinks"]
+    assert sinks["mean_budget"] == sizes.window and sinks["tokens"] == rows["full"]["tokens"]
 
 
 def test_retrieval_context_places_every_fact(smollm, text_ids):
