@@ -1,6 +1,6 @@
 """A LangGraph agent on agent_kv: a two-node graph (the model, LangGraph's `ToolNode`) with two
-tools runs three user turns, each a tool call, its result and an answer, in one named
-session on a live server (conf-kv, budget 256). Each model call's prompt reads more of
+tools runs two user turns (three under `slow`), each a tool call, its result and an answer, in
+one named session on a live server (conf-kv, budget 256). Each model call's prompt reads more of
 itself from the session's KV cache than the call before, and with pin rules naming the tools
 every tool result stays in the cache after the policy has evicted around it; without them
 an earlier result is evicted."""
@@ -66,11 +66,11 @@ def agent_graph(model: ChatAgentKV):
     return graph.compile(checkpointer=InMemorySaver())
 
 
-def run_episode(url: str, session_id: str, pin: dict | None) -> list:
-    """The three turns in one thread and one session; the whole conversation."""
+def run_episode(url: str, session_id: str, pin: dict | None, questions: list[str]) -> list:
+    """The turns in one thread and one session; the whole conversation."""
     model = ChatAgentKV(base_url=url, session_id=session_id, max_tokens=40, pin=pin)
     graph, config = agent_graph(model), {"configurable": {"thread_id": session_id}}
-    for question in QUESTIONS:
+    for question in questions:
         state = graph.invoke({"messages": [HumanMessage(question)]}, config)
     return state["messages"]
 
@@ -92,12 +92,14 @@ def live(service, session_id: str) -> list[set[int]]:
         return [set(kept_positions(store, i)) for i in range(store.num_layers)]
 
 
-def test_a_langgraph_agent_reuses_its_cache_and_keeps_its_tool_results(live_service):
+@pytest.mark.parametrize("turns", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_langgraph_agent_reuses_its_cache_and_keeps_its_tool_results(live_service, turns):
     url, service = live_service
-    messages = run_episode(url, "graph-pinned", KEEP_RESULTS)
+    questions = QUESTIONS[:turns]
+    messages = run_episode(url, f"graph-pinned-{turns}", KEEP_RESULTS, questions)
     replies = [m for m in messages if isinstance(m, AIMessage)]
     calls = [call["name"] for m in replies for call in m.tool_calls]
-    assert len(replies) == 2 * len(QUESTIONS) and len(calls) == len(QUESTIONS)
+    assert len(replies) == 2 * turns and len(calls) == turns
     assert set(calls) <= {t.name for t in TOOLS}
     cached = [m.usage_metadata["input_token_details"]["cache_read"] for m in replies]
     print("cached_tokens per model call:", cached)
@@ -105,10 +107,10 @@ def test_a_langgraph_agent_reuses_its_cache_and_keeps_its_tool_results(live_serv
     kv = replies[-1].response_metadata["kv"]
     assert kv["evicted_tokens"] > 0
     results = result_positions(service, messages)
-    assert len(results) > 30 * len(QUESTIONS)
-    assert all(results <= layer for layer in live(service, "graph-pinned"))
+    assert len(results) > 30 * turns
+    assert all(results <= layer for layer in live(service, f"graph-pinned-{turns}"))
 
     # the default rules pin only the latest tool result: an earlier one is evicted
-    unpinned = run_episode(url, "graph-unpinned", None)
+    unpinned = run_episode(url, f"graph-unpinned-{turns}", None, questions)
     earlier = result_positions(service, unpinned)
-    assert any(not earlier <= layer for layer in live(service, "graph-unpinned"))
+    assert any(not earlier <= layer for layer in live(service, f"graph-unpinned-{turns}"))
