@@ -8,10 +8,11 @@ Each session is an agent episode in progress: a system prompt and an observation
 `--history` tokens already in its cache (a first turn of one token, untimed), then a timed
 turn: a short user message and exactly `--reply` decoded tokens (end-of-turn ignored).
 Throughput is all the timed turns' decoded tokens over the wall time from their submission to
-the last one's end (prefill of the short messages included). The arriving turn is a new
-session with a `--history`-token prompt, sent when the N timed turns have decoded about a
-third of their tokens; its time to first token is measured from its submission (waiting
-included) to its first token, and compared with the same turn sent alone.
+the last one's end (prefill of the short messages included), with nothing else running. Then
+each session sends one more such turn, and when they have decoded about a third of their
+tokens a new session arrives with a `--history`-token prompt; its time to first token is
+measured from its submission (waiting included) to its first token, and compared with the
+same turn sent to the idle server.
 
     .venv/bin/python benchmarks/concurrent_sessions.py                  # 8 sessions, conf-kv
     .venv/bin/python benchmarks/concurrent_sessions.py --sessions 4 --reply 16 --compile
@@ -44,14 +45,14 @@ def observation(tokenizer, index: int, size: int) -> str:
     return tokenizer.decode(ids[start : start + size])
 
 
-def messages(tokenizer, index: int, size: int, reply: str | None = None) -> list[dict]:
-    """A session's conversation: the system prompt and an observation; with `reply` (the
-    model's reply to it, as the cache holds it), that reply and a short follow-up."""
+def messages(tokenizer, index: int, size: int, replies: list[str] = ()) -> list[dict]:
+    """A session's conversation: the system prompt and an observation, then each of the
+    model's `replies` so far (as the cache holds them), each followed by a short user turn."""
     history = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": observation(tokenizer, index, size)},
     ]
-    if reply is not None:
+    for reply in replies:
         history += [
             {"role": "assistant", "content": reply},
             {"role": "user", "content": "The page scrolled. What next?"},
@@ -70,64 +71,70 @@ def make_service(loaded, args, max_batch: int) -> ChatService:
 
 
 def run(loaded, args, max_batch: int) -> dict:
-    """One setting: N sessions' timed turns submitted together, and an arriving turn."""
+    """One setting: N sessions' timed turns submitted together (the throughput), then N
+    more with a turn arriving while they decode (its time to first token)."""
     service = make_service(loaded, args, max_batch)
     tokenizer = loaded.tokenizer
-    first_replies = []
+    replies: list[list[str]] = [[] for _ in range(args.sessions)]
     for i in range(args.sessions):  # each session's history, untimed
         turn = service.run(
             messages(tokenizer, i, args.history), SamplingParams(max_new_tokens=1),
             session_id=f"s{i}",
         )  # fmt: skip
-        first_replies.append(turn.reply.text)
+        replies[i].append(turn.reply.text)
     # the arriving turn alone first (its own session, then dropped)
     arriving = messages(tokenizer, args.sessions, args.history)
     alone = service.run(arriving, SamplingParams(max_new_tokens=1), session_id="alone")
     alone_ttft = alone.wait_s + alone.ttft_s
     service.sessions.drop("alone")
-    replies: dict[str, int] = {}
-    rebuilds: list[str] = []
     params = SamplingParams(max_new_tokens=args.reply)
+    decoded: list[int] = []
+    rebuilds: list[str] = []
 
     def timed(i: int) -> None:
-        conversation = messages(tokenizer, i, args.history, first_replies[i])
-        turn = service.run(conversation, params, session_id=f"s{i}")
-        replies[f"s{i}"] = len(turn.reply.token_ids)
+        turn = service.run(messages(tokenizer, i, args.history, replies[i]), params, f"s{i}")
+        replies[i].append(turn.reply.text)
+        decoded.append(len(turn.reply.token_ids))
         rebuilds.append(turn.sync.rebuild)
 
-    threads = [threading.Thread(target=timed, args=(i,)) for i in range(args.sessions)]
-    rows_before, steps_before = service.scheduler.rows, service.scheduler.steps
+    def start_turns() -> list[threading.Thread]:
+        threads = [threading.Thread(target=timed, args=(i,)) for i in range(args.sessions)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    scheduler = service.scheduler
+    rows_before, steps_before = scheduler.rows, scheduler.steps
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
+    for thread in start_turns():  # the throughput: the timed turns alone
+        thread.join()
+    wall = time.perf_counter() - started
+    steps = scheduler.steps - steps_before
+    mean_batch = (scheduler.rows - rows_before) / max(steps, 1)
+    tokens = sum(decoded)
+    threads = start_turns()  # the time to first token: a turn arrives while they decode
     arrival = {}
 
     def arrive() -> None:
-        sent = time.perf_counter()
         turn = service.run(arriving, SamplingParams(max_new_tokens=1), session_id="arriving")
         arrival["ttft"] = turn.wait_s + turn.ttft_s
-        arrival["submit_to_end"] = time.perf_counter() - sent
 
     arrival_thread = threading.Thread(target=arrive)
-    third = rows_before + args.sessions * args.reply // 3  # decode rows run so far
-    while all(t.is_alive() for t in threads) and service.scheduler.rows < third:
+    third = scheduler.rows + args.sessions * args.reply // 3  # decode rows run so far
+    while all(t.is_alive() for t in threads) and scheduler.rows < third:
         time.sleep(0.01)
     arrival_thread.start()
-    for thread in threads:
+    for thread in [*threads, arrival_thread]:
         thread.join()
-    wall = time.perf_counter() - started
-    arrival_thread.join()
-    scheduler = service.scheduler
-    steps = scheduler.steps - steps_before
-    service.scheduler.close()
-    assert rebuilds == ["none"] * args.sessions, rebuilds  # each turn extends its history
+    scheduler.close()
+    assert rebuilds == ["none"] * 2 * args.sessions, rebuilds  # each turn extends its history
     return {
         "step_ms": wall / steps * 1e3,
-        "tokens": sum(replies.values()),
+        "tokens": tokens,
         "wall": wall,
         "alone_ttft": alone_ttft,
         "loaded_ttft": arrival["ttft"],
-        "mean_batch": (scheduler.rows - rows_before) / max(steps, 1),
+        "mean_batch": mean_batch,
     }
 
 
