@@ -14,8 +14,10 @@ $(VENV)/.setup-stamp: pyproject.toml scripts/setup.sh
 run: setup
 	$(BIN)/agent-kv run-episode $(EPISODE_ARGS)
 
+# Two workers (pytest-xdist), each taking whole test files (a file's model, servers and browser
+# are set up once); the tests run torch on one thread, so two use both cores of a 2-core CI box.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
