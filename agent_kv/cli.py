@@ -310,10 +310,12 @@ def bench_command(
         int,
         typer.Option(
             min=1,
+            max=16,
             help="Episodes each worker runs at once on its one model (each with its own "
             "browser, all on the worker's sites): their forward calls are batched "
             "(continuous batching), so N episodes need one model in memory, not N. 1 runs "
-            "one episode at a time.",
+            "one episode at a time; at most 16 (each place opens its browser, a few hundred "
+            "MB, when the worker starts).",
         ),
     ] = 1,
     ray_address: Annotated[

@@ -637,6 +637,7 @@ def test_ray_address_is_checked_quickly():
         (["--policies", "lru"], "unknown policy 'lru'"),
         (["--workers", "0"], "--workers"),
         (["--episodes-per-engine", "0"], "--episodes-per-engine"),
+        (["--episodes-per-engine", "17"], "less than or equal to 16"),
         (["--ray-address", "head-node"], "--ray-address must be"),
     ],
 )
