@@ -67,9 +67,7 @@ class Engine:
     ):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if int8 is not None:
-            int8.validate()
-        check_policy_precision(policy, int8)
+        check_store_options(model, policy, int8, rerotate)
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -77,8 +75,6 @@ class Engine:
         self.store_options = {"int8": int8, "rerotate": rerotate}
         self.decode_graph = DecodeGraph(model) if compile else None
         self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
-        if rerotate:
-            Rotary.from_model(model)  # fail at configuration time for models without RoPE
         generation_config = getattr(model, "generation_config", None)
         candidates = [
             *_as_list(tokenizer.eos_token_id),
@@ -115,13 +111,10 @@ class Engine:
         Raises:
             ConfigError: the budget holds no token, or invalid policy or engine settings.
         """
-        shape = KVStore.for_model(model)
-        int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
-        policy = spec.build(shape.bytes_per_token(), int8_cost)
         return cls(
             model,
             tokenizer,
-            policy,
+            policy_from_spec(spec, model),
             prefill_chunk,
             spec.int8,
             rerotate=spec.rerotate,
@@ -545,6 +538,34 @@ class BatchGeneration:
     generations: list[Generation]
     store: KVStore
     steps: list[list[StepRecord]]
+
+
+def policy_from_spec(spec: PolicySpec, model: torch.nn.Module) -> Policy:
+    """The policy of `spec` for `model`: a byte budget becomes tokens at the model's FP cost
+    per token and, with INT8, its INT8 cost.
+
+    Raises:
+        ConfigError: the budget holds no token, or invalid policy settings.
+    """
+    shape = KVStore.for_model(model)
+    int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
+    return spec.build(shape.bytes_per_token(), int8_cost)
+
+
+def check_store_options(
+    model: torch.nn.Module, policy: Policy, int8: Int8Config | None, rerotate: bool
+) -> None:
+    """Check a sequence's store options against its policy and model, at configuration time.
+
+    Raises:
+        ConfigError: invalid `int8` settings, a policy that manages its own precision with
+            `int8`, or `rerotate` on a model without rotary embeddings.
+    """
+    if int8 is not None:
+        int8.validate()
+    check_policy_precision(policy, int8)
+    if rerotate:
+        Rotary.from_model(model)
 
 
 def _check_cancel(cancel: threading.Event | None) -> None:

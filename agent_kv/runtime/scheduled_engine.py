@@ -24,11 +24,11 @@ from functools import cached_property
 
 import torch
 
-from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.kv.rope import Rotary
-from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.batch_scheduler import BatchScheduler
+from agent_kv.runtime.engine import check_store_options, policy_from_spec
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.reply_decoding import Generation
 from agent_kv.runtime.sampling import SamplingParams
@@ -62,14 +62,10 @@ class ScheduledEngine:
         *,
         rerotate: bool = False,
     ):
-        if int8 is not None:
-            int8.validate()
-        check_policy_precision(policy, int8)
+        check_store_options(scheduler.engine.model, policy, int8, rerotate)
         self.scheduler = scheduler
         self.policy = policy
         self.store_options = {"int8": int8, "rerotate": rerotate}
-        if rerotate:
-            Rotary.from_model(self.model)  # fail at configuration time for models without RoPE
 
     @classmethod
     def from_spec(cls, spec: PolicySpec, scheduler: BatchScheduler) -> ScheduledEngine:
@@ -80,9 +76,7 @@ class ScheduledEngine:
         Raises:
             ConfigError: the budget holds no token, or invalid policy or store settings.
         """
-        shape = KVStore.for_model(scheduler.engine.model)
-        int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
-        policy = spec.build(shape.bytes_per_token(), int8_cost)
+        policy = policy_from_spec(spec, scheduler.engine.model)
         return cls(scheduler, policy, spec.int8, rerotate=spec.rerotate)
 
     @property
