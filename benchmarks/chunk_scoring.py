@@ -5,7 +5,7 @@ torch's fused attention and its attention mass (what the policies rank by) from 
 `SCORE_STRIDE`-th query, counted back from its last. This benchmark sets the stride in turn
 (1: every query; the chunk's length: its last query only, the least a mass can cost) and, in
 one process, interleaved, `--reps` times in a rotating order, prefills `--tokens` tokens of
-the Debian licence texts in `--chunk`-token chunks with the default model under h2o at
+the Debian licence texts in `--chunk`-token chunks with `--model` (smollm2-135m) under h2o at
 `--budget`. It prints the median prefill time per stride against the last-query-only
 baseline, and, per stride, how the kept heavy hitters (all layers, the recent window left
 out) fall across the prompt when the same prompt is prefilled in chunks of 512, 256 and 128:
@@ -70,8 +70,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--strides", default="1,2,4,8,16")
     parser.add_argument("--kept-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(args.model)
     ids = loaded.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
     ids = ids[: args.tokens]
     strides = [*map(int, args.strides.split(",")), args.chunk]  # the last: last query only

@@ -153,9 +153,15 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
     thread_setting.choose(args.threads)
-    loaded = load_model()
+    loaded = load_model(args.model)
     results = {}
     for label, max_batch in [("one at a time", 1), (f"{args.sessions} together", args.max_batch)]:
         results[label] = run(loaded, args, max_batch)

@@ -6,9 +6,10 @@ every setting then decodes the same predetermined tokens, one step each in turn 
 so machine noise falls on all of them alike), and the table gives the median step:
 - `hf`: the same weights through transformers' own path (`attn_implementation="sdpa"`, a
   `DynamicCache`), eager: the reference for "full KV";
-- `llama.cpp`: the bundled GGUF file (its own quantized weights, f16 KV cache) through
+- `llama.cpp`: the model's GGUF file (its own quantized weights, f16 KV cache) through
   llama-cpp-python at the same thread count, when installed (`.venv/bin/pip install
-  -e ".[decode-bench]"` builds it from source, a few minutes; the row is left out otherwise);
+  -e ".[decode-bench]"` builds it from source, a few minutes; the row is left out otherwise,
+  and for a `--model` directory);
 - `full`, `conf-kv`, `conf-kv+int8` (budget `--budget`, INT8 window 128): agent_kv's engine,
   `eager` (`Engine(compile=False)`) and `compiled` (`compile=True`: one `torch.compile`d
   graph per step, `agent_kv.runtime.decode_graph`).
@@ -41,9 +42,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
+from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import default_gguf_path, load_model
+from agent_kv.runtime.model_loading import load_model
 
 PREFILL_CHUNK = 512
 
@@ -109,18 +111,26 @@ def hf_setting(source, prompt: list[int]) -> Setting:
     return Setting("hf (sdpa, DynamicCache)", step, lambda: count_ops(lambda: step(5)), kv)
 
 
-def llama_cpp_setting(prompt: list[int], threads: int) -> Setting | None:
-    """llama.cpp on the bundled GGUF file, or None when llama-cpp-python is not installed."""
+def llama_cpp_setting(model: str, prompt: list[int], threads: int) -> Setting | None:
+    """llama.cpp on `model`'s GGUF file (a bundled model's, or a .gguf path), or None when
+    llama-cpp-python is not installed or `model` is a model directory."""
     if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    source = bundled_models.locate(model)
+    if isinstance(source, str):
+        gguf, weights = bundled_models.resolve(source), bundled_models.MODELS[source].quantisation
+    elif source.suffix.lower() == ".gguf":
+        gguf, weights = source, "GGUF"
+    else:
         return None
     from llama_cpp import Llama
 
     llm = Llama(
-        model_path=str(default_gguf_path()), n_ctx=len(prompt) + 512, n_threads=threads,
+        model_path=str(gguf), n_ctx=len(prompt) + 512, n_threads=threads,
         n_threads_batch=threads, n_batch=PREFILL_CHUNK, verbose=False,
     )  # fmt: skip
     llm.eval(prompt)
-    return Setting("llama.cpp (Q4_1 weights, f16 KV)", lambda token: llm.eval([token]))
+    return Setting(f"llama.cpp ({weights} weights, f16 KV)", lambda token: llm.eval([token]))
 
 
 def engine_settings(loaded, prompt: list[int], args) -> list[Setting]:
@@ -163,7 +173,7 @@ def run_length(loaded, length: int, args, settings_out: dict) -> list[Setting]:
     prompt = torch.randint(100, vocab, (length,), generator=generator).tolist()
     tokens = torch.randint(100, vocab, (args.steps,), generator=generator).tolist()
     settings = [hf_setting(loaded.source, prompt)]
-    native = llama_cpp_setting(prompt, torch.get_num_threads())
+    native = llama_cpp_setting(args.model, prompt, torch.get_num_threads())
     if native is not None:
         settings.append(native)
     settings += engine_settings(loaded, prompt, args)
@@ -238,10 +248,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads")
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
     thread_setting.choose(args.threads)
     torch._inductor.config.cpp.enable_kernel_profile = True  # fused kernels in the profile
-    loaded = load_model()
+    loaded = load_model(args.model)
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = read_bandwidth()
     print(

@@ -1,5 +1,5 @@
 """What grammar-constrained decoding costs per token, for the three maintained libraries,
-with the bundled model's tokenizer, on the action grammar of one observation.
+with `--model`'s tokenizer (smollm2-135m), on the action grammar of one observation.
 
     .venv/bin/pip install -e ".[grammar-bench]"   # xgrammar and outlines-core
     .venv/bin/python benchmarks/grammar_cost.py [--ids 120] [--repeats 5]
@@ -129,8 +129,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ids", type=int, default=120, help="element ids on the page")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(args.model)
     tokenizer = loaded.tokenizer
     vocab = loaded.model.config.vocab_size
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -110,8 +110,14 @@ def main() -> None:
     parser.add_argument("--fp-window", type=int, default=128)
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--text", help="a text file instead of the licence texts")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(args.model)
     ids = loaded.tokenizer(licence_text(args.text), add_special_tokens=False)["input_ids"]
     if len(ids) < max(args.tokens):
         parser.error(f"the text has {len(ids)} tokens, fewer than {max(args.tokens)}")

@@ -1,13 +1,13 @@
 """What recall costs: per turn against the turn's prefill, and per decode step.
 
 In one process, interleaved, `--reps` times in a rotating order, each setting prefills
-`--tokens` tokens of the Debian licence texts in 512-token chunks with the default model, then
-asks one more message (`--question`, a turn's prefill of its own) and decodes `--decode`
-tokens. The settings: the policy at `--budget` alone, with recall (`ColdRecall`, default
-settings: a recall at every multi-token call), and with recall at every decode token too
-(`every=1`). It prints, as medians, the prefill of the whole context and of the question
-turn, the seconds recall itself took inside each (`ColdTier.recall_s`) and its share, and the
-milliseconds per decode step, each against the policy alone.
+`--tokens` tokens of the Debian licence texts in 512-token chunks with `--model`
+(smollm2-135m), then asks one more message (`--question`, a turn's prefill of its own) and
+decodes `--decode` tokens. The settings: the policy at `--budget` alone, with recall
+(`ColdRecall`, default settings: a recall at every multi-token call), and with recall at every
+decode token too (`every=1`). It prints, as medians, the prefill of the whole context and of
+the question turn, the seconds recall itself took inside each (`ColdTier.recall_s`) and its
+share, and the milliseconds per decode step, each against the policy alone.
 
     AGENT_KV_THREADS=1 .venv/bin/python benchmarks/recall_cost.py [--tokens 8192] \
         [--budget 1024] [--policy h2o] [--decode 32] [--reps 3]
@@ -65,8 +65,14 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--question", default="\nWhat did the licence say about warranty? It")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(args.model)
     ids = loaded.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
     ids = ids[: args.tokens - 64]
     question = loaded.tokenizer(args.question, add_special_tokens=False)["input_ids"]

@@ -57,9 +57,15 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="default: the policy's own")
     parser.add_argument("--positions", choices=["original", "rerotate"], default="rerotate")
     parser.add_argument("--int8", action="store_true")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
 
-    loaded = load_model()
+    loaded = load_model(args.model)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,

@@ -1,9 +1,9 @@
-"""Torch threads under contention: prefill and decode time of the default model with 1 vs 2
-intra-op threads (and 2 with `OMP_WAIT_POLICY=PASSIVE`), on an idle machine and under load.
+"""Torch threads under contention: prefill and decode time of `--model` (smollm2-135m) with 1
+vs 2 intra-op threads (and 2 with `OMP_WAIT_POLICY=PASSIVE`), on an idle machine and under load.
 
 Each setting runs in its own worker process (libgomp reads the wait policy when it loads, so
 a setting cannot change inside one process), which sets its threads the way users get them
-(`$AGENT_KV_THREADS` read by `load_model`), loads the default model once and then, on each
+(`$AGENT_KV_THREADS` read by `load_model`), loads the model once and then, on each
 request, prefills `--prefill` tokens of the Debian licence texts in a fresh conf-kv session
 (`Engine`, default budgets, one chunk) and decodes `--decode` greedy tokens. The parent asks
 the workers in turn, one at a time, `--reps` times per phase in a rotating order (so drift
@@ -11,7 +11,8 @@ and order effects spread over every setting): first the idle phase, then the loa
 for which it starts `--load` busy-loop processes and kills them when the phase ends. It
 prints the medians, each setting against 1 thread in the same phase, and loaded against idle.
 
-    .venv/bin/python benchmarks/threads.py [--reps 5] [--load 2] [--prefill 500] [--decode 32]
+    .venv/bin/python benchmarks/threads.py [--reps 5] [--load 2] [--prefill 500] [--decode 32] \
+        [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ BASELINE = "1 thread"
 BUSY_LOOP = "while True: pass"
 
 
-def worker(prefill: int, decode: int) -> None:
+def worker(prefill: int, decode: int, model: str) -> None:
     """Serve measurement requests: one line on stdin -> one JSON line on stdout with
     `prefill_s` (seconds for the prefill) and `decode_ms` (milliseconds per decode step)."""
     import torch
@@ -44,7 +45,7 @@ def worker(prefill: int, decode: int) -> None:
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
 
-    loaded = load_model()
+    loaded = load_model(model)
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("conf-kv"), prefill_chunk=prefill)
     ids = loaded.tokenizer(licence_text(), add_special_tokens=False)["input_ids"][:prefill]
 
@@ -64,13 +65,13 @@ def worker(prefill: int, decode: int) -> None:
         print(json.dumps(measure()), flush=True)
 
 
-def start_workers(prefill: int, decode: int) -> dict[str, subprocess.Popen]:
+def start_workers(prefill: int, decode: int, model: str) -> dict[str, subprocess.Popen]:
     """One worker per setting, started one after another (each loads the model alone)."""
     workers = {}
     for name, env in SETTINGS.items():
         proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", "--prefill", str(prefill)]
-            + ["--decode", str(decode)],
+            + ["--decode", str(decode), "--model", model],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -132,12 +133,18 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes when loaded")
     parser.add_argument("--prefill", type=int, default=500, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=32, help="greedy decode steps")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.prefill, args.decode)
+        worker(args.prefill, args.decode, args.model)
         return
-    workers = start_workers(args.prefill, args.decode)
+    workers = start_workers(args.prefill, args.decode, args.model)
     busy: list[subprocess.Popen] = []
     try:
         print(f"idle phase, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)

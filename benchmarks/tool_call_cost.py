@@ -1,5 +1,5 @@
 """What a tool call's grammar costs, next to the decode step it constrains, measured side by
-side in one run with the bundled model.
+side in one run with `--model` (smollm2-135m).
 
     .venv/bin/python benchmarks/tool_call_cost.py [--tools 2] [--repeats 5]
 
@@ -47,8 +47,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of the documented figures)",
+    )
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(args.model)
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"))
     offered = tools(args.tools)
     call = ToolCall("call_0", "tool_0", '{"city": "Oslo", "days": 2, "units": "metric"}')

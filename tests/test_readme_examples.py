@@ -1,6 +1,6 @@
 """The Python examples of the README's "Use it from your code" section, run as written: the
-in-process one on the default model, the server ones against a live server (the README's
-`http://127.0.0.1:8000` replaced by its URL), the harness one in Chromium."""
+in-process one on SmolLM2-135M (the model it names), the server ones against a live server
+(the README's `http://127.0.0.1:8000` replaced by its URL), the harness one in Chromium."""
 
 from __future__ import annotations
 

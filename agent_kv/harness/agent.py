@@ -26,6 +26,7 @@ from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.weight_formats import weight_format
 from envs.actions import ActionParseError
 from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate
@@ -74,6 +75,8 @@ class AgentConfig:
 class EpisodeResult:
     """What one episode produced; `summary()` is the JSON the CLI prints.
 
+    `model` is the model's name and `weights` its weight format (`--weights`).
+
     KV memory comes in pairs, allocated first (the headline: what the process holds) and
     live beside it:
 
@@ -96,6 +99,7 @@ class EpisodeResult:
     policy: str
     policy_params: dict[str, Any]
     model: str
+    weights: str
     success: bool
     score: float
     eval_details: dict[str, Any]
@@ -268,6 +272,7 @@ def run_episode(
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         model=model_name,
+        weights=weight_format(engine.model),
         success=score == 1.0,
         score=score,
         eval_details=details,

@@ -82,7 +82,9 @@ from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 from envs.actions import ACTION_FORMATS
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
@@ -91,6 +93,11 @@ SUMMARY = "summary.md"
 PLOT = "success_vs_memory.png"
 AGREEMENT_PLOT = "agreement_vs_memory.png"
 SETTINGS = "settings.json"
+LEGACY_SETTINGS = {"weights": "fp32"}
+"""Settings whose default changed since they were added: a sweep recorded before the setting
+existed ran with these values."""
+LEGACY_DEFAULT_MODEL = "smollm2-135m"
+"""The default model of sweeps recorded with `model: null` (before models had names)."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,8 @@ class BenchSettings:
         max_steps: actions before an episode is cut off.
         max_obs_tokens: observation text cap in tokens.
         prefill_chunk: tokens per prefill forward call.
-        model: model directory or .gguf file, None for the bundled default.
+        model: a bundled model's name, a model directory or a .gguf file; None stands for
+            the default bundled model (`bundled_models.DEFAULT_MODEL`), recorded by its name.
         reference_accuracy: also replay each task's reference actions (see the module
             docstring); tasks without reference actions get none.
         observation: the browser's observation mode (`envs.browser_env.OBSERVATION_MODES`).
@@ -173,6 +181,7 @@ class BenchSettings:
             `Engine`. Success and memory do not depend on it; the time figures (decode
             tokens/s, seconds per step) are per episode while the model is shared, so it is
             recorded with the sweep like the other settings.
+        weights: the model's weight format (`agent_kv.runtime.weight_formats`).
     """
 
     max_steps: int = 6
@@ -186,8 +195,11 @@ class BenchSettings:
     mode: str = "free"
     positions: str = "original"
     episodes_per_engine: int = 1
+    weights: str = DEFAULT_WEIGHTS
 
     def __post_init__(self) -> None:
+        self.model = self.model or bundled_models.DEFAULT_MODEL  # recorded by name
+        check_weight_format(self.weights)
         if self.episodes_per_engine < 1:
             raise ValueError(f"episodes_per_engine must be >= 1, got {self.episodes_per_engine}")
 
@@ -437,7 +449,13 @@ def _check_settings(out: Path, settings: BenchSettings) -> None:
     current = dataclasses.asdict(settings)
     if path.exists():
         # a setting added since the sweep was recorded had its default then
-        recorded = {**dataclasses.asdict(BenchSettings()), **json.loads(path.read_text("utf-8"))}
+        recorded = {
+            **dataclasses.asdict(BenchSettings()),
+            **LEGACY_SETTINGS,
+            **json.loads(path.read_text("utf-8")),
+        }
+        if recorded["model"] is None:
+            recorded["model"] = LEGACY_DEFAULT_MODEL
         changed = sorted(key for key in current if recorded.get(key) != current[key])
         if changed:
             diffs = ", ".join(f"{k} {recorded.get(k)!r} -> {current[k]!r}" for k in changed)
@@ -1404,7 +1422,7 @@ class EpisodeRunner:
             self._servers = SiteServers(sorted(wanted))
             self._sites = wanted
         if self._loaded is None:
-            self._loaded = load_model(self.settings.model)
+            self._loaded = load_model(self.settings.model, self.settings.weights)
         if self._scheduler is None and self.settings.episodes_per_engine > 1:
             from agent_kv.kv.policies import make_policy
             from agent_kv.runtime.batch_scheduler import BatchScheduler

@@ -40,6 +40,7 @@ from agent_kv.harness.agent import AgentConfig, add_observation, open_conversati
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.weight_formats import weight_format
 from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
 from envs.observation import main_content
@@ -193,6 +194,7 @@ class RecallRecord:
         policy: the policy's name; policy_params its settings.
         positions: "original" or "rerotate".
         model: the model's name.
+        weights: its weight format (`--weights`).
         format: the `RecallFormat` name.
         error: why the task could not be answered (e.g. the context overflowed), or None.
         wall_s: seconds for the task.
@@ -216,6 +218,7 @@ class RecallRecord:
     policy_params: dict[str, Any]
     positions: str
     model: str
+    weights: str
     format: str
     error: str | None
     wall_s: float
@@ -304,6 +307,7 @@ def run_recall_task(
         policy_params=engine.policy.params(),
         positions=store.positions_mode,
         model=model_name,
+        weights=weight_format(engine.model),
         format=fmt.name,
         error=error,
         wall_s=round(time.perf_counter() - started, 2),

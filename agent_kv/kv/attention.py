@@ -104,7 +104,8 @@ def store_attention(
         s_aux: gpt-oss's sink logits `[Hq]`, or None.
 
     Returns:
-        `(out [R, q, Hq, D], None)`.
+        `(out [R, q, Hq, D], None)`, in `query`'s dtype; the attention itself runs in the
+        store's dtype (float32 under bfloat16 weights: `KV_DTYPE_ATTRIBUTE`).
 
     Raises:
         ValueError: no `kv_store`, an explicit attention mask, dropout, or a `sliding_window`
@@ -128,6 +129,12 @@ def store_attention(
         return torch.cat(outs, dim=1), None
     call = kv_store
     store = call.store
+    if query.dtype != store.dtype:  # bfloat16 weights over a float32 cache: compute in its dtype
+        widened = [t.to(store.dtype) for t in (query, key, value)]
+        if s_aux is not None:
+            features["s_aux"] = s_aux.to(store.dtype)
+        out, _ = store_attention(module, *widened, None, scaling, kv_store=call, **features)
+        return out.to(query.dtype), None
     layer = module.layer_idx
     if sliding_window != store.windows[layer]:
         raise ValueError(

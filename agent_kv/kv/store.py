@@ -62,6 +62,10 @@ from kernels.formats import QUANT_FORMATS, QuantFormat, format_name
 from kernels.int8 import SCALE_DTYPE, dequantize
 from kernels.reference import apply_rotation
 
+KV_DTYPE_ATTRIBUTE = "agent_kv_kv_dtype"
+"""A model whose KV cache is stored in another dtype than its weights' (bfloat16 weights, a
+float32 cache: `agent_kv.runtime.weight_formats`) carries that dtype as this attribute;
+`KVStore.for_model` stores in it, and the attention function computes in it."""
 CAPACITY_STEP = 256
 """Tokens; a store without a bound grows its FP and quantized segments to multiples of this,
 by doubling."""
@@ -395,6 +399,7 @@ class KVStore:
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
         """A store shaped for a transformers causal LM (reads `model.config`, its sliding-window
         layers included: `agent_kv.kv.layer_windows`); `rerotate` selects in-cache positions.
+        Its dtype is the model's `KV_DTYPE_ATTRIBUTE` when set, else its weights' dtype.
 
         Raises:
             ConfigError: `rerotate` for a model without one RoPE for all layers, or a model
@@ -404,7 +409,7 @@ class KVStore:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         param = next(model.parameters())
-        kwargs.setdefault("dtype", param.dtype)
+        kwargs.setdefault("dtype", getattr(model, KV_DTYPE_ATTRIBUTE, param.dtype))
         kwargs.setdefault("device", param.device)
         if rerotate:
             kwargs["rotary"] = Rotary.from_model(model)

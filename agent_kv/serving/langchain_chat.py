@@ -182,29 +182,33 @@ class ChatAgentKV(BaseChatModel):
         model_path: str | os.PathLike | None = None,
         policy: str = "conf-kv",
         budget: int | None = None,
+        weights: str | None = None,
         **fields: Any,
     ) -> ChatAgentKV:
         """An in-process model over a freshly loaded model (torch's CPU threads set as
         `load_model` sets them: `$AGENT_KV_THREADS`, default 1).
 
         Args:
-            model_path: a Hugging Face model directory or a `.gguf` file; None for the
-                bundled SmolLM2-135M-Instruct (`load_model`).
+            model_path: a bundled model's name, a Hugging Face model directory or a `.gguf`
+                file; None for the default bundled model (`load_model`).
             policy: the KV policy's name (`agent_kv.kv.policies.POLICIES`).
             budget: unpinned tokens per layer (`make_policy`); None for the policy's default.
+            weights: the weight format (`agent_kv.runtime.weight_formats`); None for the
+                default.
             **fields: further fields (`session_id`, `max_tokens`, ...).
 
         Raises:
-            ConfigError: an unknown policy, an invalid budget or `$AGENT_KV_THREADS` (before
-                the model loads).
+            ConfigError: an unknown policy, an invalid budget, weight format or
+                `$AGENT_KV_THREADS` (before the model loads).
             ModelNotFoundError: the model cannot be loaded.
         """
         from agent_kv.kv.policies import make_policy
         from agent_kv.runtime.engine import Engine
         from agent_kv.runtime.model_loading import load_model
+        from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS
 
         kv_policy = make_policy(policy, budget=budget)
-        loaded = load_model(model_path)
+        loaded = load_model(model_path, weights or DEFAULT_WEIGHTS)
         engine = Engine(loaded.model, loaded.tokenizer, kv_policy)
         return cls(service=ChatService(engine), model_name=loaded.name, **fields)
 
