@@ -28,7 +28,7 @@ from agent_kv.runtime.model_loading import LoadedModel, load_model  # noqa: E402
 def smollm() -> LoadedModel:
     """The bundled SmolLM2-135M-Instruct (`smollm2-135m`, fp32, CPU), attention through the KV
     store: named, not the default model, so the suite stays on the small model."""
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", weights="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -824,7 +824,7 @@ def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smoll
     (`force_reply` through the scheduler: `test_scheduled_engine.py`) keep it quick."""
     import agent_kv.runtime.model_loading as model_loading
 
-    monkeypatch.setattr(model_loading, "load_model", lambda model=None: smollm)
+    monkeypatch.setattr(model_loading, "load_model", lambda model=None, weights=None: smollm)
     threads_seen: set[str] = set()
     hook = smollm.model.register_forward_pre_hook(
         lambda module, args: threads_seen.add(threading.current_thread().name)

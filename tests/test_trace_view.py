@@ -341,7 +341,8 @@ def test_html_trace_from_a_real_one_step_episode(tmp_path: Path):
     summary = _run(
         load_task(1),
         PolicySpec.parse("window", 256, None),
-        None,
+        "smollm2-135m",
+        "fp32",
         AgentConfig(max_steps=1),
         512,
         "som",
