@@ -249,8 +249,9 @@ def main() -> None:
     args = parser.parse_args()
     args.lengths = sorted(args.lengths)
     thread_setting.choose(args.threads)
+    threads = thread_setting.apply()  # before any row is built: llama.cpp takes the same count
     print(
-        f"model {args.model}; {torch.get_num_threads()} thread(s); CPU capability "
+        f"model {args.model}; {threads} thread(s); CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}",
         flush=True,
     )

@@ -1,7 +1,7 @@
 """Run the recall suite under one policy and format and print full success per k.
 
     AGENT_KV_THREADS=1 .venv/bin/python scripts/recall_calibrate.py --format notes \
-        --out runs/recall/notes [--tasks 401,402] [--max-k 3] [--model DIR] \
+        --out runs/recall/notes [--tasks 401,402] [--max-k 3] [--model DIR] [--weights fp32] \
         [--policy window --budget 1024 --rerotate]
 
 Each task's trace and `results.jsonl` go under `--out` (see `agent_kv.harness.recall`). Under
@@ -17,6 +17,7 @@ from agent_kv.harness.recall import FORMATS, SUITE, format_by_k, run_recall
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import load_suite
@@ -36,6 +37,9 @@ def main() -> None:
         help="a bundled model, a model directory or a .gguf file (default: smollm2-135m, the "
         "model of tasks/README.md's figures)",
     )
+    parser.add_argument(
+        "--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS, help="--weights (fp16)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     wanted = {int(i) for i in args.tasks.split(",") if i}
@@ -47,7 +51,7 @@ def main() -> None:
     ]
     positions = "rerotate" if args.rerotate else "original"
     spec = PolicySpec.parse(args.policy, args.budget, None, positions=positions)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.weights)
 
     def engine() -> Engine:
         return Engine.from_spec(spec, loaded.model, loaded.tokenizer)

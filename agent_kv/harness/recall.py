@@ -57,45 +57,59 @@ NOTE = re.compile(r"^note \[(?P<note>[^\]]*)\]\s*")
 [...]` (the env's parser skips the prose before the action)."""
 
 _GOALS = (
-    "Find the price of the Red chair, then open the Furniture and Phones categories. "
-    "Answer with the Red chair's price.",
     "Find out who sells the Green lamp, then open the Phones and Books categories. "
     "Answer with the Green lamp's seller.",
+    "Find the rating of the Grey kettle, then open the Garden category. "
+    "Answer with the Grey kettle's rating.",
+    "Find the price of the Red chair, then open the Furniture and Phones categories. "
+    "Answer with the Red chair's price.",
 )
 NOTE_FEW_SHOT = (
     (
-        "Page:\n[5] heading 'Red chair'\n[8] StaticText 'Price: $45'\n[9] link 'Furniture'\n"
-        f"Goal: {_GOALS[0]}",
-        "note [Red chair: $45]\nclick [9]",
-    ),
-    (
-        "Page:\n[2] heading 'Furniture'\n[4] link 'Oak table - $90'\n"
-        f"[6] link 'Blue sofa - $300'\n[7] link 'Phones'\nGoal: {_GOALS[0]}",
-        "click [7]",
-    ),
-    (
-        "Page:\n[3] heading 'Phones'\n[8] link 'Black phone - $150'\n"
-        f"[9] link 'Grey phone - $95'\nGoal: {_GOALS[0]}",
-        "stop [Red chair: $45]",
-    ),
-    (
         "Page:\n[4] heading 'Green lamp'\n[6] StaticText 'Seller: '\n[7] link 'Ann Lee'\n"
-        f"[12] link 'Phones'\nGoal: {_GOALS[1]}",
+        f"[12] link 'Phones'\nGoal: {_GOALS[0]}",
         "note [Green lamp seller: Ann Lee]\nclick [12]",
     ),
     (
         "Page:\n[3] heading 'Phones'\n[8] link 'Black phone - $150'\n[10] link 'Books'\n"
-        f"Goal: {_GOALS[1]}",
+        f"Goal: {_GOALS[0]}",
         "click [10]",
     ),
     (
         "Page:\n[2] heading 'Books'\n[5] link 'Old atlas - $12'\n"
-        f"[6] StaticText 'Seller: Bo Park'\nGoal: {_GOALS[1]}",
+        f"[6] StaticText 'Seller: Bo Park'\nGoal: {_GOALS[0]}",
         "stop [Green lamp seller: Ann Lee]",
+    ),
+    (
+        "Page:\n[6] heading 'Grey kettle'\n[8] StaticText 'Price: $22'\n"
+        f"[9] StaticText 'Rating: 3.9 out of 5'\n[11] link 'Garden'\nGoal: {_GOALS[1]}",
+        "note [Grey kettle rating: 3.9]\nclick [11]",
+    ),
+    (
+        "Page:\n[2] heading 'Garden'\n[5] link 'Clay pot - $9'\n"
+        f"[6] StaticText 'Rating: 4.6 out of 5'\nGoal: {_GOALS[1]}",
+        "stop [Grey kettle rating: 3.9]",
+    ),
+    (
+        "Page:\n[5] heading 'Red chair'\n[8] StaticText 'Price: $45'\n[9] link 'Furniture'\n"
+        f"Goal: {_GOALS[2]}",
+        "note [Red chair: $45]\nclick [9]",
+    ),
+    (
+        "Page:\n[2] heading 'Furniture'\n[4] link 'Oak table - $90'\n"
+        f"[6] link 'Blue sofa - $300'\n[7] link 'Phones'\nGoal: {_GOALS[2]}",
+        "click [7]",
+    ),
+    (
+        "Page:\n[3] heading 'Phones'\n[8] link 'Black phone - $150'\n"
+        f"[9] link 'Grey phone - $95'\nGoal: {_GOALS[2]}",
+        "stop [Red chair: $45]",
     ),
 )
 """Example episodes of the note convention: the agent notes the fact where it finds it, goes
-on two pages, and answers with the note (two examples: a price, a seller)."""
+on one or two pages, and answers with the note (three examples: a seller, a rating, a price;
+the price last and an attribute other than price first, calibrated for the default model:
+tasks/README.md, "The recall suite")."""
 
 
 @dataclass(frozen=True)
