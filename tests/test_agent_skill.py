@@ -6,6 +6,7 @@ whose answers no test relies on. One model per process: this file loads only the
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
@@ -74,17 +75,19 @@ def test_full_kv_recalls_its_note(default_model, env, tmp_path, ids):
         assert record.full_kv_bytes == record.peak_kv_bytes  # full KV evicts nothing
         assert (record.policy, record.positions, record.format) == ("full", "original", "notes")
         assert record.weights == default_model.weights
-    by_k = success_by_k(records)
-    assert {k: row["solved"] for k, row in by_k.items()} == {
-        k: sum(1 for r in records if r.k == k) for k in by_k
+    per_k = Counter(task.horizon for task in tasks)
+    assert [r.k for r in records] == [task.horizon for task in tasks]
+    assert success_by_k(records) == {
+        k: {"tasks": n, "solved": n, "errors": 0} for k, n in per_k.items()
     }
-    assert f"| 1 | {by_k[1]['tasks']} | {by_k[1]['solved']} | 0 |" in format_by_k(records)
+    assert f"| 1 | {per_k[1]} | {per_k[1]} | 0 |" in format_by_k(records)
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert [json.loads(line)["task_id"] for line in lines] == ids
     task, (shown, last_url) = tasks[0], TRACED[ids[0]]
     trace = json.loads((tmp_path / f"task{task.task_id}" / TRACE_JSON).read_text())
     first, last = trace["pages"][0], trace["pages"][-1]
-    assert shown in first["observation"]
+    start_path = task.start_url.split("__", 2)[2]  # "__SHOPPING__/product/91"
+    assert first["url"].endswith(start_path) and shown in first["observation"]
     note = NOTE.match(task.reference_actions[0])["note"]
     assert re.fullmatch(rf"note \[{re.escape(note)}\]\nclick \[\d+\]", first["action"])
     assert last["url"].endswith(last_url) and "action" not in last
