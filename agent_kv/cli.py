@@ -43,6 +43,14 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+ModeOption = Annotated[
+    str,
+    typer.Option(
+        help="free (the agent navigates: every step its own action) or scripted "
+        "(scripted navigation, free answer: a recall task's reference actions are "
+        "replayed into the cache and the model gives only the final stop [answer])."
+    ),
+]
 PolicyOption = Annotated[
     str,
     typer.Option(
@@ -183,6 +191,7 @@ def _root() -> None:
 @app.command("run-episode")
 def run_episode_command(
     task: Annotated[str, typer.Option(help="Bundled task id, or a path to a task JSON file.")],
+    mode: ModeOption = "free",
     policy: PolicyOption = "conf-kv",
     budget: BudgetOption = None,
     budget_bytes: BudgetBytesOption = None,
@@ -215,7 +224,10 @@ def run_episode_command(
     try:
         thread_setting.choose(threads)
         _check_agent(agent)
+        _check_mode(mode)
         task_obj = load_task(task)
+        if mode == "scripted":
+            _check_scripted(task_obj, agent)
         bundled_models.locate(model)
         check_weight_format(weights)
         check_observation_mode(observation)
@@ -234,7 +246,7 @@ def run_episode_command(
             max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain, agent=agent
         )
         summary = _run(
-            task_obj, spec, model, weights, config, prefill_chunk, observation, out, compile
+            task_obj, mode, spec, model, weights, config, prefill_chunk, observation, out, compile
         )
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
@@ -243,6 +255,25 @@ def run_episode_command(
 
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `serve --api-key` when the option is not given."""
+
+
+def _check_mode(mode: str) -> None:
+    """Raises ConfigError for a `--mode` other than `harness.bench.MODES` (free, scripted)."""
+    from agent_kv.harness.bench import MODES
+
+    if mode not in MODES:
+        raise ConfigError(f"--mode must be {' or '.join(MODES)}, got {mode!r}")
+
+
+def _check_scripted(task, agent: str) -> None:
+    """Raises ConfigError when `task` cannot run with `--mode scripted`: it has no reference
+    actions to replay, or `agent` is not text (the scripted answer is a text action)."""
+    if agent != "text":
+        raise ConfigError("--mode scripted answers as text: it takes --agent text only")
+    if not task.reference_actions:
+        raise ConfigError(
+            f"--mode scripted replays a task's reference actions; task {task.task_id} has none"
+        )
 
 
 def _check_agent(agent: str, option: str = "--agent") -> None:
@@ -270,6 +301,11 @@ def _print_step(record: dict) -> None:
     )
 
 
+def _print_page(number: int, pages: int) -> None:
+    """One progress line per scripted page on stderr."""
+    typer.echo(f"page {number} of {pages} enters the cache", err=True)
+
+
 def _writable_dir(path: Path) -> None:
     """Create `path` (and parents) or raise AgentKVError saying why it cannot be."""
     try:
@@ -279,9 +315,11 @@ def _writable_dir(path: Path) -> None:
 
 
 def _run(
-    task, spec: PolicySpec, model_path, weights, config, prefill_chunk, observation, out, compile
-) -> dict:
+    task, mode, spec: PolicySpec, model_path, weights, config, prefill_chunk, observation, out,
+    compile,
+) -> dict:  # fmt: skip
     from agent_kv.harness.agent import run_episode
+    from agent_kv.harness.recall import scripted_episode
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
     from envs.browser_env import BrowserEnv
@@ -302,6 +340,10 @@ def _run(
         )
         compile = _compile_default(compile, loaded.model, serving=False)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk, compile)
+        if mode == "scripted":
+            return scripted_episode(
+                task, engine, env, trace_dir, loaded.name, config.max_obs_tokens, _print_page
+            )
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
 
@@ -374,14 +416,7 @@ def bench_command(
             "text (actions as text) and/or tools (actions as tool calls)."
         ),
     ] = "text",
-    mode: Annotated[
-        str,
-        typer.Option(
-            help="free (the agent navigates: every step its own action) or scripted "
-            "(scripted navigation, free answer: a recall task's reference actions are "
-            "replayed into the cache and the model gives only the final stop [answer])."
-        ),
-    ] = "free",
+    mode: ModeOption = "free",
     positions: PositionsOption = "original",
     agreement: Annotated[
         bool,
@@ -419,8 +454,7 @@ def bench_command(
             raise ConfigError(
                 f"--budgets must be comma-separated integers, got {budgets!r}"
             ) from None
-        if mode not in bench.MODES:
-            raise ConfigError(f"--mode must be free or scripted, got {mode!r}")
+        _check_mode(mode)
         agent_list = bench.parse_list(agents, "--agents")
         for agent in agent_list:
             _check_agent(agent, "--agents")

@@ -80,6 +80,37 @@ def test_episode_with_int8_rerotate_and_set_of_marks(tmp_path: Path):
     assert summary["peak_kv_live_bytes"] < summary["full_kv_live_bytes"]
 
 
+@pytest.mark.browser
+@pytest.mark.model
+def test_scripted_episode_evicts_and_holds_less_than_full_kv(tmp_path: Path):
+    proc = run_cli(
+        "run-episode", "--task", "413", "--mode", "scripted", "--budget", "160",
+        "--model", "smollm2-135m", "--weights", "fp32", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "page 1 of 2 enters the cache" in proc.stderr
+    assert "page 2 of 2 enters the cache" in proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["task_id"] == 413 and summary["k"] == 1 and summary["format"] == "notes"
+    assert summary["policy"] == "conf-kv" and summary["policy_params"]["n_low"] == 160
+    assert summary["end_reason"] == "stop" and summary["steps"] == 1 and summary["error"] is None
+    assert summary["success"] == (summary["score"] == 1.0)
+    assert summary["reply"].startswith("stop [")
+    # the first page, released when the second arrives, is past the budget: evicted
+    assert summary["evicted_tokens"] > 0
+    full_live = summary["history_tokens"] * 30 * 2 * 3 * 64 * 4
+    assert summary["peak_kv_live_bytes"] < full_live <= summary["full_kv_bytes"]
+    assert summary["peak_kv_bytes"] < summary["full_kv_bytes"]
+    assert summary["kv_reduction_vs_full"] == round(
+        summary["full_kv_bytes"] / summary["peak_kv_bytes"], 3
+    )
+    trace = json.loads((Path(summary["trace_dir"]) / "recall.json").read_text())
+    assert [page["url"].split("/", 3)[-1] for page in trace["pages"]] == [
+        "product/91", "category/books",
+    ]  # fmt: skip
+    assert trace["record"]["evicted_tokens"] == summary["evicted_tokens"]
+
+
 def assert_one_line_error(proc, *needles: str) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -107,6 +138,14 @@ def test_malformed_task_file(tmp_path):
     assert_one_line_error(
         run_cli("run-episode", "--task", str(missing_field)), "missing.json", "task 5"
     )
+
+
+def test_scripted_mode_needs_reference_actions(tmp_path):
+    task = json.loads(Path("tasks/classifieds/1.json").read_text()) | {"reference_actions": []}
+    unscripted = tmp_path / "unscripted.json"
+    unscripted.write_text(json.dumps(task))
+    proc = run_cli("run-episode", "--task", str(unscripted), "--mode", "scripted")
+    assert_one_line_error(proc, "--mode scripted replays", "task 1 has none")
 
 
 def test_missing_chromium(tmp_path):
@@ -196,6 +235,11 @@ whether torch was imported."""
             ["bench", "--tasks", "recall", "--out", "unused", "--mode", "scripted"]
             + ["--agents", "tools"],
             "takes --agents text only",
+        ),
+        (["run-episode", "--task", "401", "--mode", "replay"], "--mode must be free or scripted"),
+        (
+            ["run-episode", "--task", "401", "--mode", "scripted", "--agent", "tools"],
+            "takes --agent text only",
         ),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
         (["serve", "--session-bytes", "60XB"], "60XB"),

@@ -340,6 +340,7 @@ def test_html_trace_from_a_real_one_step_episode(tmp_path: Path):
 
     summary = _run(
         load_task(1),
+        "free",
         PolicySpec.parse("window", 256, None),
         "smollm2-135m",
         "fp32",

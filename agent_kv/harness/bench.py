@@ -1523,25 +1523,21 @@ class EpisodeRunner:
         return summary
 
     def _recall(self, task: Task, engine, browser: _Browser, trace_dir: Path, model: str, on_step):
-        """A recall task's record: scripted navigation, free answer (`run_recall_task`),
-        in the episode records' terms (`end_reason` "stop", or "error" with the error)."""
-        from agent_kv.harness.recall import DEFAULT_FORMAT, run_recall_task
+        """A recall task's record: scripted navigation, free answer (`scripted_episode`)."""
+        from agent_kv.harness.recall import scripted_episode
 
-        fmt = dataclasses.replace(DEFAULT_FORMAT, max_obs_tokens=self.settings.max_obs_tokens)
         steps = self.settings.max_steps
 
         def on_page(number: int, pages: int) -> None:
             on_step(math.ceil(number * steps / pages))
 
         env = browser.open(self._servers, self._observation)
+        obs_tokens = self.settings.max_obs_tokens
         try:
-            record = run_recall_task(task, engine, env, trace_dir, model, fmt, on_page=on_page)
+            return scripted_episode(task, engine, env, trace_dir, model, obs_tokens, on_page)
         except BaseException:
             browser.drop()
             raise
-        record = dataclasses.asdict(record)
-        failed = record["error"] is not None
-        return {**record, "end_reason": "error" if failed else "stop", "steps": 1}
 
     def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
         """The agreement fields of `agreement_summary` for `engine` against the full-KV

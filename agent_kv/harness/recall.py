@@ -30,7 +30,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,7 @@ class RecallRecord:
         peak_kv_live_bytes: the most live KV bytes (`KVStore.peak_bytes`).
         full_kv_bytes: what a full KV cache of the tokens seen would allocate.
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
+        evicted_tokens: tokens the policy evicted (`KVStore.evicted_tokens`).
         policy: the policy's name; policy_params its settings.
         positions: "original" or "rerotate".
         model: the model's name.
@@ -228,6 +229,7 @@ class RecallRecord:
     peak_kv_live_bytes: int
     full_kv_bytes: int
     peak_cold_kv_bytes: int
+    evicted_tokens: int
     policy: str
     policy_params: dict[str, Any]
     positions: str
@@ -317,6 +319,7 @@ def run_recall_task(
         peak_kv_live_bytes=store.peak_bytes,
         full_kv_bytes=store.full_kv_allocated_nbytes(),
         peak_cold_kv_bytes=store.peak_cold_bytes,
+        evicted_tokens=store.evicted_tokens,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         positions=store.positions_mode,
@@ -375,6 +378,38 @@ def run_recall(
             if on_record is not None:
                 on_record(record)
     return records
+
+
+def scripted_episode(
+    task: Task,
+    engine: Engine,
+    env: BrowserEnv,
+    trace_dir: Path,
+    model_name: str,
+    max_obs_tokens: int,
+    on_page: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """One recall task as an episode of `run-episode --mode scripted` and of a scripted
+    sweep: `run_recall_task` in the default format with pages truncated to `max_obs_tokens`,
+    returned as `episode_summary` of its record. Raises what `run_recall_task` raises."""
+    fmt = replace(DEFAULT_FORMAT, max_obs_tokens=max_obs_tokens)
+    record = run_recall_task(task, engine, env, trace_dir, model_name, fmt, on_page=on_page)
+    return episode_summary(record)
+
+
+def episode_summary(record: RecallRecord) -> dict[str, Any]:
+    """`record` in the terms of a free episode's summary (`EpisodeResult.summary`): its
+    fields, plus `end_reason` ("stop", or "error" with `error` saying why), `steps` (1: the
+    one free decision) and `kv_reduction_vs_full` (full KV's allocated bytes over the peak
+    allocated)."""
+    failed = record.error is not None
+    reduction = record.full_kv_bytes / record.peak_kv_bytes if record.peak_kv_bytes else None
+    return {
+        **asdict(record),
+        "end_reason": "error" if failed else "stop",
+        "steps": 1,
+        "kv_reduction_vs_full": None if reduction is None else round(reduction, 3),
+    }
 
 
 def success_by_k(records: Iterable[RecallRecord]) -> dict[int, dict[str, int]]:
