@@ -1,8 +1,11 @@
 # The README's two commands are `make run` and `make test`; both set up a fresh machine first.
 VENV   := .venv
 BIN    := $(VENV)/bin
-TASK   ?= 1
-EPISODE_ARGS ?= --task $(TASK) --policy conf-kv --out runs/readme
+# The main job: a recall task (scripted navigation, free answer) whose first page passes
+# CONF-KV's budget, so the cache evicts while the agent answers from it (README, "Two commands").
+TASK   ?= 424
+EPISODE_ARGS ?= --task $(TASK) --mode scripted --policy conf-kv --budget 160 --prefill-chunk 128 \
+	--out runs/readme
 
 .PHONY: setup run test lint
 setup: $(VENV)/.setup-stamp

@@ -1,12 +1,15 @@
-"""What depends on the default model's skill (`qwen2.5-coder-0.5b`, default weights): recall
-of its own note one page back under full KV, at a quick size (two tasks); the full size
-(three tasks, one of them two pages back) is `slow`. The rest of the suite runs SmolLM2-135M,
-whose answers no test relies on. One model per process: this file loads only the 0.5B.
+"""What depends on the default model's skill (`qwen2.5-coder-0.5b`, default weights): `make
+run`'s episode (recall task 424 under CONF-KV: it evicts, holds less than full KV, and
+answers); recall of its own note one page back under full KV, at a quick size (two tasks);
+the full size (three tasks, one of them two pages back) is `slow`. The rest of the suite runs
+SmolLM2-135M, whose answers no test relies on. One model per process: this file loads only the
+0.5B.
 """
 
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +19,11 @@ from agent_kv.harness.recall import (
     TRACE_JSON,
     format_by_k,
     run_recall,
+    scripted_episode,
     success_by_k,
 )
 from agent_kv.kv.policies import make_policy
+from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.bundled_models import DEFAULT_MODEL
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.model_loading import load_model
@@ -49,7 +54,7 @@ def default_model():
 
 @pytest.fixture(scope="module")
 def env():
-    with SiteServers(["classifieds", "shopping"]) as sites:
+    with SiteServers(["classifieds", "shopping", "forum"]) as sites:
         with BrowserEnv(sites, screenshots=False) as browser:
             yield browser
 
@@ -92,3 +97,35 @@ def test_full_kv_recalls_its_note(default_model, env, tmp_path, ids):
     assert re.fullmatch(rf"note \[{re.escape(note)}\]\nclick \[\d+\]", first["action"])
     assert last["url"].endswith(last_url) and "action" not in last
     assert trace["record"]["history_tokens"] == records[0].history_tokens
+
+
+def make_run_settings() -> dict[str, int]:
+    """`make run`'s task, CONF-KV budget and prefill chunk, read from the Makefile."""
+    makefile = Path(__file__).parent.parent.joinpath("Makefile").read_text()
+    found = {
+        "task": re.search(r"^TASK\s*\?=\s*(\d+)", makefile, re.M),
+        "budget": re.search(r"--budget (\d+)", makefile),
+        "prefill_chunk": re.search(r"--prefill-chunk (\d+)", makefile),
+    }
+    return {name: int(match[1]) for name, match in found.items()}
+
+
+def test_make_run_episode_evicts_holds_less_than_full_kv_and_answers(default_model, env, tmp_path):
+    settings = make_run_settings()
+    assert settings == {"task": 424, "budget": 160, "prefill_chunk": 128}
+    spec = PolicySpec.parse("conf-kv", settings["budget"], None)
+    engine = Engine.from_spec(
+        spec, default_model.model, default_model.tokenizer, settings["prefill_chunk"], False
+    )
+    task = load_task(settings["task"])
+    summary = scripted_episode(task, engine, env, tmp_path, default_model.name, 1200)
+    assert summary["success"] and summary["answer"] == "pixel_pilot karma: 417"
+    assert summary["end_reason"] == "stop" and summary["error"] is None
+    assert 3000 < summary["history_tokens"] < 3500
+    # the first page (the fact) and the note are past the budget once the second page is in
+    assert summary["evicted_tokens"] > 24 * 500
+    per_token = 24 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32 bytes
+    seen, left = divmod(summary["full_kv_live_bytes"], per_token)
+    assert left == 0 and summary["history_tokens"] < seen <= summary["history_tokens"] + 32
+    assert summary["peak_kv_bytes"] < summary["full_kv_live_bytes"] < summary["full_kv_bytes"]
+    assert summary["peak_kv_live_bytes"] <= summary["peak_kv_bytes"]

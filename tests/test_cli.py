@@ -98,11 +98,16 @@ def test_scripted_episode_evicts_and_holds_less_than_full_kv(tmp_path: Path):
     assert summary["reply"].startswith("stop [")
     # the first page, released when the second arrives, is past the budget: evicted
     assert summary["evicted_tokens"] > 0
-    full_live = summary["history_tokens"] * 30 * 2 * 3 * 64 * 4
+    full_live = summary["full_kv_live_bytes"]
+    seen, left = divmod(full_live, 30 * 2 * 3 * 64 * 4)  # every token seen, the answer's too
+    assert left == 0 and summary["history_tokens"] < seen <= summary["history_tokens"] + 32
     assert summary["peak_kv_live_bytes"] < full_live <= summary["full_kv_bytes"]
     assert summary["peak_kv_bytes"] < summary["full_kv_bytes"]
     assert summary["kv_reduction_vs_full"] == round(
         summary["full_kv_bytes"] / summary["peak_kv_bytes"], 3
+    )
+    assert summary["kv_live_reduction_vs_full"] == round(
+        full_live / summary["peak_kv_live_bytes"], 3
     )
     trace = json.loads((Path(summary["trace_dir"]) / "recall.json").read_text())
     assert [page["url"].split("/", 3)[-1] for page in trace["pages"]] == [

@@ -127,14 +127,19 @@ class EpisodeResult:
         """The result as a JSON-ready dict, with the KV reduction vs full KV added, like with
         like: `kv_reduction_vs_full` is allocated over allocated (`full_kv_bytes /
         peak_kv_bytes`), `kv_live_reduction_vs_full` live over live."""
-        data = asdict(self)
-        ratios = {
-            "kv_reduction_vs_full": (self.full_kv_bytes, self.peak_kv_bytes),
-            "kv_live_reduction_vs_full": (self.full_kv_live_bytes, self.peak_kv_live_bytes),
-        }
-        for key, (full, peak) in ratios.items():
-            data[key] = round(full / peak, 3) if peak else None
-        return data
+        return asdict(self) | kv_reductions(self)
+
+
+def kv_reductions(result) -> dict[str, float | None]:
+    """Full KV's bytes over the policy's peak, like with like, of a result with the fields
+    `full_kv_bytes`, `peak_kv_bytes`, `full_kv_live_bytes` and `peak_kv_live_bytes`:
+    `kv_reduction_vs_full` (allocated over allocated) and `kv_live_reduction_vs_full` (live
+    over live), each rounded to 3 places, None when the peak is 0."""
+    ratios = {
+        "kv_reduction_vs_full": (result.full_kv_bytes, result.peak_kv_bytes),
+        "kv_live_reduction_vs_full": (result.full_kv_live_bytes, result.peak_kv_live_bytes),
+    }
+    return {key: round(full / peak, 3) if peak else None for key, (full, peak) in ratios.items()}
 
 
 def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:

@@ -36,7 +36,12 @@ from typing import Any
 
 from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import FEW_SHOT
-from agent_kv.harness.agent import AgentConfig, add_observation, open_conversation
+from agent_kv.harness.agent import (
+    AgentConfig,
+    add_observation,
+    kv_reductions,
+    open_conversation,
+)
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
@@ -204,6 +209,8 @@ class RecallRecord:
         peak_kv_bytes: the most bytes the KV store's buffers held (`peak_allocated_bytes`).
         peak_kv_live_bytes: the most live KV bytes (`KVStore.peak_bytes`).
         full_kv_bytes: what a full KV cache of the tokens seen would allocate.
+        full_kv_live_bytes: the live bytes of every token seen (the history and the answer
+            decoded) alone, at full precision.
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
         evicted_tokens: tokens the policy evicted (`KVStore.evicted_tokens`).
         policy: the policy's name; policy_params its settings.
@@ -228,6 +235,7 @@ class RecallRecord:
     peak_kv_bytes: int
     peak_kv_live_bytes: int
     full_kv_bytes: int
+    full_kv_live_bytes: int
     peak_cold_kv_bytes: int
     evicted_tokens: int
     policy: str
@@ -318,6 +326,7 @@ def run_recall_task(
         peak_kv_bytes=store.peak_allocated_bytes,
         peak_kv_live_bytes=store.peak_bytes,
         full_kv_bytes=store.full_kv_allocated_nbytes(),
+        full_kv_live_bytes=store.full_kv_nbytes(),
         peak_cold_kv_bytes=store.peak_cold_bytes,
         evicted_tokens=store.evicted_tokens,
         policy=engine.policy.name,
@@ -400,15 +409,13 @@ def scripted_episode(
 def episode_summary(record: RecallRecord) -> dict[str, Any]:
     """`record` in the terms of a free episode's summary (`EpisodeResult.summary`): its
     fields, plus `end_reason` ("stop", or "error" with `error` saying why), `steps` (1: the
-    one free decision) and `kv_reduction_vs_full` (full KV's allocated bytes over the peak
-    allocated)."""
+    one free decision) and the KV reductions against full KV (`agent.kv_reductions`)."""
     failed = record.error is not None
-    reduction = record.full_kv_bytes / record.peak_kv_bytes if record.peak_kv_bytes else None
     return {
         **asdict(record),
         "end_reason": "error" if failed else "stop",
         "steps": 1,
-        "kv_reduction_vs_full": None if reduction is None else round(reduction, 3),
+        **kv_reductions(record),
     }
 
 
