@@ -461,6 +461,31 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     assert (Path(full["trace_dir"]) / "trace.html").is_file()
 
 
+@pytest.mark.browser
+@pytest.mark.model
+def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, local_ray):
+    task = load_task(413)
+    jobs = bench.make_jobs([task], ["full", "conf-kv"], [160])
+    settings = bench.BenchSettings(model="smollm2-135m", mode="scripted", agreement=False)
+    bench.run_bench([task], jobs, tmp_path, settings=settings, progress=False)
+    records = bench.read_results(tmp_path / "results.jsonl")
+    full, conf_kv = sorted(records, key=lambda r: r["policy"] != "full")
+    for record in records:
+        assert record["end_reason"] == "stop" and record["steps"] == 1, record
+        assert record["format"] == "notes" and record["k"] == 1
+        assert record["kv_reduction_vs_full"] == round(
+            record["full_kv_bytes"] / record["peak_kv_bytes"], 3
+        )
+        assert (Path(record["trace_dir"]) / "recall.json").is_file()
+    assert full["evicted_tokens"] == 0 and full["kv_live_reduction_vs_full"] == 1.0
+    assert conf_kv["budget"] == 160 and conf_kv["evicted_tokens"] > 0
+    assert conf_kv["peak_kv_live_bytes"] < full["peak_kv_live_bytes"]
+    assert conf_kv["history_tokens"] == full["history_tokens"]  # the same scripted tokens
+    bench.write_report(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
+
+
 class RecordingBar:
     """A tqdm stand-in that keeps every update and postfix."""
 
