@@ -265,11 +265,17 @@ def _check_mode(mode: str) -> None:
         raise ConfigError(f"--mode must be {' or '.join(MODES)}, got {mode!r}")
 
 
+def _check_scripted_agents(agents: list[str], option: str) -> None:
+    """Raises ConfigError, naming `option`, when `agents` is not just text: `--mode scripted`
+    answers as a text action."""
+    if set(agents) != {"text"}:
+        raise ConfigError(f"--mode scripted answers as text: it takes {option} text only")
+
+
 def _check_scripted(task, agent: str) -> None:
-    """Raises ConfigError when `task` cannot run with `--mode scripted`: it has no reference
-    actions to replay, or `agent` is not text (the scripted answer is a text action)."""
-    if agent != "text":
-        raise ConfigError("--mode scripted answers as text: it takes --agent text only")
+    """Raises ConfigError when `task` cannot run with `--mode scripted`: `agent` is not text
+    (`_check_scripted_agents`), or it has no reference actions to replay."""
+    _check_scripted_agents([agent], "--agent")
     if not task.reference_actions:
         raise ConfigError(
             f"--mode scripted replays a task's reference actions; task {task.task_id} has none"
@@ -458,8 +464,8 @@ def bench_command(
         agent_list = bench.parse_list(agents, "--agents")
         for agent in agent_list:
             _check_agent(agent, "--agents")
-        if mode == "scripted" and set(agent_list) != {"text"}:
-            raise ConfigError("--mode scripted answers as text: it takes --agents text only")
+        if mode == "scripted":
+            _check_scripted_agents(agent_list, "--agents")
         if ray_address is not None:
             bench.check_ray_address(ray_address)
         jobs = bench.make_jobs(task_list, names, sizes, int8, agent_list)  # imports torch
