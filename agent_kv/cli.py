@@ -709,7 +709,9 @@ def serve_command(
     try:
         loaded = load_model(model, weights)
         compile = _compile_default(compile, loaded.model, serving=True)
-        engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, compile=compile)
+        engine = Engine.from_spec(
+            spec, loaded.model, loaded.tokenizer, compile=compile, share_prefixes=True
+        )
         if compile:
             typer.echo("compiling the decode step (--no-compile skips it)...", err=True)
             engine.warm_up()

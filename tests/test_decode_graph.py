@@ -97,13 +97,16 @@ def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     )
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     engine.feed(sequence, [5])  # compiles
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     capacity = (store.fp.capacity, store.q.capacity)
-    for token in range(60):  # evictions every evict_slack + 1 tokens; one capacity
+    capacities = set()
+    for token in range(60):  # evictions every evict_slack + 1 tokens: the capacity follows
         engine.feed(sequence, [token % 128])
-    assert (store.fp.capacity, store.q.capacity) == capacity
-    assert store.evicted_tokens > 0
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        capacities.add(store.fp.capacity)
+    assert store.evicted_tokens > 0 and len(capacities) <= 2
+    # the first change of capacity compiles once more, with symbolic sizes; never again
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= first + 1
     widths = set()
     for turn in range(3):  # each turn pins more: a larger bound, capacity and read width
         seen = store.seen_tokens

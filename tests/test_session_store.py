@@ -21,8 +21,8 @@ from agent_kv.serving.session_store import (
 )
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
-SLOTS = 256  # a store's first allocation: 256 token slots per layer
-SESSION_BYTES = SLOTS * BYTES_PER_TOKEN  # what a session of up to 256 tokens allocates
+SLOTS = 128  # what 100 tokens take: 100 + 5%, in whole 32-token blocks, per layer
+SESSION_BYTES = SLOTS * BYTES_PER_TOKEN  # what a session of 100 tokens allocates
 
 
 class FakeClock:

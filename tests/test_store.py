@@ -7,7 +7,7 @@ import torch
 from helpers import append_tokens, kept_positions
 
 from agent_kv.errors import ConfigError, ContextOverflowError
-from agent_kv.kv.store import CAPACITY_GRAIN, CAPACITY_STEP, Int8Config, KVStore
+from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:
@@ -62,34 +62,30 @@ def test_bytes_are_exactly_the_live_tensors():
     assert store.full_kv_nbytes() == 300 * per_token
 
 
-def test_an_unbounded_store_grows_by_doubling_and_keeps_its_buffers():
-    store = filled_store(CAPACITY_STEP + 1)
-    assert store.fp.capacity == 2 * CAPACITY_STEP
+def test_an_unbounded_store_grows_in_blocks_and_compacts_in_place():
+    store = filled_store(300)
+    assert store.fp.capacity == 320  # 300 + 5% in whole 32-token blocks
     buffer = store.fp["keys"]
     store.compact(0, torch.arange(10))
     assert store.fp["keys"] is buffer  # compaction moves slots in place
     assert live(store, 0)[0][0, 0, :, 0].tolist() == [float(i) for i in range(10)]
 
 
-def test_a_bound_fixes_the_capacity_and_a_small_change_keeps_it():
+def test_a_bound_is_never_allocated_ahead_the_capacity_follows_the_live_tokens():
     store = filled_store(100)
     store.bound_capacity(fp_tokens=200, q_tokens=0, chunk=64)
     append_tokens(store, torch.zeros(1, 3, 1, 4))
-    bound = 200 + 64  # no pins yet
-    assert store.fp.capacity == -(-bound // CAPACITY_GRAIN) * CAPACITY_GRAIN == 320
+    assert store.fp.capacity == 128  # 101 live: never the bound's 264 ahead of need
     buffer = store.fp["keys"]
-    for _ in range(20):  # decode steps: the capacity, and so every shape, stays
+    for _ in range(20):  # decode steps within the headroom: the buffers, so every shape, stay
         append_tokens(store, torch.zeros(1, 3, 1, 4))
     assert store.fp["keys"] is buffer
-    store.pin(0, 10)  # 10 more tokens to hold: within the slack, nothing reallocated
-    store.bound_capacity(fp_tokens=200, q_tokens=0, chunk=64)
-    append_tokens(store, torch.zeros(1, 3, 1, 4))
-    assert store.fp["keys"] is buffer
-    store.bound_capacity(fp_tokens=100, q_tokens=0, chunk=64)  # far less: shrink to the bound
-    append_tokens(store, torch.zeros(1, 3, 1, 4))
-    assert store.fp.capacity == 192
-    assert store.allocated_nbytes() == 2 * 2 * 3 * 192 * 4 * 4
-    assert store.decode_widths()["fp"] == 128  # 10 pinned + 100, in whole grains
+    store.compact(0, torch.arange(10))
+    store.compact(1, torch.arange(10))
+    append_tokens(store, torch.zeros(1, 3, 1, 4))  # 11 live: shrunk to one block
+    assert store.fp.capacity == BLOCK_TOKENS
+    assert store.allocated_nbytes() == 2 * 2 * 3 * BLOCK_TOKENS * 4 * 4
+    assert store.decode_widths()["fp"] == BLOCK_TOKENS  # a static decode reads what is held
 
 
 def scored_call(store: KVStore, n: int, masses: list[torch.Tensor], scored=None) -> None:

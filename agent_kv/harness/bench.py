@@ -1429,7 +1429,10 @@ class EpisodeRunner:
             from agent_kv.runtime.engine import Engine
 
             model, tokenizer = self._loaded.model, self._loaded.tokenizer
-            shared = Engine(model, tokenizer, make_policy("full"), self.settings.prefill_chunk)
+            shared = Engine(
+                model, tokenizer, make_policy("full"), self.settings.prefill_chunk,
+                share_prefixes=True,
+            )  # fmt: skip
             self._scheduler = BatchScheduler(shared, max_batch=self.settings.episodes_per_engine)
         return self._loaded
 

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 SEGMENTS = ("q", "fp")
 """The stored segments, in reading order: quantized, then FP (`KVStore.q`, `KVStore.fp`)."""
+SHARED = "shared"
+"""What a shared view's segment is called among a layer's reads: read before the stored ones
+(its tokens come first), it keeps no statistics (its tokens are pinned, never ranked)."""
 
 
 @dataclass
@@ -109,10 +112,10 @@ class ForwardCall:
     # -- what attention reads ----------------------------------------------------------------
 
     def segments(self, layer: int) -> list[Segment]:
-        """The stored segments of `layer` for the call's rows, in reading order (quantized, if
-        it has width, then FP, if it has), each masked by its lengths (and in a sliding-window
-        layer by each query's window); in rerotate mode with every token rotated to its rank
-        among the row's live tokens."""
+        """The stored segments of `layer` for the call's rows, in reading order (the shared
+        views, then quantized, if it has width, then FP, if it has), each masked by its lengths
+        (and in a sliding-window layer by each query's window); in rerotate mode with every
+        token rotated to its rank among the row's live tokens."""
         store = self.store
         rows = self._rows
         widths = dict(self.widths)
@@ -132,8 +135,9 @@ class ForwardCall:
             )
             rotation = {"q": (cos_q, sin_q), "fp": (cos_fp, sin_fp)}
         read = tuple(name for name in SEGMENTS if widths[name])
-        self._read[layer] = read
-        out = []
+        shared = store.shared_views()
+        self._read[layer] = (*(SHARED,) * len(shared), *read)
+        out = [self._shared_segment(view, layer) for view in shared]
         for name in read:
             table, width = getattr(store, name), widths[name]
             cos, sin = rotation[name]
@@ -162,6 +166,13 @@ class ForwardCall:
                 )
             )
         return out
+
+    def _shared_segment(self, view, layer: int) -> Segment:
+        """A shared view's tokens of `layer` (`KVStore.shared`), for the call's one row:
+        positions before every token of the row's own, all visible."""
+        keys, values = view.keys[layer][None], view.values[layer][None]  # [1, H, n, D]
+        lengths = torch.full((1,), keys.shape[2], device=keys.device)
+        return Segment(keys=keys, values=values, lengths=lengths)
 
     @staticmethod
     def _window(positions: torch.Tensor, queries: torch.Tensor, window: int) -> torch.Tensor:

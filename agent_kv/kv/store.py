@@ -16,12 +16,15 @@ slots: its *logical order*. The *joint slot space* of a layer's row is the quant
 followed by the FP slots, `[Cq + C]`: the logical order is its live slots in order, and
 policies rank and choose over it for every layer and row at once.
 
-Capacities are set by what the store must hold, not by what it holds: `bound_capacity` (the
-engine calls it with the policy's bound) fixes them at the pinned tokens plus the policy's
-budget plus one prefill chunk, allocated once and kept while that bound holds; a store without
-a bound (full KV) grows by doubling. Between capacity changes every tensor keeps its shape, so
-a decode step is static-shape: its lengths and positions are tensors (`ForwardCall`), and it
-can run as one captured or compiled graph with no host synchronisation.
+Capacities follow what the store holds: before every forward call each segment is fitted to
+its longest row's live slots plus the call's new tokens, in whole `BLOCK_TOKENS` blocks with a
+little headroom (`_fitted_capacity`), and kept while within a tenth plus a block of that; so the
+bytes allocated follow the live bytes at every call, for a budgeted policy and full KV alike.
+A policy's bound (`bound_capacity`: the pinned tokens plus its budget plus one prefill chunk)
+only caps that headroom and fixes how much of a segment a static decode step reads. Between
+capacity changes every tensor keeps its shape, so a decode step is static-shape: its lengths
+and positions are tensors (`ForwardCall`), and it can run as one captured or compiled graph
+with no host synchronisation (a capacity change traces its sizes as symbolic ones).
 
 A forward call goes `begin_forward` (host: positions, lengths uploaded, room made) -> the
 model, whose attention reads the stored segments and the call's own new tokens through the
@@ -55,6 +58,7 @@ from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.forward_call import CallTensors, ForwardCall
 from agent_kv.kv.layer_windows import layer_windows
+from agent_kv.kv.prefix_cache import PrefixCache, PrefixRun, SharedPrefix, SharedView
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.slot_table import FieldSpec, SlotTable, bytes_view
 from kernels import dispatch
@@ -66,17 +70,22 @@ KV_DTYPE_ATTRIBUTE = "agent_kv_kv_dtype"
 """A model whose KV cache is stored in another dtype than its weights' (bfloat16 weights, a
 float32 cache: `agent_kv.runtime.weight_formats`) carries that dtype as this attribute;
 `KVStore.for_model` stores in it, and the attention function computes in it."""
-CAPACITY_STEP = 256
-"""Tokens; a store without a bound grows its FP and quantized segments to multiples of this,
-by doubling."""
-CAPACITY_GRAIN = 64
-"""Tokens; a bounded segment's capacity is its bound rounded up to a multiple of this."""
-SCALE_CAPACITY_STEP = 16
-"""Scale groups; the scale table grows in multiples of these, by doubling."""
-SHRINK_SLACK = 0.1
-"""A bounded segment is reallocated down to its bound only when it holds more than this share
-above it, so a bound that moves a little between turns (pins released and taken) keeps the
-buffers, and a compiled decode step its shapes."""
+BLOCK_TOKENS = 32
+"""Tokens: the grain of the token segments' capacities. A segment holds its longest row's live
+slots (and the next call's new ones) rounded up to whole blocks with a little headroom
+(`GROWTH_SHARE`), so its allocated bytes follow its live bytes, within a tenth plus one block
+per layer and row (`KEEP_SHARE`), at every forward call: not a bound allocated up front."""
+SCALE_BLOCK = 4
+"""Scale groups: the grain of the scale table's capacity (one group is `Int8Config.group`
+tokens)."""
+GROWTH_SHARE = 0.05
+"""A segment that must grow (or shrink) is refitted to what it needs plus this share, in whole
+blocks: the headroom that spares a decode step a reallocation every block."""
+KEEP_SHARE = 0.1
+"""A segment keeps its buffers while they hold what it needs with at most this share plus one
+block to spare, so a length that moves a little between calls (evictions cut a few dozen
+tokens, pins are released and taken) reallocates nothing, and a compiled decode step keeps its
+shapes."""
 STATISTICS = ("scores", "accumulated", "welford")
 """What a forward call can fold into the per-token statistics (`KVStore.statistics`):
 CONF-KV's EMA of normalised mass, H2O's accumulated mass, ARKV's Welford mean and variance."""
@@ -97,35 +106,25 @@ def _round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
-def _grown_capacity(current: int, needed: int, step: int = CAPACITY_STEP) -> int | None:
-    """The capacity to grow to when `needed` slots exceed `current` (None otherwise): twice
-    `current`'s whole steps, at least `needed`, rounded up to a multiple of `step`."""
-    if needed <= current:
-        return None
-    return _round_up(max(needed, 2 * (current - current % step)), step)
-
-
-def _fitted_capacity(current: int, needed: int, bound: int | None, step: int) -> int:
-    """The capacity a segment should have: with a `bound` (the most it must hold before the
-    next eviction), the bound (or `needed`, if larger) rounded up to `CAPACITY_GRAIN`, where
-    `current` is kept while it holds that with at most `SHRINK_SLACK` to spare; without one,
-    `current` grown by doubling (`_grown_capacity`) when `needed` passes it."""
-    if bound is None:
-        return _grown_capacity(current, needed, step) or current
-    want = _round_up(max(needed, bound), CAPACITY_GRAIN)
-    if want <= current <= want * (1 + SHRINK_SLACK):
+def _fitted_capacity(current: int, needed: int, grain: int, bound: int | None = None) -> int:
+    """The capacity a segment should have for `needed` slots per row: `current` while it holds
+    them with at most `KEEP_SHARE` of them plus one `grain` to spare; otherwise `needed` plus
+    `GROWTH_SHARE`, in whole grains, and never past a `bound` (the most the segment must hold
+    before the next eviction, when the policy knows it) rounded up to a grain. 0 for a segment
+    that needs nothing (past one grain held)."""
+    if needed <= current <= needed + int(needed * KEEP_SHARE) + grain:
         return current
+    want = -(-(needed + int(needed * GROWTH_SHARE)) // grain) * grain
+    if bound is not None:
+        want = min(want, -(-max(needed, bound) // grain) * grain)
     return want
 
 
-def _capacity_bound(current: int, most: int, step: int) -> int:
-    """The largest capacity the store can reach from `current` while never more than `most`
-    slots are needed: doubling from a capacity `c < n <= most` goes to at most
-    `round_up(most) - step` doubled; a bounded segment to its bound rounded up to
-    `CAPACITY_GRAIN`, at most `round_up(most)` (the slack it may keep is over a capacity it
-    already had)."""
-    top = _round_up(most, step)
-    return max(current, top, 2 * (top - step), _round_up(most, CAPACITY_GRAIN))
+def _capacity_bound(current: int, most: int, grain: int) -> int:
+    """The largest capacity a segment can reach from `current` while it never needs more than
+    `most` slots: `_fitted_capacity` keeps `current` or fits to what is needed, and what it fits
+    to grows with the need."""
+    return max(current, _fitted_capacity(0, most, grain))
 
 
 def _live_bytes(
@@ -226,11 +225,11 @@ class StoreFootprint:
                 f"need {len(self.lengths)} per-layer token bounds, got {len(max_tokens)}"
             )
         most = max(max_tokens)
-        fp = _capacity_bound(self.fp_capacity, most, CAPACITY_STEP)
+        fp = _capacity_bound(self.fp_capacity, most, BLOCK_TOKENS)
         q, groups = self.q_capacity, self.scale_capacity
         if quantizes:
-            q = _capacity_bound(q, most, CAPACITY_STEP)
-            groups = _capacity_bound(groups, most, SCALE_CAPACITY_STEP)
+            q = _capacity_bound(q, most, BLOCK_TOKENS)
+            groups = _capacity_bound(groups, most, SCALE_BLOCK)
         per_row = fp * self.fp_token_bytes + q * self.q_token_bytes
         return len(max_tokens) * self.batch * (per_row + groups * self.scale_group_bytes)
 
@@ -338,7 +337,7 @@ class KVStore:
         )
         scale = FieldSpec((kv_heads,), (head_dim,), SCALE_DTYPE)
         self.scales = SlotTable({"keys": scale, "values": scale}, num_layers, batch, device)
-        self.fp.resize(CAPACITY_STEP)
+        self.fp.resize(BLOCK_TOKENS)
         self.appended = [0] * batch
         self.ema_decay = ema_decay
         self.int8 = int8
@@ -387,6 +386,9 @@ class KVStore:
         from there on (the window and what came after it) have no `window_mass` of their own."""
         self.cold: ColdTier | None = None
         """Where evicted tokens go instead of being lost (`attach_cold`), or None."""
+        self.shared: SharedPrefix | None = None
+        """The row's first positions read from shared runs (`share`), held once for every
+        store that reads them (`agent_kv.kv.prefix_cache`), or None."""
         self.reconstructing = False
         """Whether the current forward call is a reconstruction pass (KVzip): its attention
         only records `reconstruction` maxima, and its own tokens are not kept."""
@@ -486,11 +488,12 @@ class KVStore:
     # -- capacity ----------------------------------------------------------------------------
 
     def bound_capacity(self, fp_tokens: int | None, q_tokens: int | None, chunk: int) -> None:
-        """Fix the segments' capacities from now on by what they must hold, not by what they
-        hold: per row, the pinned tokens plus `fp_tokens` unpinned FP tokens plus one forward
-        call's `chunk` (the FP segment), and `q_tokens` (the quantized one), neither more than
-        the model's context (`max_positions`, when known). None leaves a segment to grow by
-        doubling. Applied at the next `begin_forward`.
+        """Bound the segments from now on by what they can need before an eviction: per row,
+        the pinned tokens plus `fp_tokens` unpinned FP tokens plus one forward call's `chunk`
+        (the FP segment), and `q_tokens` (the quantized one), neither more than the model's
+        context (`max_positions`, when known). A bound caps a segment's headroom
+        (`_fitted_capacity`), it is never allocated ahead; None leaves a segment unbounded.
+        Applied at the next `begin_forward`.
 
         Also sets what a static decode step reads (`decode_widths`): a row that has been
         stepped holds at most the pinned tokens plus `fp_tokens` FP tokens before a decode
@@ -514,7 +517,7 @@ class KVStore:
         held = None if fp_tokens is None else max(pinned + fp_tokens, fp_hold)
         self._decode_bounds = (
             q_tokens,
-            None if held is None else _round_up(held, CAPACITY_GRAIN),
+            None if held is None else _round_up(held, BLOCK_TOKENS),
         )
 
     @property
@@ -534,15 +537,19 @@ class KVStore:
         return widths
 
     def _fit(self, n: int) -> None:
-        """Give the segments the capacities the next call of `n` new tokens per row needs."""
+        """Give the segments the capacities the next call of `n` new tokens per row needs
+        (`_fitted_capacity`): the FP segment room for them, the quantized segment and the
+        scale table what they hold (a quantization makes its own room: `_room`)."""
         fp_bound, q_bound = self._bounds
-        needed = self.fp.most() + n
-        self._resize(self.fp, _fitted_capacity(self.fp.capacity, needed, fp_bound, CAPACITY_STEP))
-        # a bounded quantized segment is allocated with the rest, before a token reaches it,
-        # so a session's decode steps read it at one width from the start
-        if q_bound is not None and (q_bound or self.q.capacity):
-            fitted = _fitted_capacity(self.q.capacity, self.q.most(), q_bound, CAPACITY_STEP)
-            self._resize(self.q, fitted)
+        self._resize(
+            self.fp, _fitted_capacity(self.fp.capacity, self.fp.most() + n, BLOCK_TOKENS, fp_bound)
+        )
+        self._resize(
+            self.q, _fitted_capacity(self.q.capacity, self.q.most(), BLOCK_TOKENS, q_bound)
+        )
+        self._resize(
+            self.scales, _fitted_capacity(self.scales.capacity, self.scales.most(), SCALE_BLOCK)
+        )
 
     def _resize(self, table: SlotTable, capacity: int) -> None:
         if capacity != table.capacity:
@@ -550,14 +557,12 @@ class KVStore:
             self._note_allocated()
 
     def _room(self, q_slots: int, groups: int) -> None:
-        """Grow the quantized segment and its scale table to hold `q_slots` slots and
-        `groups` scale rows per row (by doubling, or to the bound)."""
+        """Make room in the quantized segment and its scale table for `q_slots` slots and
+        `groups` scale rows per row (`_fitted_capacity`)."""
         self._resize(
-            self.q, _fitted_capacity(self.q.capacity, q_slots, self._bounds[1], CAPACITY_STEP)
+            self.q, _fitted_capacity(self.q.capacity, q_slots, BLOCK_TOKENS, self._bounds[1])
         )
-        grown = _grown_capacity(self.scales.capacity, groups, SCALE_CAPACITY_STEP)
-        if grown is not None:
-            self._resize(self.scales, grown)
+        self._resize(self.scales, _fitted_capacity(self.scales.capacity, groups, SCALE_BLOCK))
 
     # -- forward calls -----------------------------------------------------------------------
 
@@ -1116,6 +1121,7 @@ class KVStore:
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
+        room: int = 0,
     ) -> None:
         """Put tokens back into a layer's FP segment at their original positions (a recall):
         the segment stays in position order, so the newest tokens stay last.
@@ -1123,11 +1129,13 @@ class KVStore:
         Args:
             keys, values: `[H, m, D]`, in the store's key convention.
             positions: `[m]` int64 original positions, all older than the newest token.
+            room: slots to keep free after them (the new tokens of the call recalling).
         """
         m = positions.numel()
         fp = self.fp.lengths[layer][row]
-        if fp + m > self.fp.capacity:
-            self._resize(self.fp, _round_up(fp + m, CAPACITY_GRAIN))
+        if fp + m + room > self.fp.capacity:
+            fitted = _fitted_capacity(self.fp.capacity, self.fp.most() + m + room, BLOCK_TOKENS)
+            self._resize(self.fp, fitted)
         table = self.fp
         table["keys"][layer, row, :, fp : fp + m] = keys.to(self.dtype)
         table["values"][layer, row, :, fp : fp + m] = values.to(self.dtype)
@@ -1141,7 +1149,9 @@ class KVStore:
 
     def truncate(self, end: int, row: int = 0) -> None:
         """Forget every token of the row at position `end` or later, so the next token takes
-        position `end` again (a client rewrote history from there). Pins past `end` go too.
+        position `end` again (a client rewrote history from there). Pins past `end` go too;
+        shared blocks past it are no longer read, and the one it cuts is copied into the
+        row's own FP segment (copy on write).
 
         Raises:
             ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
@@ -1155,6 +1165,8 @@ class KVStore:
         rows = slice(row, row + 1)
         keep = self.joint("positions", slice(None), rows) < end
         self._compact(keep & self.valid(slice(None), rows), slice(None), rows)
+        if end < self.shared_tokens:
+            self._truncate_shared(end)
         self.appended[row] = end
         self.observed_from[row] = min(self.observed_from[row], end)
         self._grow_pins(end)
@@ -1172,6 +1184,128 @@ class KVStore:
             quantized[self.q["positions"][layer, row, :q_len]] += 1
             fp[self.fp["positions"][layer, row, :fp_len]] += 1
         return fp, quantized
+
+    # -- shared prefix -----------------------------------------------------------------------
+
+    @property
+    def shared_tokens(self) -> int:
+        """Positions `[0, shared_tokens)` of the row are read from shared runs, not held in
+        its own segments (0 without any)."""
+        return 0 if self.shared is None else self.shared.tokens
+
+    def shared_nbytes(self) -> int:
+        """Bytes of the shared keys and values the store reads (held once for every store
+        that reads them: never part of `nbytes` or `allocated_nbytes`)."""
+        return 0 if self.shared is None else self.shared.nbytes()
+
+    def shared_views(self) -> list[SharedView]:
+        """The shared views read, in position order (empty without any)."""
+        return [] if self.shared is None else list(self.shared.views)
+
+    def pinned_run(self, start: int, limit: int, row: int = 0) -> int:
+        """How many consecutive positions from `start` are pinned, at most `limit`."""
+        self._grow_pins(start + limit)
+        flags = self._pinned[row, start : start + limit]
+        unpinned = (~flags).nonzero()
+        return int(unpinned[0, 0]) if unpinned.numel() else flags.numel()
+
+    def share(self, cache: PrefixCache, views: list[SharedView]) -> int:
+        """Read `views` (references taken, `PrefixCache.match`) as the next positions of a
+        one-row store that holds no token of its own yet: the tokens they add are seen, as if
+        fed. Returns the tokens added.
+
+        Raises:
+            ValueError: a store of several rows, or one holding tokens of its own.
+        """
+        self._check_shareable()
+        if self.shared is None:
+            self.shared = SharedPrefix(cache)
+        before = self.shared.tokens
+        self.shared.extend(views)
+        added = self.shared.tokens - before
+        self.appended[0] += added
+        return added
+
+    def _check_shareable(self) -> None:
+        if self.batch != 1:
+            raise ValueError("only a one-row store reads shared prefix blocks")
+        if self.seen(0) != self.shared_tokens:
+            raise ValueError("shared blocks go before the store's own tokens, and it holds some")
+
+    def front_tokens(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[L, H, count, D]` (views) of the row's first `count` own tokens,
+        positions `shared_tokens` onward, which every layer must hold at full precision (a
+        pinned run just prefilled).
+
+        Raises:
+            ValueError: a layer does not hold exactly those positions first.
+        """
+        start = self.shared_tokens
+        if self.fp.capacity < count or self.q.most():
+            raise ValueError(f"the store does not hold positions {start}..{start + count} first")
+        expected = torch.arange(start, start + count, device=self.device)
+        held = self.fp["positions"][:, 0, :count]
+        lengths = self.fp.length_tensor(slice(None), slice(0, 1))
+        if bool((lengths < count).any()) or not bool((held == expected).all()):
+            raise ValueError(f"the store does not hold positions {start}..{start + count} first")
+        return self.fp["keys"][:, 0, :, :count], self.fp["values"][:, 0, :, :count]
+
+    def share_front(self, cache: PrefixCache, views: list[SharedView], count: int) -> None:
+        """Read the row's first `count` own tokens from `views` instead (the runs
+        `PrefixCache.publish` made of them, or found): they leave its own segments (not an
+        eviction) and are read shared from now on."""
+        if self.batch != 1:
+            raise ValueError("only a one-row store reads shared prefix blocks")
+        self.front_tokens(count)
+        if self.shared is None:
+            self.shared = SharedPrefix(cache)
+        keep = self.valid(slice(None), slice(0, 1))
+        keep[..., self.q.capacity : self.q.capacity + count] = False
+        self._compact(keep, slice(None), slice(0, 1))
+        self._pins_changed()
+        self.shared.extend(views)
+
+    def _truncate_shared(self, end: int) -> None:
+        """Read shared blocks only before position `end` (the store holds no token of its
+        own: they all came after the shared ones): the whole blocks before it stay shared, the
+        tokens of the block it cuts are copied into the FP segment (copy on write)."""
+        views = self.shared.views
+        keys = torch.cat([view.keys for view in views], dim=2)
+        values = torch.cat([view.values for view in views], dim=2)
+        block = views[0].block_tokens
+        kept = end - end % block
+        dropped, remaining = [], kept
+        for i, view in enumerate(views):
+            if remaining >= view.tokens:
+                remaining -= view.tokens
+                continue
+            if remaining:
+                views[i] = SharedView(view.run, remaining // block, block)
+                dropped.extend(views[i + 1 :])
+                del views[i + 1 :]
+            else:
+                dropped.extend(views[i:])
+                del views[i:]
+            break
+        if self.shared.cache is not None:
+            self.shared.cache.release(dropped)
+        positions = torch.arange(kept, end, device=self.device)
+        for layer in range(self.num_layers):
+            if positions.numel():
+                self.insert(
+                    layer, 0, keys[layer, :, kept:end], values[layer, :, kept:end], positions
+                )
+        self._pins_changed()
+
+    def adopt_shared(self, cache: PrefixCache) -> None:
+        """Read the shared views restored from disk (`from_state`) from `cache`'s runs: the
+        blocks it holds replace the restored copies, the others become its runs."""
+        if self.shared is None or self.shared.cache is cache:
+            return
+        adopted = cache.adopt(self.shared.views)
+        self.shared.release()
+        self.shared = SharedPrefix(cache)
+        self.shared.extend(adopted)
 
     # -- cold tier ---------------------------------------------------------------------------
 
@@ -1223,7 +1357,7 @@ class KVStore:
             if got is None:
                 continue
             positions, keys, values = got
-            self.insert(layer, row, keys, values, positions)
+            self.insert(layer, row, keys, values, positions, room=n)
             self.changed_at[row] = self.seen(row)
             self.evicted_tokens -= positions.numel()  # back in the cache: no longer evicted
             recalled += positions.numel()
@@ -1311,12 +1445,11 @@ class KVStore:
 
     def full_kv_allocated_nbytes(self, row: int = 0) -> int:
         """Bytes a full KV cache's buffers would be allocated for a row's tokens seen so far,
-        at the FP dtype, under this store's growth rule without a bound: the FP capacity
-        doubled from one `CAPACITY_STEP` until it holds them (256, 512, 1,024, ... slots)."""
-        capacity = CAPACITY_STEP
-        while capacity < self.seen(row):
-            capacity = _grown_capacity(capacity, capacity + 1)
-        return capacity * self.bytes_per_token()
+        at the FP dtype, under this store's capacity rule: the tokens plus `GROWTH_SHARE`, in
+        whole `BLOCK_TOKENS` blocks (what a store that never evicts fits to them when they
+        arrive in one call; arriving in many, it holds between the tokens and `KEEP_SHARE`
+        more, plus a block)."""
+        return _fitted_capacity(0, self.seen(row), BLOCK_TOKENS) * self.bytes_per_token()
 
     def _note_peak(self) -> None:
         for row in self._rows:
@@ -1390,6 +1523,19 @@ class KVStore:
             "profile": self.profile,
             "observed_from": self.observed_from,
             "cold": None if self.cold is None else self.cold.state(),
+            "shared": self._shared_state(),
+        }
+
+    def _shared_state(self) -> dict | None:
+        """The shared keys and values the store reads, copied, with their blocks' digests."""
+        views = self.shared_views()
+        if not views:
+            return None
+        return {
+            "keys": torch.cat([view.keys for view in views], dim=2),
+            "values": torch.cat([view.values for view in views], dim=2),
+            "digests": [d for view in views for d in view.run.digests[: view.blocks]],
+            "block_tokens": views[0].block_tokens,
         }
 
     @classmethod
@@ -1423,6 +1569,16 @@ class KVStore:
         store.profile = state.get("profile")
         if state.get("cold") is not None:
             store.cold = ColdTier.from_state(state["cold"], rotary)
+        shared = state.get("shared")
+        if shared is not None:  # read from a run of its own until a cache adopts it
+            width = len(shared["digests"]) * shared["block_tokens"]
+            if shared["keys"].shape[2] != width or shared["values"].shape != shared["keys"].shape:
+                raise ValueError("the saved shared prefix does not match its block digests")
+            run = PrefixRun(
+                shared["keys"], shared["values"], list(shared["digests"]), start=0, refs=1
+            )
+            store.shared = SharedPrefix(None)
+            store.shared.extend([SharedView(run, len(run.digests), shared["block_tokens"])])
         store.observed_from = list(state.get("observed_from", store.observed_from))
         store._pinned = state["pinned"].cpu()
         store._pins_changed()

@@ -288,7 +288,9 @@ class BatchScheduler:
             turn.decoder.started = time.perf_counter()  # its TTFT counts from here
             if turn.on_join is not None:
                 turn.on_join()
-            if not turn.pending:  # a reply straight from the sequence's last logits
+            if turn.pending:  # its pinned leading blocks read shared, not computed
+                del turn.pending[: self.engine.share_prefix(turn.sequence, turn.pending)]
+            else:  # a reply straight from the sequence's last logits
                 try:
                     self._choose(turn, turn.sequence.last_logits)
                 except Exception as err:
@@ -334,6 +336,7 @@ class BatchScheduler:
                     del turn.pending[: len(part.tokens)]
                     if turn.pending:
                         continue
+                    self.engine.publish_prefix(turn.sequence)
                 else:
                     turn.decoder.fed()
                 self._choose(turn, result)

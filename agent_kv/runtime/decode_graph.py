@@ -2,12 +2,13 @@
 read and the commit of the new tokens and statistics, run as a single compiled (CPU) or
 captured (CUDA) graph.
 
-A decode step over a store whose capacities are fixed (`KVStore.bound_capacity`) has static
-shapes: it reads every segment at its whole capacity, masked by length tensors
+A decode step over a store a policy bounds (`KVStore.bound_capacity`) has static shapes
+between the store's refits of its capacities: it reads every segment at its capacity (or the
+bound), masked by length tensors
 (`ForwardCall(static=True)`), and synchronises nothing. `DecodeGraph` runs such steps:
-- on CUDA, as a CUDA graph (`torch.cuda.CUDAGraph`) captured once per store and capacity and
-  replayed: one launch from the host per step, the kernels as the eager step issues them; the
-  first step of each capture runs eagerly and warms the kernels up;
+- on CUDA, as a CUDA graph (`torch.cuda.CUDAGraph`) captured once per store and capacities (the last
+  `CAPTURES_PER_STORE` kept) and replayed: one launch from the host per step, the kernels as the
+  eager step issues them; the first step of each capture runs eagerly and warms the kernels up;
 - on CPU, through `torch.compile` with `kernels.cpu_compile.backend` (inductor, products with
   a few rows fused into multiply-reduce loops), one graph for every session of the same
   capacities (a capacity change compiles once more, with dynamic shapes from then on); the
@@ -35,6 +36,10 @@ from agent_kv.kv.cache import StoreCache
 from agent_kv.kv.forward_call import CallTensors, ForwardCall
 from agent_kv.kv.store import KVStore
 from kernels import cpu_compile
+
+CAPTURES_PER_STORE = 4
+"""CUDA graphs kept per store, one per set of capacities: a steady decode moves between a few
+(its capacities follow its live tokens, `agent_kv.kv.store`), each captured once."""
 
 
 def decode_logits(
@@ -127,7 +132,9 @@ class DecodeGraph:
                store.q["keys"].dtype, store.statistics)  # fmt: skip
         captured = self._captured.get(key)
         if captured is None:
-            self._captured = {k: v for k, v in self._captured.items() if k[0] != id(store)}
+            mine = [k for k in self._captured if k[0] == id(store)]
+            for old in mine[: max(0, len(mine) + 1 - CAPTURES_PER_STORE)]:  # the oldest go
+                del self._captured[old]
             self._captured[key] = _Captured.pending()
             return decode_step(self.model, cache, input_ids, tensors)
         if captured.graph is None:

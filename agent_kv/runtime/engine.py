@@ -26,8 +26,9 @@ from agent_kv.kv.packed_call import PackedCall
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.kv.prefix_cache import PrefixCache
 from agent_kv.kv.rope import Rotary
-from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
@@ -48,6 +49,10 @@ class Engine:
         rerotate: StreamingLLM-style in-cache positions instead of original positions.
         compile: run decode steps as one graph each (`agent_kv.runtime.decode_graph`:
             compiled on CPU, a CUDA graph on GPU); False runs every step eagerly.
+        share_prefixes: hold the pinned token runs that sequences start with alike once, in
+            blocks shared by every sequence of this engine (`agent_kv.kv.prefix_cache`,
+            `share_prefix`); not with rerotate or sliding-window layers, where keys are not a
+            function of their position and history alone or pins do not last.
 
     Raises:
         ConfigError: `prefill_chunk` < 1, invalid `int8` settings, or `rerotate` on a model
@@ -64,6 +69,7 @@ class Engine:
         *,
         rerotate: bool = False,
         compile: bool = False,
+        share_prefixes: bool = False,
     ):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -74,6 +80,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.store_options = {"int8": int8, "rerotate": rerotate}
         self.decode_graph = DecodeGraph(model) if compile else None
+        self.prefix_cache = _prefix_cache(model, rerotate) if share_prefixes else None
+        """The shared prefix blocks of this engine's sequences (`share_prefixes`), or None."""
         self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
         generation_config = getattr(model, "generation_config", None)
         candidates = [
@@ -103,10 +111,11 @@ class Engine:
         tokenizer,
         prefill_chunk: int = 512,
         compile: bool = False,
+        share_prefixes: bool = False,
     ) -> Engine:
         """An engine for `model` with the policy and store options of `spec` (a byte budget
         becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost);
-        `compile` as in `Engine`.
+        `compile` and `share_prefixes` as in `Engine`.
 
         Raises:
             ConfigError: the budget holds no token, or invalid policy or engine settings.
@@ -119,6 +128,7 @@ class Engine:
             spec.int8,
             rerotate=spec.rerotate,
             compile=compile,
+            share_prefixes=share_prefixes,
         )
 
     @torch.no_grad()
@@ -137,6 +147,52 @@ class Engine:
     def new_sequence(self) -> Sequence:
         """An empty sequence for this engine's model and store options."""
         return Sequence.for_model(self.model, **self.store_options)
+
+    def share_prefix(self, sequence: Sequence, token_ids: list[int]) -> int:
+        """Before `token_ids` are fed to a sequence that holds no token of its own yet: read
+        the longest run of their leading whole blocks that is pinned and that the prefix cache
+        holds from its shared blocks instead of computing it (never the last token, whose
+        logits the feed needs). The sequence moves past the tokens read. Returns how many.
+        0 without `share_prefixes`, for a store of several rows or one with tokens of its
+        own."""
+        cache, store = self.prefix_cache, sequence.store
+        if (
+            cache is None
+            or store.batch != 1
+            or store.rotary is not None  # a sequence with other store options than the cache's
+            or store.seen(0) != store.shared_tokens
+        ):
+            return 0
+        start = store.seen(0)
+        pinned = store.pinned_run(start, len(token_ids) - 1)
+        views = cache.match(cache.digests(_last_digest(store), token_ids[:pinned]))
+        if not views:
+            return 0
+        added = store.share(cache, views)
+        sequence.token_ids.extend(token_ids[:added])
+        return added
+
+    def publish_prefix(self, sequence: Sequence) -> int:
+        """After a sequence's prompt was fed: the whole blocks of the pinned run its own
+        tokens start with go to the prefix cache (or are found there) and the sequence reads
+        them shared from then on. Returns the tokens shared; 0 without `share_prefixes`."""
+        cache, store = self.prefix_cache, sequence.store
+        if cache is None or store.batch != 1 or store.rotary is not None:
+            return 0
+        start = store.shared_tokens
+        run = store.pinned_run(start, store.seen(0) - start)
+        count = run - run % cache.block_tokens
+        if not count or store.q.most() or min(store.lengths(0)) < count:
+            return 0
+        tokens = sequence.token_ids[start : start + count]
+        keys, values = store.front_tokens(count)
+        views = store.shared_views()
+        parent = views[-1] if views else None
+        published = cache.publish(
+            parent, cache.digests(_last_digest(store), tokens), keys, values, start
+        )
+        store.share_front(cache, published, count)
+        return count
 
     @torch.no_grad()
     def feed(
@@ -167,7 +223,9 @@ class Engine:
             sequence.token_ids.extend(chunk)
             sequence.last_logits = logits
 
-        self._prefill_row(sequence.cache, 0, token_ids, sequence.steps, fed, cancel)
+        shared = self.share_prefix(sequence, token_ids)
+        self._prefill_row(sequence.cache, 0, token_ids[shared:], sequence.steps, fed, cancel)
+        self.publish_prefix(sequence)
         return sequence.last_logits
 
     def _prefill_row(
@@ -566,6 +624,27 @@ def check_store_options(
     check_policy_precision(policy, int8)
     if rerotate:
         Rotary.from_model(model)
+
+
+def _prefix_cache(model: torch.nn.Module, rerotate: bool) -> PrefixCache | None:
+    """A prefix cache for the model's sequences, or None where keys cannot be shared:
+    rerotate positions, sliding-window layers. Its identity: the model's name or path, its
+    weights' dtype and its stores' dtype."""
+    store = KVStore.for_model(model)
+    if rerotate or any(window is not None for window in store.windows):
+        return None
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    weights = next(model.parameters()).dtype
+    identity = (
+        f"{name}|{weights}|{store.dtype}|{store.num_layers}x{store.kv_heads}x{store.head_dim}"
+    )
+    return PrefixCache(BLOCK_TOKENS, identity.encode())
+
+
+def _last_digest(store: KVStore) -> bytes:
+    """The digest of the last shared block the store reads (b"" for none)."""
+    views = store.shared_views()
+    return views[-1].digest if views else b""
 
 
 def _check_cancel(cancel: threading.Event | None) -> None:

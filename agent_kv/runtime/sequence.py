@@ -130,7 +130,10 @@ class Sequence:
                 f"{state['shape']}, not {shape}"
             )
         rotary = Rotary.from_model(model) if state["rerotate"] else None
-        store = KVStore.from_state(state, rotary)
+        try:
+            store = KVStore.from_state(state, rotary)
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            raise AgentKVError(f"session {path} cannot be restored: {err}") from err
         return cls(
             store=store,
             cache=StoreCache(store),

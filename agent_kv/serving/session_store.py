@@ -7,7 +7,8 @@ never more):
 - a session idle for longer than `idle_ttl_s` is dropped (from memory and disk);
 - before a request runs, room is made for the most its session can hold during the request
   (the caller's bound, see `use`): the least recently used idle sessions leave memory until
-  the sessions in memory plus that bound fit `max_kv_bytes`, so the cap holds while the
+  the sessions in memory plus that bound fit `max_kv_bytes` (the shared prefix blocks the
+  sessions read counted once, `Engine.prefix_cache`), so the cap holds while the
   request runs, not only after it; a request that cannot fit even alone is refused
   (`KVCapacityError`);
 - after each request, while the sessions in memory hold more than the cap, the least
@@ -287,11 +288,12 @@ class SessionStore:
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
         with self._room:
             while True:
-                busy = sum(
+                busy = self._shared_bytes() + sum(
                     max(other.reserved, other.allocated_bytes())
                     for sid, other in self._entries.items()
                     if sid != session_id and other.in_flight
-                )  # held, or reserved (its session perhaps not yet made), by requests in flight
+                )  # held, or reserved (its session perhaps not yet made), by requests in
+                # flight; and the shared blocks (an idle session leaving may free some)
                 if busy + needed <= self.max_kv_bytes:
                     break
                 if deadline is None or needed > self.max_kv_bytes:
@@ -374,7 +376,8 @@ class SessionStore:
             return sum(e.session.store.nbytes() for e in self._entries.values() if e.session)
 
     def allocated_bytes(self) -> int:
-        """Allocated KV bytes of all sessions in memory (what the cap counts)."""
+        """Allocated KV bytes of all sessions in memory and of the shared prefix blocks they
+        read, each block once (what the cap counts)."""
         with self._lock:
             return self._allocated_bytes()
 
@@ -410,7 +413,14 @@ class SessionStore:
         )
 
     def _allocated_bytes(self) -> int:
-        return sum(e.session.store.allocated_nbytes() for e in self._entries.values() if e.session)
+        own = sum(e.session.store.allocated_nbytes() for e in self._entries.values() if e.session)
+        return own + self._shared_bytes()
+
+    def _shared_bytes(self) -> int:
+        """Bytes of the shared prefix blocks the sessions read (`Engine.prefix_cache`), each
+        once."""
+        cache = self.engine.prefix_cache
+        return 0 if cache is None else cache.nbytes()
 
     def _idle_lru(self, exclude: str | None = None) -> list[tuple[float, str]]:
         """Idle sessions in memory, least recently used first."""
@@ -458,6 +468,8 @@ class SessionStore:
         if path is not None and path.exists():
             session = Sequence.load(path, self.engine.model)
             path.unlink()
+            if self.engine.prefix_cache is not None:  # its shared blocks read once again
+                session.store.adopt_shared(self.engine.prefix_cache)
             return session
         return self.engine.new_sequence()
 
