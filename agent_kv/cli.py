@@ -302,7 +302,7 @@ def _print_step(record: dict) -> None:
         f"step {record['step']}: {reply!r} -> {outcome} | {record['tokens_seen']} tokens seen, "
         f"KV {record['kv_allocated_bytes'] / 1e6:.1f} MB allocated, "
         f"{record['kv_live_bytes'] / 1e6:.1f} MB live "
-        f"(peak {record['peak_kv_bytes'] / 1e6:.1f} MB allocated)",
+        f"(peak {record['peak_kv_allocated_bytes'] / 1e6:.1f} MB allocated)",
         err=True,
     )
 

@@ -3,8 +3,10 @@
 Per turn: requests by endpoint and status, time to first token, decode seconds per token,
 prompt tokens reused from a session's cache vs prefilled, cache rebuilds, evictions and
 INT8 moves. Read at scrape time from the session store: KV bytes held (allocated, what the
-`--session-bytes` cap counts, and live), sessions in memory and on disk, sessions dropped
-and saved to disk.
+`--session-bytes` cap counts; live; and the shared prefix blocks, held once for every
+session), sessions in memory and on disk, sessions dropped and saved to disk.
+`agent_kv_kv_bytes` is a deprecated alias of `agent_kv_kv_live_bytes`, removed in the next
+release.
 """
 
 from __future__ import annotations
@@ -35,9 +37,25 @@ class _SessionCollector(Collector):
         )
         allocated.add_metric([], self.sessions.allocated_bytes())
         yield allocated
-        kv = GaugeMetricFamily("agent_kv_kv_bytes", "Live KV bytes of all sessions in memory.")
-        kv.add_metric([], self.sessions.kv_bytes())
-        yield kv
+        live_bytes = self.sessions.live_bytes()
+        live = GaugeMetricFamily(
+            "agent_kv_kv_live_bytes", "Live KV bytes of all sessions in memory."
+        )
+        live.add_metric([], live_bytes)
+        yield live
+        alias = GaugeMetricFamily(
+            "agent_kv_kv_bytes",
+            "Deprecated alias of agent_kv_kv_live_bytes, removed in the next release.",
+        )
+        alias.add_metric([], live_bytes)
+        yield alias
+        shared = GaugeMetricFamily(
+            "agent_kv_kv_shared_bytes",
+            "Bytes of the shared prefix blocks the sessions read, each block once "
+            "(part of agent_kv_kv_allocated_bytes).",
+        )
+        shared.add_metric([], self.sessions.shared_bytes())
+        yield shared
         in_memory = len(self.sessions.in_memory())
         count = GaugeMetricFamily(
             "agent_kv_sessions", "Sessions by where they are.", labels=["where"]

@@ -412,16 +412,36 @@ class ConfidenceStats(BaseModel):
     steps: int
 
 
+def _deprecated_alias(of: str) -> Any:
+    """A response field kept under its old name for one release, equal to the field `of`:
+    marked deprecated in the schema, with a description saying so."""
+    note = f"deprecated alias of {of}, removed in the next release"
+    return Field(deprecated=note, description=f"{note[0].upper()}{note[1:]}.")
+
+
 class KVStats(BaseModel):
     """What the session's KV cache holds after the turn (`KVReport`; an agent_kv extension
-    of the OpenAI response). Bytes are live KV bytes; token counts sum over layers."""
+    of the OpenAI response). Live bytes count the keys, values and scales held, allocated
+    bytes the buffers holding them (spare capacity included); the shared prefix blocks the
+    session reads are held once for every session, so counted apart. Token counts sum over
+    layers."""
 
     policy: str
     session_id: str
     rebuild: str
-    kv_bytes: int
-    peak_kv_bytes: int
-    full_kv_bytes: int
+    kv_live_bytes: int = Field(description="Live KV bytes now.")
+    kv_allocated_bytes: int = Field(description="Bytes the KV buffers hold now.")
+    peak_kv_live_bytes: int = Field(description="The most live KV bytes the session has held.")
+    peak_kv_allocated_bytes: int = Field(
+        description="The most bytes the session's KV buffers have held."
+    )
+    full_kv_live_bytes: int = Field(
+        description="Live bytes a full KV cache at full precision would hold for the "
+        "session's tokens."
+    )
+    kv_shared_bytes: int = Field(
+        description="Bytes of the shared prefix blocks the session reads (apart from its own)."
+    )
     cold_kv_bytes: int = Field(
         0, description="Bytes of the session's cold tier (evicted tokens kept for recall)."
     )
@@ -429,6 +449,9 @@ class KVStats(BaseModel):
     quantized_tokens: int
     pinned_tokens: int
     confidence: ConfidenceStats | None
+    kv_bytes: int = _deprecated_alias("kv_live_bytes")
+    peak_kv_bytes: int = _deprecated_alias("peak_kv_live_bytes")
+    full_kv_bytes: int = _deprecated_alias("full_kv_live_bytes")
 
 
 class AssistantMessage(BaseModel):
@@ -529,13 +552,14 @@ class SessionInfo(BaseModel):
 
     id: str
     tokens: int
-    kv_bytes: int
+    kv_live_bytes: int
     kv_allocated_bytes: int
     pinned_tokens: int
     policy: str | None
     last_used: float
     where: Literal["memory", "disk"]
     busy: bool
+    kv_bytes: int = _deprecated_alias("kv_live_bytes")
 
 
 class SessionList(BaseModel):

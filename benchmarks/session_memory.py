@@ -5,7 +5,7 @@ side in one run; and how many such sessions stay in memory under one `--session-
 Two workloads, each N sessions of one turn through `ChatService` (the server's path: default
 pin rules, so the system turn is pinned), every session its own observation:
 - `chat`: a system prompt of about `--system` tokens (a web agent's instructions and worked
-  examples), then a distinct ~60-token user message; CONF-KV at `--budget`;
+  examples), then a distinct user message of `--user` tokens; CONF-KV at `--budget`;
 - `tools`: the tool agent's system turn (its instructions and the 12 action tools' schemas,
   rendered by the chat template), then a distinct observation; the same policy.
 Each session replies at most `--reply` tokens. Reported per workload and mode: allocated and live KV
@@ -44,7 +44,7 @@ def text_of(tokenizer, start: int, size: int) -> str:
     return tokenizer.decode(ids[start : start + size])
 
 
-def conversations(tokenizer, workload: str, sessions: int, system_tokens: int):
+def conversations(tokenizer, workload: str, sessions: int, system_tokens: int, user: int):
     """Per session, its messages and reply spec."""
     if workload == "chat":
         system = "You are a web agent. Follow these worked examples.\n" + text_of(
@@ -57,7 +57,7 @@ def conversations(tokenizer, workload: str, sessions: int, system_tokens: int):
         (
             [
                 {"role": "system", "content": system},
-                {"role": "user", "content": text_of(tokenizer, 5000 + 97 * i, 60)},
+                {"role": "user", "content": text_of(tokenizer, 5000 + 97 * i, user)},
             ],
             spec,
         )
@@ -67,9 +67,8 @@ def conversations(tokenizer, workload: str, sessions: int, system_tokens: int):
 
 def held(service: ChatService) -> tuple[int, int]:
     """Allocated and live KV bytes of the service's sessions, the shared blocks once."""
-    cache = service.engine.prefix_cache
-    shared = 0 if cache is None else cache.nbytes()
-    return service.sessions.allocated_bytes(), service.sessions.kv_bytes() + shared
+    sessions = service.sessions
+    return sessions.allocated_bytes(), sessions.live_bytes() + sessions.shared_bytes()
 
 
 def run(loaded, args, workload: str, share: bool, sessions: int, cap: int | None):
@@ -81,7 +80,7 @@ def run(loaded, args, workload: str, share: bool, sessions: int, cap: int | None
     params = SamplingParams(max_new_tokens=args.reply)
     first = None
     for i, (messages, spec) in enumerate(
-        conversations(loaded.tokenizer, workload, sessions, args.system)
+        conversations(loaded.tokenizer, workload, sessions, args.system, args.user)
     ):
         service.run(messages, params, session_id=f"s{i}", reply=spec)
         if first is None:
@@ -97,7 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--system", type=int, default=1550, help="chat system prompt tokens")
+    parser.add_argument("--system", type=int, default=1540, help="chat system prompt tokens")
+    parser.add_argument("--user", type=int, default=30, help="tokens of each user message")
     parser.add_argument("--sessions", type=int, default=8, help="chat sessions (tools: twice)")
     parser.add_argument("--reply", type=int, default=8)
     parser.add_argument("--cap-mb", type=float, default=600.0)

@@ -100,7 +100,7 @@ def main() -> None:
             f"{turn:>4} {kept.prompt_tokens:>7} {kept.sync.reused_tokens:>7} "
             f"{kept.sync.prefilled_tokens:>7} {kept.sync.rebuild:>9} {kept.ttft_s:>8.2f} "
             f"{fresh.ttft_s:>11.2f} {fresh.ttft_s / kept.ttft_s:>5.1f}x "
-            f"{kept.kv.kv_bytes / 1e6:>7.1f}"
+            f"{kept.kv.kv_live_bytes / 1e6:>7.1f}"
         )
     print(
         f"\nturn {args.turns} / turn 1 TTFT: reuse {reuse[-1] / reuse[0]:.2f}x (target <= 1.3x), "

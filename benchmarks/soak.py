@@ -123,7 +123,7 @@ def soak(loaded, sessions: int, turns: int, cap_mb: float, ttl: float, max_user:
                     "resident_mb": resident_bytes() / MB,
                     "in_memory": len(store.in_memory()),
                     "allocated_mb": store.allocated_bytes() / MB,
-                    "live_mb": store.kv_bytes() / MB,
+                    "live_mb": store.live_bytes() / MB,
                     "shared_blocks": cache.blocks,
                     "shared_mb": cache.nbytes() / MB,
                 }

@@ -1,4 +1,5 @@
-"""Shared helpers for tests that drive a KVStore directly, without a model."""
+"""Shared helpers for tests that drive a KVStore directly, without a model, and for tests of
+records written with the KV figures' old names."""
 
 from __future__ import annotations
 
@@ -6,6 +7,15 @@ import torch
 
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.store import KVStore
+from agent_kv.renamed_fields import RENAMED
+
+OLD_NAMES = {new: old for old, new in RENAMED.items()}
+
+
+def with_old_names(record: dict) -> dict:
+    """`record` with its KV figures under the names used before the rename
+    (`agent_kv.renamed_fields`), as records written then have them."""
+    return {OLD_NAMES.get(key, key): value for key, value in record.items()}
 
 
 def append_tokens(

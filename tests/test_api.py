@@ -55,7 +55,14 @@ async def test_chat_completion_reports_usage_and_kv(client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     kv = data["kv"]
     assert kv["evicted_tokens"] > 0
-    assert kv["peak_kv_bytes"] < kv["full_kv_bytes"]
+    assert kv["peak_kv_live_bytes"] < kv["full_kv_live_bytes"]
+    assert kv["peak_kv_live_bytes"] <= kv["peak_kv_allocated_bytes"]
+    # the deprecated aliases, for one release: the live figures under their old names
+    assert (kv["kv_bytes"], kv["peak_kv_bytes"], kv["full_kv_bytes"]) == (
+        kv["kv_live_bytes"],
+        kv["peak_kv_live_bytes"],
+        kv["full_kv_live_bytes"],
+    )
 
 
 @pytest.mark.parametrize(

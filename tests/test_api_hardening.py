@@ -187,8 +187,10 @@ async def test_sessions_are_listed(client, service):
     first, second = listed["data"]
     with service.sessions.use("ep-1") as session:
         assert first["tokens"] == len(session.token_ids) > 0
-        assert first["kv_bytes"] == session.store.nbytes() > 0
-        assert first["kv_allocated_bytes"] == session.store.allocated_nbytes() >= first["kv_bytes"]
+        assert first["kv_live_bytes"] == session.store.nbytes() > 0
+        assert first["kv_allocated_bytes"] == session.store.allocated_nbytes()
+        assert first["kv_allocated_bytes"] >= first["kv_live_bytes"]
+        assert first["kv_bytes"] == first["kv_live_bytes"]  # the deprecated alias
         assert first["pinned_tokens"] == session.store.pinned_tokens() > 0
     assert (first["policy"], second["policy"]) == ("conf-kv", "window")
     assert first["where"] == "memory" and first["busy"] is False

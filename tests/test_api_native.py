@@ -70,7 +70,16 @@ async def test_native_chat_reports_kv_stats_pins_and_confidence(client, service)
     assert 0.0 <= confidence["min"] <= confidence["mean"] <= 1.0
     assert confidence["min"] <= confidence["last"] <= 1.0
     assert data["usage"]["prompt_tokens"] > 256 and kv["evicted_tokens"] > 0
-    assert kv["kv_bytes"] <= kv["peak_kv_bytes"] < kv["full_kv_bytes"]
+    assert kv["kv_live_bytes"] <= kv["peak_kv_live_bytes"] < kv["full_kv_live_bytes"]
+    assert kv["kv_live_bytes"] <= kv["kv_allocated_bytes"] <= kv["peak_kv_allocated_bytes"]
+    assert kv["peak_kv_live_bytes"] <= kv["peak_kv_allocated_bytes"]
+    assert kv["kv_shared_bytes"] == 0 and kv["cold_kv_bytes"] == 0  # no sharing, no recall
+    # the deprecated aliases, for one release: the live figures under their old names
+    assert (kv["kv_bytes"], kv["peak_kv_bytes"], kv["full_kv_bytes"]) == (
+        kv["kv_live_bytes"],
+        kv["peak_kv_live_bytes"],
+        kv["full_kv_live_bytes"],
+    )
     assert data["timing"]["ttft_s"] > 0 and data["timing"]["wait_s"] >= 0
 
     # the next turn: the default rules pin the whole system message; the first turn's
@@ -84,6 +93,32 @@ async def test_native_chat_reports_kv_stats_pins_and_confidence(client, service)
     )
 
 
+async def test_shared_prefix_blocks_are_reported_apart(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), share_prefixes=True)
+    service = ChatService(engine)
+    app = create_app(service, "smollm2-135m")
+    system = SYSTEM + " Answer with one short line." * 8  # several whole 32-token blocks
+    kvs = []
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        for question in ("Which item is red?", "Where is it?"):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            body = {"session_id": question, "messages": messages, "max_tokens": 1}
+            kvs.append((await http.post("/chat", json=body)).json()["kv"])
+        samples = _metrics((await http.get("/metrics")).text)
+    shared = engine.prefix_cache.nbytes()
+    # both sessions read the same blocks, held once, apart from each session's own bytes
+    assert [kv["kv_shared_bytes"] for kv in kvs] == [shared, shared] and shared > 0
+    assert samples[("agent_kv_kv_shared_bytes", ())] == shared
+    assert samples[("agent_kv_kv_live_bytes", ())] == sum(kv["kv_live_bytes"] for kv in kvs)
+    assert samples[("agent_kv_kv_allocated_bytes", ())] == shared + sum(
+        kv["kv_allocated_bytes"] for kv in kvs
+    )
+
+
 async def test_native_chat_policy_override_applies_to_that_turn_only(client, service):
     messages = [{"role": "user", "content": "Count the words. " + "word " * 200}]
     body = {"messages": messages, "max_tokens": 2, "policy": {"name": "window", "budget": 64}}
@@ -92,7 +127,7 @@ async def test_native_chat_policy_override_applies_to_that_turn_only(client, ser
     with service.sessions.use(data["session_id"]) as session:
         per_token = session.store.bytes_per_token()
     # the window keeps at most 64 tokens per layer, and it did evict
-    assert 32 * per_token <= data["kv"]["kv_bytes"] <= 64 * per_token
+    assert 32 * per_token <= data["kv"]["kv_live_bytes"] <= 64 * per_token
     assert data["kv"]["evicted_tokens"] > 0
     assert service.engine.policy.name == "conf-kv"
     follow = {"messages": messages, "max_tokens": 2, "session_id": data["session_id"]}
@@ -241,7 +276,11 @@ async def test_metrics_count_what_the_turns_did(client, service):
     assert samples[("agent_kv_completion_tokens_total", ())] == sum(
         r["usage"]["completion_tokens"] for r in replies
     )
-    assert samples[("agent_kv_kv_bytes", ())] == service.sessions.kv_bytes() > 0
+    live = service.sessions.live_bytes()
+    assert samples[("agent_kv_kv_live_bytes", ())] == live > 0
+    assert samples[("agent_kv_kv_bytes", ())] == live  # the deprecated alias
+    assert samples[("agent_kv_kv_allocated_bytes", ())] == service.sessions.allocated_bytes()
+    assert samples[("agent_kv_kv_shared_bytes", ())] == 0  # an engine without prefix sharing
     assert samples[("agent_kv_sessions", (("where", "memory"),))] == 1
     evicted = replies[-1]["kv"]["evicted_tokens"]
     assert samples[("agent_kv_evicted_tokens_total", ())] == evicted > 0

@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from helpers import with_old_names
 from typer.testing import CliRunner
 
 from agent_kv.cli import app
@@ -25,6 +26,8 @@ from agent_kv.harness import bench
 from agent_kv.harness.agreement import canonical
 from agent_kv.harness.bench import Job
 from envs.tasks import TaskError, load_task
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record(task_id, policy, budget, success, peak, steps=2, rates=(10.0, 20.0), **extra):
@@ -37,7 +40,7 @@ def _record(task_id, policy, budget, success, peak, steps=2, rates=(10.0, 20.0),
         "end_reason": "stop",
         "error": None,
         "steps": steps,
-        "peak_kv_bytes": peak,
+        "peak_kv_allocated_bytes": peak,
         "decode_tokens_per_s": list(rates),
         **extra,
     }
@@ -203,6 +206,25 @@ def test_per_task_table_links_rendered_traces(tmp_path: Path):
     assert table[0] == "| task | full | h2o 256 |"
     assert table[2] == "| 1 | [✓](traces/task1-full/trace.html) | ✗ repeated_action |"
     assert table[3] == "| 2 |  | error |"
+
+
+def test_results_written_with_the_old_names_aggregate_alike(tmp_path: Path):
+    _write(tmp_path / "results.jsonl", [with_old_names(r) for r in HAND_WRITTEN])
+    assert '"peak_kv_bytes"' in (tmp_path / "results.jsonl").read_text()
+    records = bench.read_results(tmp_path / "results.jsonl")
+    assert records == HAND_WRITTEN
+    assert bench.aggregate(records) == bench.aggregate(HAND_WRITTEN)
+
+
+@pytest.mark.parametrize("sweep", ["agent-sweep", "recall-qwen05"])
+def test_committed_results_with_the_old_names_give_their_committed_tables(sweep: str):
+    out = ROOT / "docs" / "results" / sweep
+    records = bench.read_results(out / bench.RESULTS)
+    assert records and all(r["peak_kv_allocated_bytes"] > 0 for r in records)
+    assert not any("peak_kv_bytes" in r or "full_kv_bytes" in r for r in records)
+    summary = (out / bench.SUMMARY).read_text()
+    assert bench.format_table(bench.aggregate(records)) in summary
+    assert bench.recall_table(records) in summary
 
 
 def test_read_results_keeps_last_record_per_job_and_skips_a_torn_line(tmp_path: Path):
@@ -441,7 +463,7 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     assert len(records) == 2
     for record in records:
         assert record["end_reason"] != "error", record
-        assert record["peak_kv_bytes"] > 0
+        assert record["peak_kv_allocated_bytes"] > 0
         assert record["reference_steps"] == len(task.reference_actions)
         assert 0 <= record["reference_hits"] <= record["reference_steps"]
         steps = sorted(Path(record["trace_dir"]).glob("step_[0-9][0-9][0-9].json"))
@@ -474,7 +496,7 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
         assert record["end_reason"] == "stop" and record["steps"] == 1, record
         assert record["format"] == "notes" and record["k"] == 1
         assert record["kv_reduction_vs_full"] == round(
-            record["full_kv_bytes"] / record["peak_kv_bytes"], 3
+            record["full_kv_allocated_bytes"] / record["peak_kv_allocated_bytes"], 3
         )
         assert (Path(record["trace_dir"]) / "recall.json").is_file()
     assert full["evicted_tokens"] == 0 and full["kv_live_reduction_vs_full"] == 1.0
@@ -733,7 +755,7 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
     ]
     # the reduction is against a full cache of each task's own history
     histories = {401: 9e6, 402: 12e6, 403: 6e6}
-    sized = [{**r, "full_kv_bytes": histories[r["task_id"]]} for r in records]
+    sized = [{**r, "full_kv_allocated_bytes": histories[r["task_id"]]} for r in records]
     assert bench.recall_table(sized).splitlines()[2:] == [
         "| full | 1/1 (1.0x) | 0/1 (1.3x) | 1/1 | – |",
         "| h2o 256 | 1/2 (2.5x) | 0/1 (4.0x) | 0/1 | 1 |",
@@ -869,7 +891,7 @@ def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smoll
     assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
     for record in written:
         assert record["end_reason"] != "error", record
-        assert record["peak_kv_bytes"] > 0 and record["steps"] == 1
+        assert record["peak_kv_allocated_bytes"] > 0 and record["steps"] == 1
     window = next(r for r in written if r["policy"] == "window")
     assert window["steps_compared"] == 1 and "agreement_error" not in window
     assert threads_seen == {"agent-kv-batch"}

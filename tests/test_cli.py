@@ -38,7 +38,8 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
     assert len(summary["step_s"]) == summary["steps"]
     assert summary["end_reason"] in {"stop", "max_steps", "parse_failures", "repeated_action"}
     assert summary["tokens_seen"] > 100
-    assert 0 < summary["peak_kv_live_bytes"] <= summary["peak_kv_bytes"]
+    assert 0 < summary["peak_kv_live_bytes"] <= summary["peak_kv_allocated_bytes"]
+    assert summary["kv_shared_bytes"] == 0  # run-episode shares no prefix blocks
     assert summary["peak_kv_live_bytes"] <= summary["full_kv_live_bytes"]
     assert summary["full_kv_live_bytes"] == summary["tokens_seen"] * 30 * 2 * 3 * 64 * 4
     assert len(summary["ttft_s"]) == summary["steps"]
@@ -51,14 +52,14 @@ def test_one_real_episode_runs_to_completion(tmp_path: Path):
         assert record["observation"].startswith("Tab 0")
         assert (trace / f"step_{step:03d}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (
-        json.loads((trace / "summary.json").read_text())["peak_kv_bytes"]
-        == summary["peak_kv_bytes"]
+        json.loads((trace / "summary.json").read_text())["peak_kv_allocated_bytes"]
+        == summary["peak_kv_allocated_bytes"]
     )
     kv_steps = [json.loads(line) for line in (trace / "kv_steps.jsonl").read_text().splitlines()]
-    assert max(r["kv_bytes"] for r in kv_steps) <= summary["peak_kv_live_bytes"]
-    assert max(r["appended_kv_bytes"] for r in kv_steps) == summary["peak_kv_live_bytes"]
-    assert max(r["allocated_kv_bytes"] for r in kv_steps) == summary["peak_kv_bytes"]
-    assert all(r["kv_bytes"] <= r["appended_kv_bytes"] for r in kv_steps)
+    assert max(r["kv_live_bytes"] for r in kv_steps) <= summary["peak_kv_live_bytes"]
+    assert max(r["appended_kv_live_bytes"] for r in kv_steps) == summary["peak_kv_live_bytes"]
+    assert max(r["kv_allocated_bytes"] for r in kv_steps) == summary["peak_kv_allocated_bytes"]
+    assert all(r["kv_live_bytes"] <= r["appended_kv_live_bytes"] for r in kv_steps)
     assert kv_steps[-1]["seen_tokens"] == summary["tokens_seen"]
 
 
@@ -101,10 +102,10 @@ def test_scripted_episode_evicts_and_holds_less_than_full_kv(tmp_path: Path):
     full_live = summary["full_kv_live_bytes"]
     seen, left = divmod(full_live, 30 * 2 * 3 * 64 * 4)  # every token seen, the answer's too
     assert left == 0 and summary["history_tokens"] < seen <= summary["history_tokens"] + 32
-    assert summary["peak_kv_live_bytes"] < full_live <= summary["full_kv_bytes"]
-    assert summary["peak_kv_bytes"] < summary["full_kv_bytes"]
+    assert summary["peak_kv_live_bytes"] < full_live <= summary["full_kv_allocated_bytes"]
+    assert summary["peak_kv_allocated_bytes"] < summary["full_kv_allocated_bytes"]
     assert summary["kv_reduction_vs_full"] == round(
-        summary["full_kv_bytes"] / summary["peak_kv_bytes"], 3
+        summary["full_kv_allocated_bytes"] / summary["peak_kv_allocated_bytes"], 3
     )
     assert summary["kv_live_reduction_vs_full"] == round(
         full_live / summary["peak_kv_live_bytes"], 3

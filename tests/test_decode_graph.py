@@ -72,7 +72,7 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
 
 
 def test_full_kv_decodes_eagerly(tiny_model):
-    """Full KV's store has no bound (it grows by doubling): its steps stay eager, where torch's
+    """Full KV's store has no bound: its steps stay eager, where torch's
     attention reads a growing cache faster than a compiled loop (`DecodeGraph.takes`)."""
     full, budgeted = (
         _engines(tiny_model, name, params, None)[1]
@@ -118,3 +118,37 @@ def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     assert len(widths) == 3 and store.fp.capacity > capacity[0]
     # the capacities and widths are symbolic sizes in the graph: still the one graph
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_sessions_reading_shared_prefix_blocks_decode_alike_compiled_and_eager(tiny_model):
+    params = {"budget": 96, "protect_recent": 16}
+    engines = [
+        Engine(
+            tiny_model,
+            _Tokenizer(),
+            make_policy("conf-kv", **params),
+            64,
+            compile=compile,
+            share_prefixes=True,
+        )  # fmt: skip
+        for compile in (False, True)
+    ]
+    generator = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 128, (100,), generator=generator).tolist()  # 3 whole blocks
+    for first in (5, 9):  # the second session of each engine reads the first one's blocks
+        runs = []
+        for engine in engines:
+            sequence = engine.new_sequence()
+            sequence.store.pin(0, len(system))
+            engine.feed(sequence, system + [first] * 120)
+            runs.append((engine, sequence))
+        for _ in range(40):
+            token = int(runs[0][1].last_logits.argmax())
+            for engine, sequence in runs:
+                engine.feed(sequence, [token])
+            torch.testing.assert_close(
+                runs[1][1].last_logits, runs[0][1].last_logits, atol=1e-4, rtol=0
+            )
+        assert all(s.store.shared_tokens == 96 for _, s in runs)
+        assert runs[1][1].store.evicted_tokens > 0
+    assert all(engine.prefix_cache.blocks == 3 for engine in engines)

@@ -46,7 +46,7 @@ def test_every_batch1_context_measured(quick_report):
     # full KV keeps every token; conf-kv evicted at the longer context
     longest = rows[-1]
     assert longest["full"]["live_tokens"] == longest["context"] + size.steps
-    assert longest["conf-kv"]["kv_bytes"] < longest["full"]["kv_bytes"]
+    assert longest["conf-kv"]["kv_live_bytes"] < longest["full"]["kv_live_bytes"]
     assert longest["conf-kv"]["live_tokens"] <= size.budget
 
 

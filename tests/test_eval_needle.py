@@ -89,7 +89,7 @@ def test_quick_run(smollm, tmp_path, monkeypatch, grid):
         assert 0.0 <= cell["accuracy"] <= 1.0
     for trial in trials:
         assert trial["right"] == is_right(trial["answer"], trial["key"])
-        assert trial["peak_kv_bytes"] > 0
+        assert trial["peak_kv_allocated_bytes"] > 0
     assert len(lines) == len(trials)
 
     # full KV finds the key in short contexts; the budgeted policies hold less at the longest
@@ -97,7 +97,7 @@ def test_quick_run(smollm, tmp_path, monkeypatch, grid):
     assert sum(t["right"] for t in full) >= len(full) // 2
     longest = labels[len(size.lengths) - 1]
     peak = {
-        t["policy"]: t["peak_kv_bytes"]
+        t["policy"]: t["peak_kv_allocated_bytes"]
         for t in trials
         if t["length"] == longest and t["depth"] == 0
     }

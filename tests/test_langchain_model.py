@@ -67,7 +67,8 @@ def test_invoke_reports_usage_and_kv(reference, service):
     assert (metadata["finish_reason"] == "length") == (usage["output_tokens"] == MAX_TOKENS)
     assert metadata["model_name"] == "smollm2-135m"
     assert metadata["kv"]["session_id"] == "reference"
-    assert metadata["kv"]["policy"] == "conf-kv" and metadata["kv"]["kv_bytes"] > 0
+    assert metadata["kv"]["policy"] == "conf-kv" and metadata["kv"]["kv_live_bytes"] > 0
+    assert metadata["kv"]["kv_bytes"] == metadata["kv"]["kv_live_bytes"]  # deprecated alias
     if metadata["finish_reason"] == "length":
         assert usage["output_tokens"] == MAX_TOKENS
 
@@ -144,7 +145,7 @@ def test_server_invoke_and_stream_match_in_process(remote, reference):
         "model_name": "smollm2-135m",
     }
     assert kv["session_id"] == "server-stream" and kv["policy"] == "conf-kv"
-    assert kv["kv_bytes"] == reference.response_metadata["kv"]["kv_bytes"]
+    assert kv["kv_live_bytes"] == reference.response_metadata["kv"]["kv_live_bytes"]
 
 
 async def test_server_async_and_session_reuse(remote, reference):

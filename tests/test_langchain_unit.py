@@ -138,7 +138,7 @@ def test_sse_lines_become_chunks():
     assert _sse_chunk(sse(choices=[role])) is None
     text = _sse_chunk(sse(choices=[{"delta": {"content": "Hi"}, "finish_reason": None}]))
     assert text.message.content == "Hi"
-    kv = {"session_id": "auto-1", "kv_bytes": 1024}
+    kv = {"session_id": "auto-1", "kv_live_bytes": 1024}
     end = _sse_chunk(sse(choices=[{"delta": {}, "finish_reason": "length"}], kv=kv))
     assert end.message.response_metadata == {
         "finish_reason": "length",

@@ -157,3 +157,14 @@ def test_a_session_that_rewrites_its_shared_history_copies_the_block_it_cuts(eng
     reference = alone.new_sequence()
     expected = alone.feed(reference, sequence.token_ids[:end] + more)
     assert torch.allclose(logits, expected, atol=2e-3)
+
+
+def test_a_short_soak_gives_every_shared_block_back(smollm):
+    from benchmarks.soak import soak
+
+    # 12 sessions x 3 turns under a cap that holds about four: sessions spill and come back
+    out = soak(smollm, sessions=12, turns=3, cap_mb=60, ttl=30, max_user=60, every=12, seed=1)
+    assert out["spilled"] > 0
+    assert all(s["allocated_mb"] <= 60 for s in out["samples"])
+    assert max(s["shared_blocks"] for s in out["samples"]) >= 8  # both system prompts shared
+    assert out["shared_blocks_left"] == 0 and out["shared_runs_left"] == 0

@@ -68,8 +68,15 @@ def test_langchain_in_process(capsys):
     assert kv["policy"] == "conf-kv" and kv["session_id"] == "episode-1"
     assert kv["rebuild"] == "none"
     tokens = usage["input_tokens"] + usage["output_tokens"]
-    assert kv["full_kv_bytes"] == FP32_TOKEN_BYTES * tokens
-    assert 0 < kv["peak_kv_bytes"] <= kv["full_kv_bytes"]
+    assert kv["full_kv_live_bytes"] == FP32_TOKEN_BYTES * tokens
+    assert 0 < kv["peak_kv_live_bytes"] <= kv["full_kv_live_bytes"]
+    assert kv["peak_kv_live_bytes"] <= kv["peak_kv_allocated_bytes"]
+    # the deprecated aliases, for one release: the live figures under their old names
+    assert (kv["kv_bytes"], kv["peak_kv_bytes"], kv["full_kv_bytes"]) == (
+        kv["kv_live_bytes"],
+        kv["peak_kv_live_bytes"],
+        kv["full_kv_live_bytes"],
+    )
     assert kv["evicted_tokens"] == 0  # 110 tokens, under the budget of 1024
     # the system message and the pinned page
     assert 0 < kv["pinned_tokens"] < usage["input_tokens"]
@@ -78,8 +85,8 @@ def test_langchain_in_process(capsys):
     assert usage["input_token_details"]["cache_read"] == first_turn
     assert usage["output_tokens"] <= 16
     lines = capsys.readouterr().out.splitlines()
-    figures = (kv[name] for name in ("peak_kv_bytes", "full_kv_bytes", "evicted_tokens"))
-    assert lines[-2] == " ".join(str(n) for n in (*figures, kv["pinned_tokens"]))
+    figures = ("peak_kv_live_bytes", "full_kv_live_bytes", "evicted_tokens", "pinned_tokens")
+    assert lines[-2] == " ".join(str(kv[name]) for name in figures)
     assert lines[-1] == f"{first_turn} of {usage['input_tokens']} prompt tokens"
 
 
@@ -90,7 +97,9 @@ def test_langchain_against_the_server(live_server, capsys):
     assert reply.content.strip() and streamed.content.strip()
     first_kv, kv = reply.response_metadata["kv"], streamed.response_metadata["kv"]
     assert first_kv["session_id"] == kv["session_id"] == "episode-2"
-    assert 0 < first_kv["peak_kv_bytes"] < kv["peak_kv_bytes"] <= kv["full_kv_bytes"]
+    assert 0 < first_kv["peak_kv_live_bytes"] < kv["peak_kv_live_bytes"]
+    assert kv["peak_kv_live_bytes"] <= kv["full_kv_live_bytes"]
+    assert kv["peak_kv_bytes"] == kv["peak_kv_live_bytes"]  # the deprecated alias
     first_turn = reply.usage_metadata["input_tokens"] + reply.usage_metadata["output_tokens"]
     usage = streamed.usage_metadata
     assert usage["input_token_details"]["cache_read"] == first_turn
@@ -107,12 +116,14 @@ def test_openai_client_against_the_server(live_server, capsys):
     # the header named the session of the first call, `user` that of the streamed one
     assert first_kv["session_id"] == kv["session_id"] == "episode-3"
     assert first_kv["pinned_tokens"] > 0 and first_kv["evicted_tokens"] == 0
-    assert 0 < first_kv["peak_kv_bytes"] < kv["peak_kv_bytes"] <= kv["full_kv_bytes"]
+    assert 0 < first_kv["peak_kv_live_bytes"] < kv["peak_kv_live_bytes"]
+    assert kv["peak_kv_live_bytes"] <= kv["full_kv_live_bytes"]
+    assert kv["full_kv_bytes"] == kv["full_kv_live_bytes"]  # the deprecated alias
     first_turn = first.usage.prompt_tokens + first.usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens == first_turn
     assert usage.prompt_tokens > first_turn and 0 < usage.completion_tokens <= 16
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last == f"{kv['peak_kv_bytes']} {first_turn} of {usage.prompt_tokens}"
+    assert last == f"{kv['peak_kv_live_bytes']} {first_turn} of {usage.prompt_tokens}"
 
 
 @pytest.mark.browser

@@ -123,3 +123,32 @@ def test_scheduler_feed_refuses_as_engine_feed_and_stops_when_cancelled(smollm):
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         view.feed(sequence, [5])
+
+
+def test_episodes_on_one_scheduler_read_their_common_system_turn_once(smollm):
+    spec = PolicySpec.parse("conf-kv", 160, None)
+    system = "You are a web agent. Reply with exactly one action, nothing else. " * 8
+
+    def chat(engine, topic: str) -> Conversation:
+        conversation = Conversation(engine)
+        conversation.add("system", system, pin=True)
+        conversation.add("user", f"Find the cheapest {topic}.")
+        conversation.reply(SamplingParams(max_new_tokens=6))
+        return conversation
+
+    base = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=CHUNK,
+                  share_prefixes=True)  # fmt: skip
+    scheduler = BatchScheduler(base, max_batch=2)
+    view = ScheduledEngine.from_spec(spec, scheduler)
+    plain = Engine.from_spec(spec, smollm.model, smollm.tokenizer, CHUNK)
+    try:
+        shared = [chat(view, topic) for topic in ("laptops", "violins")]
+    finally:
+        scheduler.close()
+    alone = [chat(plain, topic) for topic in ("laptops", "violins")]
+    assert [c.messages[-1] for c in shared] == [c.messages[-1] for c in alone]
+    stores = [c.sequence.store for c in shared]
+    whole = shared[0].spans[0][1] // 32 * 32
+    assert whole >= 3 * 32 and all(store.shared_tokens == whole for store in stores)
+    assert stores[0].shared_views()[0].run is stores[1].shared_views()[0].run
+    assert base.prefix_cache.blocks == whole // 32

@@ -7,12 +7,13 @@ import time
 
 import pytest
 import torch
-from helpers import kept_positions
+from helpers import kept_positions, with_old_names
 
 from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.sequence import Sequence, StepRecord
 from agent_kv.serving.session_store import (
     HistorySync,
     SessionBusyError,
@@ -50,8 +51,13 @@ def test_least_recently_used_idle_session_leaves_memory_first(engine):
         clock.now = float(t)
         feed(store, sid, list(range(10, 110)))  # 100 tokens each
     assert store.in_memory() == ["b", "c"] and store.dropped == 1
-    assert store.kv_bytes() == 200 * BYTES_PER_TOKEN
+    assert store.live_bytes() == 200 * BYTES_PER_TOKEN
     assert store.allocated_bytes() == 2 * SESSION_BYTES
+    assert store.shared_bytes() == 0  # an engine without prefix sharing
+    listed = store.describe()
+    assert [s.kv_live_bytes for s in listed] == [100 * BYTES_PER_TOKEN] * 2
+    assert [s.kv_allocated_bytes for s in listed] == [SESSION_BYTES] * 2
+    assert all(s.kv_bytes == s.kv_live_bytes for s in listed)  # the deprecated alias
     clock.now = 3.0
     feed(store, "b", [5])  # b is now the most recent: c goes next
     clock.now = 4.0
@@ -72,6 +78,25 @@ def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
     clock.now = 2.0
     resumed = feed(store, "a", [7])
     assert torch.equal(resumed, engine.feed(reference, [7]))
+
+
+def test_a_session_saved_with_the_old_step_record_names_loads(engine, tmp_path):
+    sequence = engine.new_sequence()
+    engine.feed(sequence, list(range(10, 60)))
+    path = tmp_path / "old.pt"
+    sequence.save(path)
+    data = torch.load(path, weights_only=True)
+    data["steps"] = [with_old_names(step) for step in data["steps"]]
+    assert {"appended_kv_bytes", "kv_bytes", "allocated_kv_bytes"} <= set(data["steps"][0])
+    torch.save(data, path)
+    assert Sequence.load(path, engine.model).steps == sequence.steps
+    # a record from before allocated bytes were recorded
+    old = {"seen_tokens": 5, "appended_kv_bytes": 10, "kv_bytes": 8, "confidence": 0.5}
+    old |= {"gated": True, "budget": None, "evicted": 1}
+    assert StepRecord.read(old) == StepRecord(
+        seen_tokens=5, appended_kv_live_bytes=10, kv_live_bytes=8, confidence=0.5, gated=True,
+        budget=None, evicted=1, kv_allocated_bytes=0,
+    )  # fmt: skip
 
 
 def test_idle_sessions_expire_and_in_flight_ones_never_leave(engine):

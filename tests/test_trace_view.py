@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import random_tokens
+from helpers import random_tokens, with_old_names
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -50,7 +50,7 @@ def fake_trace(tmp_path: Path) -> Path:
             "error": None,
             "kv_allocated_bytes": 2_500_000,
             "kv_live_bytes": 2_000_000,
-            "peak_kv_bytes": 3_600_000,
+            "peak_kv_allocated_bytes": 3_600_000,
             "peak_kv_live_bytes": 3_000_000,
             "tokens_seen": 100 * step,
         }
@@ -64,9 +64,9 @@ def fake_trace(tmp_path: Path) -> Path:
                 json.dumps(
                     {
                         "seen_tokens": 50 * (i + 1),
-                        "appended_kv_bytes": kv + 500_000,
-                        "kv_bytes": kv,
-                        "allocated_kv_bytes": kv + 800_000,
+                        "appended_kv_live_bytes": kv + 500_000,
+                        "kv_live_bytes": kv,
+                        "kv_allocated_bytes": kv + 800_000,
                         "confidence": i / 5,
                         "gated": True,
                         "budget": 256,
@@ -75,9 +75,9 @@ def fake_trace(tmp_path: Path) -> Path:
                 )
                 + "\n"
             )
-    (trace / "summary.json").write_text(
-        json.dumps({"task_id": 1, "policy": "window", "success": True, "steps": 2})
-    )
+    summary = {"task_id": 1, "policy": "window", "success": True, "steps": 2}
+    summary |= {"peak_kv_allocated_bytes": 3_600_000, "full_kv_allocated_bytes": 9_000_000}
+    (trace / "summary.json").write_text(json.dumps(summary))
     return trace
 
 
@@ -92,6 +92,7 @@ def test_html_trace_from_a_fake_trace_dir(fake_trace: Path):
     assert "<svg" in html and html.count("<polyline") == 3  # live, allocated, confidence
     assert "KV 2.5 MB allocated, 2.0 MB live (peak 3.6 MB allocated, 3.0 MB live)" in html
     assert "over 6 forward calls" in html
+    assert "<td>peak_kv_allocated_bytes</td><td>3600000</td>" in html
     assert html.count("<details>") == 2 and "Blue road bike&#39; step 2" in html
     assert "stop [&lt;b&gt;$120&lt;/b&gt;]" in html  # replies are escaped
     assert "<b>$120" not in html
@@ -99,8 +100,22 @@ def test_html_trace_from_a_fake_trace_dir(fake_trace: Path):
     assert 'src="http' not in html  # nothing fetched from outside
 
 
+def test_a_trace_written_with_the_old_names_renders_as_in_the_new(fake_trace: Path):
+    html = write_trace_html(fake_trace).read_text()
+    current = load_trace(fake_trace)
+    for path in [*fake_trace.glob("step_*.json"), fake_trace / "summary.json"]:
+        path.write_text(json.dumps(with_old_names(json.loads(path.read_text()))))
+    kv_path = fake_trace / "kv_steps.jsonl"
+    lines = kv_path.read_text().splitlines()
+    kv_path.write_text("".join(json.dumps(with_old_names(json.loads(x))) + "\n" for x in lines))
+    assert '"peak_kv_bytes"' in (fake_trace / "summary.json").read_text()
+    assert '"allocated_kv_bytes"' in kv_path.read_text()
+    assert load_trace(fake_trace) == current
+    assert write_trace_html(fake_trace).read_text() == html
+
+
 def test_sawtooth_plot_has_two_points_per_call():
-    records = [{"appended_kv_bytes": 3e6, "kv_bytes": 1e6, "confidence": 0.5}] * 4
+    records = [{"appended_kv_live_bytes": 3e6, "kv_live_bytes": 1e6, "confidence": 0.5}] * 4
     svg = kv_plot_svg(records)
     saw = svg.split('<polyline points="')[1].split('"')[0].split()
     assert len(saw) == 8
@@ -109,7 +124,8 @@ def test_sawtooth_plot_has_two_points_per_call():
 
 
 def test_allocated_bytes_plot_as_one_point_per_call_on_the_same_axis():
-    records = [{"appended_kv_bytes": 2e6, "kv_bytes": 1e6, "allocated_kv_bytes": 4e6}] * 3
+    records = [{"appended_kv_live_bytes": 2e6, "kv_live_bytes": 1e6, "kv_allocated_bytes": 4e6}]
+    records *= 3
     svg = kv_plot_svg(records)
     held = svg.split('<polyline points="')[2].split('"')[0].split()
     assert len(held) == 3
@@ -174,7 +190,7 @@ def cached_trace(tmp_path: Path) -> Path:
     calls = [(7, 7 * MB), (8, 8 * MB), (13, 10 * MB), (14, 10 * MB)]
     (trace / "kv_steps.jsonl").write_text(
         "".join(
-            json.dumps({"seen_tokens": seen, "kv_bytes": live, "confidence": 0.5, "budget": 2})
+            json.dumps({"seen_tokens": seen, "kv_live_bytes": live, "confidence": 0.5, "budget": 2})
             + "\n"
             for seen, live in calls
         )

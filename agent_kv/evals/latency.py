@@ -156,9 +156,9 @@ class BatchRun:
         generated: tokens generated, summed over rows.
         decode_s: decode wall time (seconds after the first token; the longest row's).
         wall_s: seconds of the whole call (prefill of every row + decode).
-        kv_bytes: live KV bytes of the batch's store at the end, all rows.
+        kv_live_bytes: live KV bytes of the batch's store at the end, all rows.
         kv_allocated_bytes: bytes its buffers held at the end, spare capacity included.
-        peak_kv_bytes: the store's peak live KV bytes.
+        peak_kv_live_bytes: the store's peak live KV bytes.
     """
 
     policy: str
@@ -168,9 +168,9 @@ class BatchRun:
     generated: int
     decode_s: float
     wall_s: float
-    kv_bytes: int
+    kv_live_bytes: int
     kv_allocated_bytes: int
-    peak_kv_bytes: int
+    peak_kv_live_bytes: int
     per_row_generated: list[int] = field(default_factory=list)
 
 
@@ -325,9 +325,9 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
             "median_ms": statistics.median(times[label]) * 1e3,
             "mean_ms": statistics.fmean(times[label]) * 1e3,
             "policy_share": timers[label].seconds / sum(times[label]),
-            "kv_bytes": store.nbytes(),
+            "kv_live_bytes": store.nbytes(),
             "kv_allocated_bytes": store.allocated_nbytes(),
-            "peak_kv_bytes": store.peak_bytes,
+            "peak_kv_live_bytes": store.peak_bytes,
             "live_tokens": max(store.lengths()),
             "seen_tokens": store.seen_tokens,
         }
@@ -362,9 +362,9 @@ def _batch_run(engine: Engine, label: str, prompts: list[list[int]], new_tokens:
         generated=sum(per_row),
         decode_s=max(g.decode_s for g in result.generations),
         wall_s=wall,
-        kv_bytes=result.store.nbytes(),
+        kv_live_bytes=result.store.nbytes(),
         kv_allocated_bytes=result.store.allocated_nbytes(),
-        peak_kv_bytes=result.store.peak_bytes,
+        peak_kv_live_bytes=result.store.peak_bytes,
         per_row_generated=per_row,
     )
 
@@ -398,9 +398,9 @@ def _pool(runs: list[BatchRun], by_context: dict[int, dict]) -> list[dict]:
                 "decode_s": seconds,
                 "tokens_per_s": generated / seconds,
                 "batch1_tokens_per_s": 1e3 / by_context[context][label]["mean_ms"],
-                "kv_bytes": mine[-1].kv_bytes,
+                "kv_live_bytes": mine[-1].kv_live_bytes,
                 "kv_allocated_bytes": mine[-1].kv_allocated_bytes,
-                "peak_kv_bytes": max(r.peak_kv_bytes for r in mine),
+                "peak_kv_live_bytes": max(r.peak_kv_live_bytes for r in mine),
             }
         row["throughput_ratio"] = row["conf-kv"]["tokens_per_s"] / row["full"]["tokens_per_s"]
         pooled.append(row)
@@ -424,7 +424,7 @@ def _threads(n: int) -> str:
 
 def _mb(figures: dict) -> str:
     """A row's KV bytes in MB: allocated (spare capacity included), live beside it."""
-    return f"{figures['kv_allocated_bytes'] / 1e6:.1f} ({figures['kv_bytes'] / 1e6:.1f} live)"
+    return f"{figures['kv_allocated_bytes'] / 1e6:.1f} ({figures['kv_live_bytes'] / 1e6:.1f} live)"
 
 
 def _latency_table(single: list[dict], size: Size) -> Table:

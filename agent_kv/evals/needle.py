@@ -174,7 +174,7 @@ def run(ctx: EvalContext) -> Report:
                             "key": key,
                             "answer": reply.text,
                             "right": right,
-                            "peak_kv_bytes": session.store.peak_allocated_bytes,
+                            "peak_kv_allocated_bytes": session.store.peak_allocated_bytes,
                             "peak_kv_live_bytes": session.store.peak_bytes,
                             "peak_cold_kv_bytes": session.store.peak_cold_bytes,
                             "recall_s": round(_recall_s(session.store), 3),
@@ -207,7 +207,7 @@ def _peak_mb(trials: list[dict]) -> str:
     tier's peak after a `+` when there is one."""
     if not trials:
         return "n/a"
-    allocated = max(t["peak_kv_bytes"] for t in trials)
+    allocated = max(t["peak_kv_allocated_bytes"] for t in trials)
     live = max(t["peak_kv_live_bytes"] for t in trials)
     cold = max(t["peak_cold_kv_bytes"] for t in trials)
     text = f"{allocated / 1e6:.1f} ({live / 1e6:.1f})"

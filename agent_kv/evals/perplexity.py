@@ -109,7 +109,7 @@ def score_segment(loaded: LoadedModel, variant: Variant, ids: list[int]) -> Scor
         tokens=log_probs.numel(),
         peak_bytes=session.store.peak_bytes,
         peak_allocated_bytes=session.store.peak_allocated_bytes,
-        mean_bytes=sum(s.kv_bytes for s in session.steps) / len(session.steps),
+        mean_bytes=sum(s.kv_live_bytes for s in session.steps) / len(session.steps),
         mean_budget=sum(budgets) / len(budgets) if budgets else None,
     )
 

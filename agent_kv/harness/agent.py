@@ -81,15 +81,18 @@ class EpisodeResult:
     live beside it:
 
     Attributes:
-        peak_kv_bytes: the most bytes the KV store's buffers held at any point of the episode,
-            spare capacity included (`KVStore.peak_allocated_bytes`).
+        peak_kv_allocated_bytes: the most bytes the KV store's buffers held at any point of
+            the episode, spare capacity included (`KVStore.peak_allocated_bytes`).
         peak_kv_live_bytes: the most bytes of live keys, values and scales it held
             (`KVStore.peak_bytes`).
-        full_kv_bytes: what a full KV cache of the tokens seen would be allocated at full
-            precision under the same growth rule (`KVStore.full_kv_allocated_nbytes`): the
-            allocated reference `peak_kv_bytes` is compared with.
+        full_kv_allocated_bytes: what a full KV cache of the tokens seen would be allocated at
+            full precision under the same growth rule (`KVStore.full_kv_allocated_nbytes`):
+            the allocated reference `peak_kv_allocated_bytes` is compared with.
         full_kv_live_bytes: the live bytes of those tokens alone, at full precision
             (`KVStore.full_kv_nbytes`): the live-equivalent reference.
+        kv_shared_bytes: bytes of the shared prefix blocks the episode's store reads at its
+            end (`KVStore.shared_nbytes`; held once for every session that reads them, so
+            apart from the figures above; 0 without prefix sharing).
         peak_cold_kv_bytes: the most bytes the cold tier held (evicted tokens kept for
             recall, `ColdTier.peak_bytes`; 0 without one), apart from the hot figures above.
     """
@@ -108,10 +111,11 @@ class EpisodeResult:
     error: str | None
     steps: int
     tokens_seen: int
-    peak_kv_bytes: int
+    peak_kv_allocated_bytes: int
     peak_kv_live_bytes: int
-    full_kv_bytes: int
+    full_kv_allocated_bytes: int
     full_kv_live_bytes: int
+    kv_shared_bytes: int
     evicted_tokens: int
     int8: dict | None
     quantized_tokens: int
@@ -125,18 +129,19 @@ class EpisodeResult:
 
     def summary(self) -> dict[str, Any]:
         """The result as a JSON-ready dict, with the KV reduction vs full KV added, like with
-        like: `kv_reduction_vs_full` is allocated over allocated (`full_kv_bytes /
-        peak_kv_bytes`), `kv_live_reduction_vs_full` live over live."""
+        like: `kv_reduction_vs_full` is allocated over allocated (`full_kv_allocated_bytes /
+        peak_kv_allocated_bytes`), `kv_live_reduction_vs_full` live over live."""
         return asdict(self) | kv_reductions(self)
 
 
 def kv_reductions(result) -> dict[str, float | None]:
     """Full KV's bytes over the policy's peak, like with like, of a result with the fields
-    `full_kv_bytes`, `peak_kv_bytes`, `full_kv_live_bytes` and `peak_kv_live_bytes`:
-    `kv_reduction_vs_full` (allocated over allocated) and `kv_live_reduction_vs_full` (live
-    over live), each rounded to 3 places, None when the peak is 0."""
+    `full_kv_allocated_bytes`, `peak_kv_allocated_bytes`, `full_kv_live_bytes` and
+    `peak_kv_live_bytes` (bytes): `kv_reduction_vs_full` (allocated over allocated) and
+    `kv_live_reduction_vs_full` (live over live), each rounded to 3 places, None when the
+    peak is 0."""
     ratios = {
-        "kv_reduction_vs_full": (result.full_kv_bytes, result.peak_kv_bytes),
+        "kv_reduction_vs_full": (result.full_kv_allocated_bytes, result.peak_kv_allocated_bytes),
         "kv_live_reduction_vs_full": (result.full_kv_live_bytes, result.peak_kv_live_bytes),
     }
     return {key: round(full / peak, 3) if peak else None for key, (full, peak) in ratios.items()}
@@ -286,10 +291,11 @@ def run_episode(
         error=error,
         steps=steps,
         tokens_seen=store.seen_tokens,
-        peak_kv_bytes=store.peak_allocated_bytes,
+        peak_kv_allocated_bytes=store.peak_allocated_bytes,
         peak_kv_live_bytes=store.peak_bytes,
-        full_kv_bytes=store.full_kv_allocated_nbytes(),
+        full_kv_allocated_bytes=store.full_kv_allocated_nbytes(),
         full_kv_live_bytes=store.full_kv_nbytes(),
+        kv_shared_bytes=store.shared_nbytes(),
         peak_cold_kv_bytes=store.peak_cold_bytes,
         evicted_tokens=store.evicted_tokens,
         int8=None if store.int8 is None else asdict(store.int8),
@@ -348,7 +354,7 @@ def _write_step(
         "info": result.info,
         "kv_allocated_bytes": store.allocated_nbytes(),
         "kv_live_bytes": store.nbytes(),
-        "peak_kv_bytes": store.peak_allocated_bytes,
+        "peak_kv_allocated_bytes": store.peak_allocated_bytes,
         "peak_kv_live_bytes": store.peak_bytes,
         "cold_kv_bytes": store.cold_nbytes(),
         "kv_lengths": store.lengths(),

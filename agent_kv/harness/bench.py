@@ -82,6 +82,7 @@ from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.renamed_fields import current_names
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
 from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
@@ -359,14 +360,16 @@ def full_job(task_id: int, agent: str = "text") -> Job:
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:
-    """The records of a results.jsonl, the last one per job key, in file order. A truncated
-    last line (a sweep killed mid-write) is ignored; a missing file is no records."""
+    """The records of a results.jsonl, the last one per job key, in file order, in the
+    current field names (a record written with the old ones is read too:
+    `agent_kv.renamed_fields`). A truncated last line (a sweep killed mid-write) is ignored;
+    a missing file is no records."""
     records: dict[tuple, dict[str, Any]] = {}
     if not path.exists():
         return []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            record = json.loads(line)
+            record = current_names(json.loads(line))
             records[record_key(record)] = record
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
@@ -381,7 +384,7 @@ def error_record(error: str) -> dict[str, Any]:
         "end_reason": "error",
         "error": error,
         "steps": 0,
-        "peak_kv_bytes": None,
+        "peak_kv_allocated_bytes": None,
         "decode_tokens_per_s": [],
     }
 
@@ -847,7 +850,8 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (policy, budget, precision, agent), `full` first, then by policy, budget
-    and agent. Each row is compared with the full-KV episodes of its own agent.
+    and agent, of records in the current field names (`read_results`). Each row is compared
+    with the full-KV episodes of its own agent.
 
     Row fields: `policy`, `budget` (None for full), `precision`, `agent`, `episodes`,
     `errors`, `success_rate` (errors count as failures), `relative_success` (this row's
@@ -879,9 +883,10 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if base:
                 relative = _mean(float(bool(r.get("success"))) for r in common) / base
         peaks = [
-            (full[r["task_id"]]["peak_kv_bytes"], r["peak_kv_bytes"])
+            (full[r["task_id"]]["peak_kv_allocated_bytes"], r["peak_kv_allocated_bytes"])
             for r in common
-            if r.get("peak_kv_bytes") and full[r["task_id"]].get("peak_kv_bytes")
+            if r.get("peak_kv_allocated_bytes")
+            and full[r["task_id"]].get("peak_kv_allocated_bytes")
         ]
         reduction = None
         if peaks:
@@ -898,7 +903,9 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         full_rate = None
         if common:
             full_rate = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
-        peak = _mean(r["peak_kv_bytes"] for r in group if r.get("peak_kv_bytes"))
+        peak = _mean(
+            r["peak_kv_allocated_bytes"] for r in group if r.get("peak_kv_allocated_bytes")
+        )
         live = _mean(r["peak_kv_live_bytes"] for r in group if r.get("peak_kv_live_bytes"))
         cold = _mean(r.get("peak_cold_kv_bytes") or 0 for r in group)
         rows.append(
@@ -1103,13 +1110,13 @@ def per_task_table(records: list[dict[str, Any]], out: Path) -> str:
 def recall_table(records: list[dict[str, Any]]) -> str:
     """Markdown: recall-suite success per policy setting (rows) and k, the pages between the
     fact and the question (columns), each cell `solved/tasks`, followed, where the records
-    carry `full_kv_bytes`, by the mean KV reduction of those tasks against a full cache of
-    the same history (`full_kv_bytes / peak_kv_bytes`, allocated bytes: a full-KV row past
-    the model's context stops at the overflow, so the reduction is taken against the history
-    itself, not against full KV's record). Two last columns compare each row with full KV on
-    the tasks full KV solved: how many of them the row solved too, and the smallest k among
-    those it lost ("–" when it lost none, or when there is no full-KV row). Empty when no
-    record has a `k` (a free-navigation sweep)."""
+    carry `full_kv_allocated_bytes`, by the mean KV reduction of those tasks against a full
+    cache of the same history (`full_kv_allocated_bytes / peak_kv_allocated_bytes`: a full-KV
+    row past the model's context stops at the overflow, so the reduction is taken against the
+    history itself, not against full KV's record). Two last columns compare each row with full
+    KV on the tasks full KV solved: how many of them the row solved too, and the smallest k
+    among those it lost ("–" when it lost none, or when there is no full-KV row). Empty when
+    no record has a `k` (a free-navigation sweep)."""
     recall = [r for r in records if r.get("k") is not None]
     if not recall:
         return ""
@@ -1150,9 +1157,9 @@ def _recall_cell(records: list[dict[str, Any]]) -> str:
         return ""
     cell = f"{sum(bool(r.get('success')) for r in records)}/{len(records)}"
     ratios = [
-        r["full_kv_bytes"] / r["peak_kv_bytes"]
+        r["full_kv_allocated_bytes"] / r["peak_kv_allocated_bytes"]
         for r in records
-        if r.get("full_kv_bytes") and r.get("peak_kv_bytes")
+        if r.get("full_kv_allocated_bytes") and r.get("peak_kv_allocated_bytes")
     ]
     return f"{cell} ({_mean(ratios):.1f}x)" if ratios else cell
 

@@ -12,6 +12,8 @@ The trace directory is what `agent.run_episode` writes:
 - `summary.json` (the episode summary with the evaluator's verdict: `score`, `answer`,
   `eval_details`).
 
+Traces written before the KV figures were renamed are read too (`agent_kv.renamed_fields`).
+
 The page shows the goal, the expected answer and the verdict, the summary, an inline SVG plot
 of the KV memory over the forward calls (`kv_plot_svg`), then per step its wall time, the
 screenshot(s), the reply and the parsed action, the observation text and the prompt the model
@@ -31,6 +33,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup, escape
 
 from agent_kv.errors import AgentKVError
+from agent_kv.renamed_fields import current_names
 
 if TYPE_CHECKING:
     from agent_kv.runtime.conversation import Conversation
@@ -137,7 +140,8 @@ def load_trace(trace_dir: Path) -> dict[str, Any]:
     Returns:
         `task` and `summary` (dicts or None), `kv_steps` (list of records), `steps` (per step:
         the step_NNN.json record plus `screenshot` and `som` data URIs or None, and `step_s`
-        from the summary for records written without it).
+        from the summary for records written without it); the summary's, the steps' and the
+        forward calls' KV figures in the current names (`renamed_fields.current_names`).
 
     Raises:
         TraceError: not a directory, no step file and no kv_steps.jsonl, or a file that does
@@ -153,13 +157,14 @@ def load_trace(trace_dir: Path) -> dict[str, Any]:
     if not step_files and not kv_path.exists():
         raise TraceError(f"{trace_dir}: not an episode trace (no step_NNN.json, no kv_steps.jsonl)")
     summary_path, task_path = trace_dir / "summary.json", trace_dir / TASK_JSON
-    summary = _read_json(summary_path) if summary_path.exists() else None
+    summary = current_names(_read_json(summary_path)) if summary_path.exists() else None
     step_times = (summary or {}).get("step_s") or []
     steps = []
     for number, path in step_files:
         record = _read_json(path)
         if not isinstance(record, dict):
             raise TraceError(f"{path}: expected a JSON object")
+        record = current_names(record)
         stem = f"step_{number:03d}"
         record["screenshot"] = _image(trace_dir / f"{stem}.png")
         record["som"] = _image(trace_dir / f"{stem}.som.png") or _image(
@@ -173,7 +178,7 @@ def load_trace(trace_dir: Path) -> dict[str, Any]:
     if kv_path.exists():
         try:
             lines = kv_path.read_text(encoding="utf-8").splitlines()
-            kv_steps = [json.loads(line) for line in lines if line.strip()]
+            kv_steps = [current_names(json.loads(line)) for line in lines if line.strip()]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise TraceError(f"{kv_path}: cannot read: {err}") from None
     task = _read_json(task_path) if task_path.exists() else None
@@ -361,9 +366,9 @@ def kv_plot_svg(
     plot_w, plot_h = width - left - right, height - top - bottom
     n = len(kv_steps)
     per_token = next((s["kv_bytes_per_token"] for s in steps if "kv_bytes_per_token" in s), 0)
-    appended = [r.get("appended_kv_bytes", r.get("kv_bytes", 0)) / 1e6 for r in kv_steps]
-    kept = [r.get("kv_bytes", 0) / 1e6 for r in kv_steps]
-    allocated = [r.get("allocated_kv_bytes", 0) / 1e6 for r in kv_steps]
+    appended = [r.get("appended_kv_live_bytes", r.get("kv_live_bytes", 0)) / 1e6 for r in kv_steps]
+    kept = [r.get("kv_live_bytes", 0) / 1e6 for r in kv_steps]
+    allocated = [r.get("kv_allocated_bytes", 0) / 1e6 for r in kv_steps]
     full = [r.get("seen_tokens", 0) * per_token / 1e6 for r in kv_steps]
     budget = _budget_mb(kv_steps, steps, per_token) if per_token else [None] * n
     top_mb = max(*appended, *kept, *allocated, *full, *(b or 0 for b in budget)) or 1.0

@@ -26,6 +26,7 @@ and counted apart from a sequence's own KV (`KVStore.shared_nbytes`).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 import weakref
@@ -120,6 +121,9 @@ class PrefixCache:
         self._index: dict[bytes, tuple[PrefixRun, int]] = {}  # digest -> (run, block)
         self._runs: set[PrefixRun] = set()
         self._lock = threading.Lock()
+        self._collected: collections.deque[list[SharedView]] = collections.deque()
+        """Views of holders the garbage collector took: given back at the next call (a
+        finalizer may run inside any call, even one holding the lock)."""
 
     def digests(self, parent: bytes, tokens: list[int]) -> list[bytes]:
         """The digests of the whole blocks of `tokens` (a block-aligned run after the block
@@ -129,6 +133,16 @@ class PrefixCache:
             parent = block_digest(parent, tokens[start : start + size], self.identity)
             out.append(parent)
         return out
+
+    def release_later(self, views: list[SharedView]) -> None:
+        """Give back the references `views` took at this cache's next call (what a collected
+        holder does: safe from any thread, at any point)."""
+        self._collected.append(list(views))
+
+    def _drain(self) -> None:
+        """Give back the references of collected holders (called holding the lock)."""
+        while self._collected:
+            self._release(self._collected.popleft())
 
     def match(self, digests: list[bytes]) -> list[SharedView]:
         """The views that read the longest held chain of `digests` (each block's digest, in
@@ -140,6 +154,7 @@ class PrefixCache:
 
     def _match(self, digests: list[bytes]) -> tuple[list[SharedView], int]:
         """`match` and how many of `digests` it found (called holding the lock)."""
+        self._drain()
         views: list[SharedView] = []
         found = 0
         for digest in digests:
@@ -191,6 +206,12 @@ class PrefixCache:
                 self._index.setdefault(digest, (run, block))
         return [*views, SharedView(run, len(run.digests), self.block_tokens)]
 
+    def retain(self, views: list[SharedView]) -> None:
+        """Take one more reference on the runs of `views` (a copied holder reads them too)."""
+        with self._lock:
+            for view in views:
+                view.run.refs += 1
+
     def adopt(self, views: list[SharedView]) -> list[SharedView]:
         """Views of this cache's runs for views of runs it does not hold (a sequence restored
         from disk): the blocks it holds already are read from its runs (the restored copies
@@ -207,28 +228,38 @@ class PrefixCache:
         """Give back the references `views` took; a run no sequence reads any more is
         forgotten (its blocks leave the index)."""
         with self._lock:
-            for view in views:
-                run = view.run
-                run.refs -= 1
-                if run.refs <= 0 and run in self._runs:
-                    self._runs.discard(run)
-                    for digest in run.digests:
-                        if self._index.get(digest, (None,))[0] is run:
-                            del self._index[digest]
+            self._drain()
+            self._release(views)
+
+    def _release(self, views: list[SharedView]) -> None:
+        """`release`, called holding the lock."""
+        for view in views:
+            run = view.run
+            run.refs -= 1
+            if run.refs <= 0 and run in self._runs:
+                self._runs.discard(run)
+                for digest in run.digests:
+                    if self._index.get(digest, (None,))[0] is run:
+                        del self._index[digest]
 
     @property
     def runs(self) -> int:
         """Runs held."""
-        return len(self._runs)
+        with self._lock:
+            self._drain()
+            return len(self._runs)
 
     @property
     def blocks(self) -> int:
         """Blocks held."""
-        return len(self._index)
+        with self._lock:
+            self._drain()
+            return len(self._index)
 
     def nbytes(self) -> int:
         """Bytes of every run held (each shared block once)."""
         with self._lock:
+            self._drain()
             return sum(run.nbytes for run in self._runs)
 
 
@@ -242,7 +273,7 @@ class SharedPrefix:
     views: list[SharedView] = field(default_factory=list)
 
     def __post_init__(self):
-        self._finalizer = weakref.finalize(self, _release, self.cache, self.views)
+        self._finalizer = weakref.finalize(self, _release_collected, self.cache, self.views)
 
     @property
     def tokens(self) -> int:
@@ -271,9 +302,7 @@ class SharedPrefix:
         """A holder for a copied store: the same runs, references of its own, no tensor
         copied (shared blocks are read-only)."""
         if self.cache is not None:
-            for view in self.views:
-                with self.cache._lock:
-                    view.run.refs += 1
+            self.cache.retain(self.views)
         return SharedPrefix(self.cache, list(self.views))
 
 
@@ -281,3 +310,9 @@ def _release(cache: PrefixCache | None, views: list[SharedView]) -> None:
     if cache is not None:
         cache.release(views)
     views.clear()
+
+
+def _release_collected(cache: PrefixCache | None, views: list[SharedView]) -> None:
+    """A collected holder's finalizer: its references go back at the cache's next call."""
+    if cache is not None:
+        cache.release_later(views)

@@ -558,7 +558,9 @@ class KVStore:
 
     def _room(self, q_slots: int, groups: int) -> None:
         """Make room in the quantized segment and its scale table for `q_slots` slots and
-        `groups` scale rows per row (`_fitted_capacity`)."""
+        `groups` scale rows in the rows quantizing (`_fitted_capacity`; the other rows keep
+        what they hold)."""
+        q_slots, groups = max(q_slots, self.q.most()), max(groups, self.scales.most())
         self._resize(
             self.q, _fitted_capacity(self.q.capacity, q_slots, BLOCK_TOKENS, self._bounds[1])
         )

@@ -319,9 +319,9 @@ class Engine:
             records[i].append(
                 StepRecord(
                     seen_tokens=store.seen(row),
-                    appended_kv_bytes=appended[i],
-                    kv_bytes=store.nbytes(row),
-                    allocated_kv_bytes=store.call_allocated_bytes // store.batch,
+                    appended_kv_live_bytes=appended[i],
+                    kv_live_bytes=store.nbytes(row),
+                    kv_allocated_bytes=store.call_allocated_bytes // store.batch,
                     cold_kv_bytes=store.cold_nbytes(row),
                     confidence=confs[i],
                     gated=gated[i],

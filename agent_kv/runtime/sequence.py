@@ -16,6 +16,7 @@ from agent_kv.errors import AgentKVError
 from agent_kv.kv.cache import StoreCache
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import KVStore, StoreFootprint
+from agent_kv.renamed_fields import current_names
 
 
 @dataclass
@@ -24,15 +25,15 @@ class StepRecord:
 
     Attributes:
         seen_tokens: tokens appended so far, after this call.
-        appended_kv_bytes: live KV bytes after this call appended, before eviction (the
+        appended_kv_live_bytes: live KV bytes after this call appended, before eviction (the
             sawtooth's peaks).
-        kv_bytes: live KV bytes after this call's eviction (its troughs).
+        kv_live_bytes: live KV bytes after this call's eviction (its troughs).
         confidence: `c` of the call's last next-token distribution.
         gated: whether `confidence` chose the budget (False for prompt chunks before the
             last, which get the policy's no-signal budget).
         budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
         evicted: tokens evicted this step, summed over layers.
-        allocated_kv_bytes: the most bytes the store's buffers held during this call, spare
+        kv_allocated_bytes: the most bytes the store's buffers held during this call, spare
             capacity included (`KVStore.call_allocated_bytes`: after its append or any
             quantization of its policy step), this row's share of a batch; the most over
             all calls is `KVStore.peak_allocated_bytes`. 0 in records saved before it existed.
@@ -41,14 +42,21 @@ class StepRecord:
     """
 
     seen_tokens: int
-    appended_kv_bytes: int
-    kv_bytes: int
+    appended_kv_live_bytes: int
+    kv_live_bytes: int
     confidence: float
     gated: bool
     budget: int | None
     evicted: int
-    allocated_kv_bytes: int = 0
+    kv_allocated_bytes: int = 0
     cold_kv_bytes: int = 0
+
+    @classmethod
+    def read(cls, record: dict) -> StepRecord:
+        """The step record `asdict` made `record` from (a saved session's), also from one
+        written with the old field names (`agent_kv.renamed_fields`, accepted for one
+        release)."""
+        return cls(**current_names(record))
 
 
 @dataclass
@@ -139,7 +147,7 @@ class Sequence:
             cache=StoreCache(store),
             token_ids=list(data["token_ids"]),
             last_logits=data["last_logits"],
-            steps=[StepRecord(**step) for step in data["steps"]],
+            steps=[StepRecord.read(step) for step in data["steps"]],
         )
 
 

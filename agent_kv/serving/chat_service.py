@@ -119,28 +119,51 @@ class KVReport:
         session_id: the session the turn ran in.
         rebuild: how the prompt met the history: "none", "truncated" or "scratch"
             (`HistorySync.rebuild`).
-        kv_bytes: live KV bytes now.
-        peak_kv_bytes: the most live KV bytes the session's cache has held.
-        full_kv_bytes: what full KV at full precision would hold for the session's tokens.
+        kv_live_bytes: live KV bytes now (`KVStore.nbytes`).
+        kv_allocated_bytes: bytes the session's KV buffers hold now, spare capacity included
+            (`KVStore.allocated_nbytes`).
+        peak_kv_live_bytes: the most live KV bytes the session's cache has held
+            (`KVStore.peak_bytes`).
+        peak_kv_allocated_bytes: the most bytes its buffers have held
+            (`KVStore.peak_allocated_bytes`).
+        full_kv_live_bytes: the live bytes full KV at full precision would hold for the
+            session's tokens (`KVStore.full_kv_nbytes`).
+        kv_shared_bytes: bytes of the shared prefix blocks the session reads
+            (`KVStore.shared_nbytes`; held once for every session that reads them, so apart
+            from the figures above).
         cold_kv_bytes: bytes of the session's cold tier (evicted tokens kept for recall, in
             host memory; `KVStore.cold_nbytes`), 0 without one; apart from the figures above.
         evicted_tokens: tokens the session's cache has evicted, summed over layers.
         quantized_tokens: tokens moved to INT8, summed over layers.
         pinned_tokens: positions pinned now.
         confidence: the turn's confidence summary (None when it ran no gated call).
+        kv_bytes: deprecated alias of `kv_live_bytes`, removed in the next release.
+        peak_kv_bytes: deprecated alias of `peak_kv_live_bytes`, removed in the next release.
+        full_kv_bytes: deprecated alias of `full_kv_live_bytes`, removed in the next release.
     """
 
     policy: str
     session_id: str
     rebuild: str
-    kv_bytes: int
-    peak_kv_bytes: int
-    full_kv_bytes: int
+    kv_live_bytes: int
+    kv_allocated_bytes: int
+    peak_kv_live_bytes: int
+    peak_kv_allocated_bytes: int
+    full_kv_live_bytes: int
+    kv_shared_bytes: int
     cold_kv_bytes: int
     evicted_tokens: int
     quantized_tokens: int
     pinned_tokens: int
     confidence: ConfidenceSummary | None
+    kv_bytes: int = field(init=False)
+    peak_kv_bytes: int = field(init=False)
+    full_kv_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv_bytes = self.kv_live_bytes
+        self.peak_kv_bytes = self.peak_kv_live_bytes
+        self.full_kv_bytes = self.full_kv_live_bytes
 
 
 @dataclass
@@ -396,9 +419,12 @@ class ChatService:
                     policy=policy.name,
                     session_id=session_id,
                     rebuild=sync.rebuild,
-                    kv_bytes=store.nbytes(),
-                    peak_kv_bytes=store.peak_bytes,
-                    full_kv_bytes=store.full_kv_nbytes(),
+                    kv_live_bytes=store.nbytes(),
+                    kv_allocated_bytes=store.allocated_nbytes(),
+                    peak_kv_live_bytes=store.peak_bytes,
+                    peak_kv_allocated_bytes=store.peak_allocated_bytes,
+                    full_kv_live_bytes=store.full_kv_nbytes(),
+                    kv_shared_bytes=store.shared_nbytes(),
                     cold_kv_bytes=store.cold_nbytes(),
                     evicted_tokens=store.evicted_tokens,
                     quantized_tokens=store.quantized_tokens,

@@ -127,24 +127,29 @@ class SessionSummary:
     Attributes:
         id: the session id.
         tokens: tokens the session has fed to the model (its history).
-        kv_bytes: live KV bytes.
+        kv_live_bytes: live KV bytes.
         kv_allocated_bytes: allocated KV bytes (buffers with spare capacity).
         pinned_tokens: positions pinned.
         policy: the policy of the session's last request (None before its first).
         last_used: when it was last used, Unix seconds.
         where: "memory" or "disk".
         busy: whether a request is in flight.
+        kv_bytes: deprecated alias of `kv_live_bytes`, removed in the next release.
     """
 
     id: str
     tokens: int
-    kv_bytes: int
+    kv_live_bytes: int
     kv_allocated_bytes: int
     pinned_tokens: int
     policy: str | None
     last_used: float
     where: str
     busy: bool
+    kv_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kv_bytes = self.kv_live_bytes
 
 
 @dataclass
@@ -288,7 +293,7 @@ class SessionStore:
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
         with self._room:
             while True:
-                busy = self._shared_bytes() + sum(
+                busy = self.shared_bytes() + sum(
                     max(other.reserved, other.allocated_bytes())
                     for sid, other in self._entries.items()
                     if sid != session_id and other.in_flight
@@ -370,8 +375,9 @@ class SessionStore:
         with self._lock:
             return [sid for sid, e in self._entries.items() if e.session is not None]
 
-    def kv_bytes(self) -> int:
-        """Live KV bytes of all sessions in memory."""
+    def live_bytes(self) -> int:
+        """Live KV bytes of all sessions in memory (the shared prefix blocks apart:
+        `shared_bytes`)."""
         with self._lock:
             return sum(e.session.store.nbytes() for e in self._entries.values() if e.session)
 
@@ -380,6 +386,12 @@ class SessionStore:
         read, each block once (what the cap counts)."""
         with self._lock:
             return self._allocated_bytes()
+
+    def shared_bytes(self) -> int:
+        """Bytes of the shared prefix blocks the sessions read (`Engine.prefix_cache`), each
+        once; 0 without prefix sharing."""
+        cache = self.engine.prefix_cache
+        return 0 if cache is None else cache.nbytes()
 
     def describe(self) -> list[SessionSummary]:
         """Every session known, least recently used first."""
@@ -403,7 +415,7 @@ class SessionStore:
         return SessionSummary(
             id=session_id,
             tokens=tokens,
-            kv_bytes=live,
+            kv_live_bytes=live,
             kv_allocated_bytes=allocated,
             pinned_tokens=pinned,
             policy=entry.policy,
@@ -414,13 +426,7 @@ class SessionStore:
 
     def _allocated_bytes(self) -> int:
         own = sum(e.session.store.allocated_nbytes() for e in self._entries.values() if e.session)
-        return own + self._shared_bytes()
-
-    def _shared_bytes(self) -> int:
-        """Bytes of the shared prefix blocks the sessions read (`Engine.prefix_cache`), each
-        once."""
-        cache = self.engine.prefix_cache
-        return 0 if cache is None else cache.nbytes()
+        return own + self.shared_bytes()
 
     def _idle_lru(self, exclude: str | None = None) -> list[tuple[float, str]]:
         """Idle sessions in memory, least recently used first."""
