@@ -156,12 +156,7 @@ class Engine:
         0 without `share_prefixes`, for a store of several rows or one with tokens of its
         own."""
         cache, store = self.prefix_cache, sequence.store
-        if (
-            cache is None
-            or store.batch != 1
-            or store.rotary is not None  # a sequence with other store options than the cache's
-            or store.seen(0) != store.shared_tokens
-        ):
+        if not self._shares(store) or store.seen(0) != store.shared_tokens:
             return 0
         start = store.seen(0)
         pinned = store.pinned_run(start, len(token_ids) - 1)
@@ -177,7 +172,7 @@ class Engine:
         tokens start with go to the prefix cache (or are found there) and the sequence reads
         them shared from then on. Returns the tokens shared; 0 without `share_prefixes`."""
         cache, store = self.prefix_cache, sequence.store
-        if cache is None or store.batch != 1 or store.rotary is not None:
+        if not self._shares(store):
             return 0
         start = store.shared_tokens
         run = store.pinned_run(start, store.seen(0) - start)
@@ -193,6 +188,11 @@ class Engine:
         )
         store.share_front(cache, published, count)
         return count
+
+    def _shares(self, store: KVStore) -> bool:
+        """Whether `store` may read this engine's shared prefix blocks: the engine keeps them,
+        the store has one row, and its keys are stored as the cache's are (not rerotated)."""
+        return self.prefix_cache is not None and store.batch == 1 and store.rotary is None
 
     @torch.no_grad()
     def feed(
