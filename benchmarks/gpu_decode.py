@@ -8,7 +8,7 @@ tokens x batch 8 through random weights would take most of the run and measure n
 - `hf`: transformers' own path, eager, as users run it (`attn_implementation="sdpa"`, a
   `DynamicCache` filled by its own `update`);
 - `full`: agent_kv's engine with every token kept (`Engine(compile=True)`: each step a CUDA
-  graph, `agent_kv.runtime.decode_graph`), the store filled by `KVStore.append`;
+  graph, `agent_kv.runtime.decode_graph`), the store filled by `agent_kv.kv.forward_call.append_kv`;
 - `conf-kv+int8`: CONF-KV at `--budget` with INT8 mixed precision, the same way, after one
   policy step with no confidence signal (evicted to its uncertain budget, quantized).
 Every agent_kv step is `Engine.decode`: the graph (model call, attention read, commit), then the
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config, KVStore
 from agent_kv.runtime.engine import Engine
@@ -191,10 +192,9 @@ class EngineRun:
         kv_shape = (store.num_layers, batch, store.kv_heads, 0, store.head_dim)
         for start in range(0, context, 4096):
             n = min(4096, context - start)
-            policy.prepare(store)
             store.bound_capacity(*policy.slot_bounds(store), 4096)
             keys, values = random_kv(generator, (*kv_shape[:3], n, kv_shape[4]), device, dtype)
-            store.append(keys, values)
+            append_kv(store, keys, values)
             policy.step(store, None)
         self.store, self.vocab = store, model.config.vocab_size
 
@@ -215,7 +215,7 @@ class EngineRun:
         new = torch.randn(
             store.batch, store.kv_heads, 1, dim, device=store.device, dtype=shape.dtype
         )
-        call = store.begin_forward(range(store.batch), 1, static=True)
+        call = ForwardCall.open(store, range(store.batch), 1, static=True)
         segments = [*call.segments(0), call.new_segment(new, new)]
         seconds = seconds_per_call(
             lambda: triton_attention.segmented_attention(query, segments, dim**-0.5),

@@ -72,7 +72,7 @@ def perplexity(engine: Engine, ids: list[int]) -> tuple[float, str]:
     session = engine.new_sequence()
     log_probs = engine.score(session, ids)
     store = session.store
-    peak = f"{store.peak_allocated_bytes / 1e6:.1f}/{store.peak_bytes / 1e6:.1f}"
+    peak = f"{store.figures.peak_allocated_bytes / 1e6:.1f}/{store.figures.peak_bytes / 1e6:.1f}"
     return math.exp(-log_probs.mean().item()), peak
 
 

@@ -38,7 +38,7 @@ def run_once(loaded, policy: str, budget: int, recall, ids, question, decode) ->
     started = time.perf_counter()
     engine.feed(session, ids)
     context_s = time.perf_counter() - started
-    cold = session.store.cold
+    cold = session.store.recall.tier
     context_recall = 0.0 if cold is None else cold.recall_s
     started = time.perf_counter()
     engine.feed(session, question)
@@ -52,8 +52,8 @@ def run_once(loaded, policy: str, budget: int, recall, ids, question, decode) ->
         "turn_s": turn_s,
         "turn_recall_s": turn_recall,
         "decode_ms": 1000 * reply.decode_s / decoded,
-        "cold_bytes": session.store.cold_nbytes(),
-        "hot_peak_bytes": session.store.peak_allocated_bytes,
+        "cold_bytes": session.store.recall.nbytes(),
+        "hot_peak_bytes": session.store.figures.peak_allocated_bytes,
     }
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from agent_kv.kv.forward_call import ForwardCall
+from agent_kv.kv.call_plan import CallPlan
+from agent_kv.kv.forward_call import NO_PLAN, ForwardCall, append_kv
 from agent_kv.kv.store import KVStore
 from agent_kv.renamed_fields import RENAMED
 
@@ -22,7 +23,7 @@ def append_tokens(
     store: KVStore, keys: torch.Tensor, values: torch.Tensor | None = None, rows: range = range(1)
 ) -> None:
     """Append `keys`/`values` `[len(rows), H, n, D]` to every layer, as one forward call."""
-    store.append(keys, -keys if values is None else values, rows)
+    append_kv(store, keys, -keys if values is None else values, rows)
 
 
 def random_tokens(store: KVStore, n: int, rows: range = range(1)) -> None:
@@ -61,13 +62,15 @@ def recorded_call(
     masses: torch.Tensor | None = None,
     window: torch.Tensor | None = None,
     observed: int = 0,
+    plan: CallPlan = NO_PLAN,
 ) -> None:
     """One forward call of `keys`/`values` `[len(rows), H, n, D]` in every layer, without a
     model: in each layer it reads the stored segments, stages the tokens and records `masses`
     as the attention mass (group of 1) and `window` as the attention of the last `observed`
     queries, each `[len(rows), H, length + n]` in logical order and then the new tokens
-    (`split_mass`); then it commits. Masses that are None are not recorded."""
-    call = store.begin_forward(rows, keys.shape[2])
+    (`split_mass`); then it commits. Masses that are None are not recorded. `plan`: what the
+    call measures (`CallPlan`)."""
+    call = ForwardCall.open(store, rows, keys.shape[2], plan)
     for layer in range(store.num_layers):
         call.segments(layer)  # before recording: the segments the layer read
         call.stage(layer, keys, -keys if values is None else values)
@@ -75,5 +78,4 @@ def recorded_call(
             call.record_attention(layer, split_mass(call, layer, masses), group=1)
         if window is not None:
             call.record_window(layer, split_mass(call, layer, window), observed)
-    call.commit()
-    store.end_forward(call)
+    call.close()

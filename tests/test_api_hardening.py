@@ -191,7 +191,7 @@ async def test_sessions_are_listed(client, service):
         assert first["kv_allocated_bytes"] == session.store.allocated_nbytes()
         assert first["kv_allocated_bytes"] >= first["kv_live_bytes"]
         assert first["kv_bytes"] == first["kv_live_bytes"]  # the deprecated alias
-        assert first["pinned_tokens"] == session.store.pinned_tokens() > 0
+        assert first["pinned_tokens"] == session.store.pins.tokens() > 0
     assert (first["policy"], second["policy"]) == ("conf-kv", "window")
     assert first["where"] == "memory" and first["busy"] is False
     assert abs(second["last_used"] - time.time()) < 60

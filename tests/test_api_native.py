@@ -154,7 +154,7 @@ async def test_an_arkv_turn_quantizes_and_a_second_format_is_refused(client, ser
     data = (await client.post("/chat", json=body)).json()
     assert data["kv"]["policy"] == "arkv" and data["kv"]["quantized_tokens"] > 0
     with service.sessions.use(data["session_id"]) as session:
-        assert session.store.quantized_format() == "fp8"
+        assert session.store.precision.quantized_format() == "fp8"
         seen = session.store.seen_tokens
     int8 = {**arkv, "params": {"protect_recent": 32, "quantized": "int8"}}
     follow = {**body, "session_id": data["session_id"], "policy": int8}
@@ -180,7 +180,7 @@ async def test_pins_hold_from_the_first_chunk_of_a_long_first_prompt(client, ser
     with service.sessions.use(data["session_id"]) as session:
         store = session.store
         for layer in range(store.num_layers):
-            assert int(store.pinned_mask(layer).sum()) == pinned  # every pinned token is live
+            assert int(store.pins.mask(layer).sum()) == pinned  # every pinned token is live
             assert store.lengths()[layer] <= pinned + 16
 
 

@@ -8,6 +8,7 @@ import torch
 from helpers import append_tokens, kept_positions, random_tokens, recorded_call
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import check_policy_precision, make_policy
 from agent_kv.kv.policies.arkv import layer_sensitivity
 from agent_kv.kv.store import Int8Config, KVStore
@@ -56,16 +57,16 @@ def test_quantize_slots_moves_the_chosen_tokens_and_reads_back_close():
     dense_keys = store.fp["keys"][0, :1, :, :100].clone()
     dense_values = store.fp["values"][0, :1, :, :100].clone()
     slots = torch.tensor([3, 7, 8, 20, 40, 41, 42, 99])
-    assert store.quantize_slots(0, 0, slots, group=4, fmt="fp8") == 8
+    assert store.precision.quantize_slots(0, 0, slots, group=4, fmt="fp8") == 8
     assert store.q.lengths[0][0] == 8 and store.fp.lengths[0][0] == 92
     assert store.q["keys"].dtype == torch.float8_e4m3fn
     others = [p for p in range(100) if p not in slots.tolist()]
     assert kept_positions(store) == slots.tolist() + others
-    assert store.quantized_tokens == 8 and store.quantized_format() == "fp8"
+    assert store.figures.quantized_tokens == 8 and store.precision.quantized_format() == "fp8"
     # 8 fp8 keys and values plus 2 groups of float16 scales, against 8 fp32 tokens
     assert store.nbytes() == 2 * 2 * 8 * (92 * 4 + 8 + 2 * 2)
     # attention over (quantized | FP) matches the dense oracle over the same tokens
-    call = store.begin_forward(range(1), 1)
+    call = ForwardCall.open(store, range(1), 1)
     new_key, new_value = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     segments = [*call.segments(0), call.new_segment(new_key, new_value)]
     query = torch.randn(1, 4, 1, 8)
@@ -84,18 +85,18 @@ def test_quantize_slots_moves_the_chosen_tokens_and_reads_back_close():
 
 def test_quantize_slots_refuses_bad_slots_and_a_second_format():
     store = fp_store(40)
-    store.pin(5, 6)
+    store.pins.pin(5, 6)
     with pytest.raises(ValueError, match="pinned"):
-        store.quantize_slots(0, 0, torch.tensor([4, 5]), 2, "fp8")
+        store.precision.quantize_slots(0, 0, torch.tensor([4, 5]), 2, "fp8")
     with pytest.raises(ValueError, match="groups of 4"):
-        store.quantize_slots(0, 0, torch.tensor([1, 2]), 4, "fp8")
+        store.precision.quantize_slots(0, 0, torch.tensor([1, 2]), 4, "fp8")
     with pytest.raises(ValueError, match="unknown quantized format"):
-        store.quantize_slots(0, 0, torch.tensor([1, 2]), 2, "fp4")
-    store.quantize_slots(0, 0, torch.tensor([1, 2]), 2, "fp8")
+        store.precision.quantize_slots(0, 0, torch.tensor([1, 2]), 2, "fp4")
+    store.precision.quantize_slots(0, 0, torch.tensor([1, 2]), 2, "fp8")
     with pytest.raises(ValueError, match="FP slots"):
-        store.quantize_slots(0, 0, torch.tensor([0, 1]), 2, "fp8")
+        store.precision.quantize_slots(0, 0, torch.tensor([0, 1]), 2, "fp8")
     with pytest.raises(ConfigError, match="cannot add int8"):
-        store.quantize_slots(0, 0, torch.tensor([10, 11]), 2, "int8")
+        store.precision.quantize_slots(0, 0, torch.tensor([10, 11]), 2, "int8")
 
 
 def test_welford_statistics_are_the_mean_and_variance_of_relative_attention():
@@ -192,7 +193,7 @@ def scored_store(tokens: int, seed: int = 4) -> KVStore:
 def test_tri_state_keeps_top_original_middle_quantized_and_evicts_the_rest():
     store = scored_store(400)
     score = store.fp["hit_mean"][0, 0, 0, :400].clone()
-    store.pin(10, 12)
+    store.pins.pin(10, 12)
     policy = make_policy("arkv", budget=256, evict_slack=0, share_spread=0.0)
     plan = policy.layer_plan(store, [256])[0]
     assert plan.quantized > 0 and plan.quantized % 8 == 0
@@ -230,10 +231,10 @@ def test_short_contexts_are_left_alone():
 
 def test_base_quant_quantizes_every_whole_group_and_evicts_nothing():
     store = fp_store(100)
-    store.pin(0, 4)
+    store.pins.pin(0, 4)
     assert make_policy("base-quant").step(store, None) == 0
     assert store.q.lengths[0][0] == 96 and store.fp.lengths[0][0] == 4
-    assert store.quantized_format() == "fp8"
+    assert store.precision.quantized_format() == "fp8"
     assert kept_positions(store)[96:] == [0, 1, 2, 3]
 
 

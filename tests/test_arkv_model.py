@@ -27,7 +27,7 @@ def test_arkv_plans_from_prefill_statistics_and_keeps_within_its_bytes(smollm):
     assert bool((profile[:, 0] > 0).all() and (profile[:, 0] <= 1).all())  # normalised entropy
     plans = policy.layer_plan(store, [192] * 30)
     assert len({p.original for p in plans}) > 1  # layers differ
-    assert store.quantized_format() == "fp8" and sum(store.quantized_lengths()) > 0
+    assert store.precision.quantized_format() == "fp8" and sum(store.quantized_lengths()) > 0
     assert len(plans) == store.num_layers
     for idx, plan in enumerate(plans):
         assert store.q.lengths[idx][0] <= plan.quantized
@@ -46,7 +46,7 @@ def test_a_saved_arkv_session_resumes_with_identical_logits(smollm, tmp_path):
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=64)
     session = engine.new_sequence()
     engine.feed(session, ids[:400])
-    assert session.store.quantized_tokens > 0 and session.store.evicted_tokens > 0
+    assert session.store.figures.quantized_tokens > 0 and session.store.figures.evicted_tokens > 0
     session.save(tmp_path / "s.pt")
     restored = Sequence.load(tmp_path / "s.pt", smollm.model)
     assert torch.equal(restored.store.profile, session.store.profile)

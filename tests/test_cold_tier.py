@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import append_tokens, random_tokens
+from helpers import append_tokens, random_tokens, recorded_call
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent_kv.errors import ConfigError
 from agent_kv.harness.bench import make_jobs
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policies.cold_recall import ColdRecall
 from agent_kv.kv.policy_names import check_policy_name
@@ -52,7 +54,7 @@ def test_a_digest_bounds_every_key_of_its_page(heads, group, tokens, dim, seed, 
 
 def _store(rerotate_rotary=None, **cold) -> KVStore:
     store = KVStore(2, 2, 8, rotary=rerotate_rotary)
-    store.attach_cold(ColdConfig(**cold))
+    store.recall.attach(ColdConfig(**cold))
     return store
 
 
@@ -64,7 +66,7 @@ def test_evicted_tokens_go_cold_in_pages_and_come_back_dequantized_at_their_posi
     keep = torch.tensor([0, 1, 2, 10, 11, 19])
     store.compact(0, keep)
     evicted = [p for p in range(20) if p not in keep.tolist()]  # 14 tokens: 4 pages of 4, 4, 3, 3
-    cold = store.cold
+    cold = store.recall.tier
     assert [p.positions.tolist() for p in cold.pages[0][0]] == [
         [3, 4, 5, 6], [7, 8, 9, 12], [13, 14, 15], [16, 17, 18],
     ]  # fmt: skip
@@ -89,23 +91,25 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     store.compact(1, torch.tensor([0, 1, 14, 15]))
     # the next call's last query matches token 5's key: page [2, 3, 4, 5] comes back
     new = torch.randn(1, 2, 1, 8)
-    call = store.begin_forward(range(1), 1)
+    call = ForwardCall.open(store, range(1), 1, CallPlan(recall=True))
     query = keys[:, :, 5:6] * 10  # [1, Hq = H, 1, D]
-    assert store.recall_due(1) is False  # decode tokens recall only with `every`
-    assert store.evicted_tokens == 24
-    assert store.recall(0, query, 1.0) == 4  # before the layer's attention reads the store
-    assert store.evicted_tokens == 20  # recalled tokens are no longer evicted
+    assert store.recall.due(1, 0) is False  # decode tokens recall only with `every`
+    assert store.figures.evicted_tokens == 24
+    # before the layer's attention reads the store
+    assert store.recall.recall(0, query, 1.0, call.rows, call.position_ids()) == 4
+    assert store.figures.evicted_tokens == 20  # recalled tokens are no longer evicted
     for idx in range(2):  # each layer's attention reads its segments and stages the token
         call.segments(idx)
         call.stage(idx, new, new)
-    call.commit()
-    store.end_forward(call)
+    call.close()
     assert store.live_positions(0).tolist() == [0, 1, 2, 3, 4, 5, 14, 15, 16]
     codes, scales = quantize_groups(keys[0, :, 2:6], 4)
     assert torch.equal(store.fp["keys"][0, 0, :, 2:6], codes.float() * scales.float())
     assert torch.equal(store.fp["keys"][0, 0, :, 8], new[0, :, 0])  # the newest token stays last
-    assert store.held_mask(0).tolist() == [False, False, True, True, True, True] + [False] * 3
-    assert store.cold.held[1][0] is None  # layer 1 has not recalled yet
+    assert (
+        store.recall.held_mask(0).tolist() == [False, False, True, True, True, True] + [False] * 3
+    )
+    assert store.recall.tier.held[1][0] is None  # layer 1 has not recalled yet
     # within a budget of 6, h2o keeps the recalled tokens before its own choices
     policy = ColdRecall(make_policy("h2o", budget=6, protect_recent=1, evict_slack=0), ColdConfig())
     policy.prepare(store)
@@ -121,12 +125,12 @@ def test_both_tiers_count_their_bytes_exactly_and_apart():
     hot_before = store.nbytes()
     store.compact(0, torch.arange(20, 40))
     heads, dim = 2, 8
-    pages = store.cold.pages[0][0]
+    pages = store.recall.tier.pages[0][0]
     assert [p.positions.numel() for p in pages] == [7, 7, 6]
     codes = 20 * heads * dim * 2  # keys and values, one byte per channel
     scales = 3 * heads * dim * 2 * 2  # one float16 per head and channel, keys and values
     digests = 3 * heads * dim * 2 * 4  # float32 min and max
-    assert store.cold_nbytes() == codes + scales + digests == store.cold.peak_bytes
+    assert store.recall.nbytes() == codes + scales + digests == store.recall.tier.peak_bytes
     assert store.nbytes() == hot_before - 20 * heads * dim * 2 * 4  # float32 hot tokens
 
 
@@ -134,11 +138,11 @@ def test_the_cold_tier_drops_its_oldest_pages_past_its_cap():
     torch.manual_seed(3)
     store = KVStore(1, 1, 4)
     page_bytes = 4 * 4 * 2 + 4 * 2 * 2 + 4 * 2 * 4  # a 4-token page
-    store.attach_cold(ColdConfig(page_tokens=4, cap_bytes=2 * page_bytes))
+    store.recall.attach(ColdConfig(page_tokens=4, cap_bytes=2 * page_bytes))
     random_tokens(store, 16)
     store.compact(0, torch.arange(12, 16))  # 12 evicted: 3 pages, the oldest dropped
-    assert [p.positions.tolist()[0] for p in store.cold.pages[0][0]] == [4, 8]
-    assert store.cold.dropped_tokens == 4 and store.cold_nbytes() == 2 * page_bytes
+    assert [p.positions.tolist()[0] for p in store.recall.tier.pages[0][0]] == [4, 8]
+    assert store.recall.tier.dropped_tokens == 4 and store.recall.nbytes() == 2 * page_bytes
 
 
 def test_settings_are_checked():
@@ -161,9 +165,11 @@ def test_settings_are_checked():
 def test_without_recall_evictions_are_final_even_on_a_store_with_a_tier():
     store = _store()
     random_tokens(store, 10)
-    make_policy("h2o", budget=4, protect_recent=1, evict_slack=0).prepare(store)
-    store.compact(0, torch.arange(5, 10))
-    assert store.cold.tokens(0) == 0 and store.held_mask(0) is None
+    plan = make_policy("h2o", budget=4, protect_recent=1, evict_slack=0).prepare(store)
+    assert not plan.recall
+    recorded_call(store, torch.randn(1, 2, 1, 8), plan=plan)  # a call of that policy
+    store.compact(0, torch.arange(5, 11))
+    assert store.recall.tier.tokens(0) == 0 and store.recall.held_mask(0) is None
 
 
 @pytest.mark.model
@@ -180,7 +186,10 @@ def test_with_budgets_above_the_sequence_recall_changes_nothing(smollm, rerotate
     for token in ids[:10]:
         step = [e.feed(s, [token]) for e, s in zip((recall, full), sessions[1:], strict=True)]
         assert torch.allclose(step[0], step[1], atol=1e-4)
-    assert sessions[1].store.cold_nbytes() == 0 and sessions[1].store.cold.recalled_tokens == 0
+    assert (
+        sessions[1].store.recall.nbytes() == 0
+        and sessions[1].store.recall.tier.recalled_tokens == 0
+    )
 
 
 @pytest.mark.model
@@ -193,18 +202,18 @@ def test_a_session_with_a_cold_tier_saves_restores_and_continues_identically(
     engine = Engine(smollm.model, smollm.tokenizer, policy, 64, rerotate=rerotate)
     session = engine.new_sequence()
     engine.feed(session, ids[:300])
-    cold = session.store.cold
-    assert cold.recalled_tokens > 0 and session.store.cold_nbytes() > 0
+    cold = session.store.recall.tier
+    assert cold.recalled_tokens > 0 and session.store.recall.nbytes() > 0
     session.save(tmp_path / "s.pt")
     restored = Sequence.load(tmp_path / "s.pt", smollm.model)
-    assert restored.store.cold_nbytes() == session.store.cold_nbytes()
-    assert isinstance(restored.store.cold, ColdTier)
+    assert restored.store.recall.nbytes() == session.store.recall.nbytes()
+    assert isinstance(restored.store.recall.tier, ColdTier)
     more = ids[300:364]
     assert torch.equal(engine.feed(restored, more), engine.feed(session, more))  # recalls again
     for token in ids[364:370]:
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
-    assert restored.store.cold.recalled_tokens == session.store.cold.recalled_tokens
+    assert restored.store.recall.tier.recalled_tokens == session.store.recall.tier.recalled_tokens
 
 
 def test_recall_settings_come_from_the_command_line_and_policy_names():

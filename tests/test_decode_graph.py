@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agent_kv.kv.attention import register_attention
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.decode_graph import DecodeGraph, decode_logits
@@ -68,9 +69,9 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
         torch.equal(e.store.live_positions(layer), c.store.live_positions(layer))
         for layer in range(e.store.num_layers)
     )
-    assert c.store.evicted_tokens > 0
+    assert c.store.figures.evicted_tokens > 0
     if int8 is not None:
-        assert c.store.quantized_tokens > 0
+        assert c.store.figures.quantized_tokens > 0
 
 
 def test_full_kv_decodes_eagerly(tiny_model):
@@ -84,7 +85,8 @@ def test_full_kv_decodes_eagerly(tiny_model):
     for engine in (full, budgeted):
         sequence = engine.new_sequence()
         engine.feed(sequence, list(range(100)))
-        takes.append(DecodeGraph.takes(sequence.store, range(1), 1))
+        plan = engine.policy.prepare(sequence.store)
+        takes.append(DecodeGraph.takes(sequence.store, range(1), 1, plan))
     assert takes == [False, True]
 
 
@@ -93,9 +95,9 @@ def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     sequence = engine.new_sequence()
     engine.feed(sequence, [t % 128 for t in range(200)])
     store = sequence.store
-    call = store.begin_forward(range(1), 1, static=True)
+    call = ForwardCall.open(store, range(1), 1, static=True)
     explained = torch._dynamo.explain(decode_logits)(
-        tiny_model, sequence.cache, torch.tensor([[5]]), call.tensors
+        tiny_model, sequence.cache, torch.tensor([[5]]), call.tensors, call.plan
     )
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     engine.feed(sequence, [5])  # compiles
@@ -105,14 +107,14 @@ def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     for token in range(60):  # evictions every evict_slack + 1 tokens: the capacity follows
         engine.feed(sequence, [token % 128])
         capacities.add(store.fp.capacity)
-    assert store.evicted_tokens > 0 and len(capacities) <= 2
+    assert store.figures.evicted_tokens > 0 and len(capacities) <= 2
     # the first change of capacity compiles once more, with symbolic sizes; never again
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs <= first + 1
     widths = set()
     for turn in range(3):  # each turn pins more: a larger bound, capacity and read width
         seen = store.seen_tokens
-        store.pin(seen, seen + 40 * (turn + 1))
+        store.pins.pin(seen, seen + 40 * (turn + 1))
         engine.feed(sequence, [t % 128 for t in range(50 * (turn + 1))])
         for token in range(3):
             engine.feed(sequence, [token])
@@ -144,20 +146,21 @@ def test_a_step_over_shared_prefix_blocks_compiles_to_the_eager_one(tiny_model):
     sessions = []
     for first in (5, 9):  # the second session reads the first one's blocks
         sequence = eager.new_sequence()
-        sequence.store.pin(0, len(system))
+        sequence.store.pins.pin(0, len(system))
         eager.feed(sequence, system + [first] * 120)
         sessions.append(sequence)
     sequence = sessions[1]
-    assert sequence.store.shared_tokens == 96 and sequence.steps[0].seen_tokens > 96
+    assert sequence.store.prefix.tokens == 96 and sequence.steps[0].seen_tokens > 96
     compiled_steps = 0
     for _ in range(40):
         token = int(sequence.last_logits.argmax())
         twin = copy.deepcopy(sequence)
-        assert twin.store.shared_views()[0].run is sequence.store.shared_views()[0].run
+        assert twin.store.prefix.views()[0].run is sequence.store.prefix.views()[0].run
         eager.feed(sequence, [token])
-        compiled_steps += DecodeGraph.takes(twin.store, range(1), 1)
+        plan = compiled.policy.prepare(twin.store)
+        compiled_steps += DecodeGraph.takes(twin.store, range(1), 1, plan)
         compiled.feed(twin, [token])
         torch.testing.assert_close(twin.last_logits, sequence.last_logits, atol=1e-4, rtol=0)
         assert twin.store.lengths() == sequence.store.lengths()
-    assert compiled_steps == 40 and sequence.store.evicted_tokens > 0
+    assert compiled_steps == 40 and sequence.store.figures.evicted_tokens > 0
     assert eager.prefix_cache.blocks == 3

@@ -67,7 +67,7 @@ def test_conf_kv_with_room_to_spare_is_a_no_op(smollm, prompt_ids):
     logits, tokens, session = run_engine(smollm, policy, prompt_ids)
     assert tokens == full_tokens
     assert torch.equal(logits, full_logits)
-    assert session.store.evicted_tokens == 0
+    assert session.store.figures.evicted_tokens == 0
 
 
 @pytest.mark.parametrize("pins", [0, 8])
@@ -77,7 +77,7 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
     session = engine.new_sequence()
     store = session.store
-    store.pin(0, pins)
+    store.pins.pin(0, pins)
     per_token_layer = store.bytes_per_token() // store.num_layers
     checks = []
 
@@ -104,9 +104,9 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     reply = engine.generate(session, prompt_ids, SamplingParams(max_new_tokens=DECODE_STEPS))
     fed = [t for t in reply.token_ids if t not in engine.eos_ids]
     assert len(checks) == -(-len(prompt_ids) // chunk) + len(fed)
-    assert store.evicted_tokens > 0
-    assert store.peak_bytes <= (policy.n_low + pins + chunk) * store.bytes_per_token()
-    assert store.peak_bytes > policy.n_high * store.bytes_per_token()
+    assert store.figures.evicted_tokens > 0
+    assert store.figures.peak_bytes <= (policy.n_low + pins + chunk) * store.bytes_per_token()
+    assert store.figures.peak_bytes > policy.n_high * store.bytes_per_token()
     budgets = {record.budget for record in session.steps}
     assert budgets <= {48, 96}
 
@@ -207,7 +207,7 @@ def test_snapkv_generates_within_its_budget_after_compressing_the_prompt(smollm,
     assert with_sink >= store.num_layers // 2  # kept for its attention: sinks=0 here
     question = smollm.tokenizer("\nWho sells the bike?", add_special_tokens=False)["input_ids"]
     reply = engine.generate(session, question, SamplingParams(max_new_tokens=DECODE_STEPS))
-    assert reply.token_ids and store.evicted_tokens > 0
+    assert reply.token_ids and store.figures.evicted_tokens > 0
     assert max(record.kv_live_bytes for record in session.steps) <= 96 * store.bytes_per_token()
     assert max(store.lengths()) <= 96
 

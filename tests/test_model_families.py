@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.attention import register_attention
+from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.rope import Rotary
@@ -171,7 +172,7 @@ def test_full_kv_matches_transformers_with_its_own_cache(name):
             want = reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         _check_windows(sequence.store)
-    assert sequence.store.evicted_tokens == 0
+    assert sequence.store.figures.evicted_tokens == 0
 
 
 def _visible(total: int, starts: torch.Tensor, window: int | None, budget: int, sinks: int):
@@ -228,8 +229,8 @@ def test_a_budget_on_the_global_layers_matches_an_explicit_mask(name, budget):
         torch.testing.assert_close(got, want[position], atol=ATOL, rtol=0)
         _check_windows(sequence.store, budget)
     evicts = any(w is None for w in windows) and budget < total
-    assert (sequence.store.evicted_tokens > 0) == evicts
-    assert (sequence.store.window_dropped > 0) == (window is not None)
+    assert (sequence.store.figures.evicted_tokens > 0) == evicts
+    assert (sequence.store.figures.window_dropped > 0) == (window is not None)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
@@ -237,7 +238,7 @@ def test_pins_stay_in_global_layers_and_leave_sliding_ones_with_the_window(name)
     _, ours = _models(name)
     engine = Engine(ours, _Tokenizer(), make_policy("window", budget=16, sinks=0), CHUNK)
     sequence = engine.new_sequence()
-    sequence.store.pin(0, 4)
+    sequence.store.pins.pin(0, 4)
     engine.feed(sequence, _tokens(PROMPT))
     for token in _tokens(10, seed=3):
         engine.feed(sequence, [token])
@@ -313,13 +314,13 @@ def test_int8_mixed_precision_trims_quantized_window_tokens():
         logits = engine.feed(sequence, [token])
         _check_windows(sequence.store)
     assert torch.isfinite(logits).all()
-    assert sequence.store.quantized_tokens > 0
+    assert sequence.store.figures.quantized_tokens > 0
 
 
 def test_a_store_without_the_models_windows_is_refused():
     _, ours = _models("mistral-window")
     store = KVStore.for_model(ours, windows=(None,) * 4)
-    call = store.begin_forward(range(1), 3)
+    call = ForwardCall.open(store, range(1), 3)
     with pytest.raises(ValueError, match="sliding window of 16 tokens"):
         ours(input_ids=torch.tensor([[1, 2, 3]]), position_ids=call.tensors.position_ids,
              kv_store=call, use_cache=False)  # fmt: skip
@@ -342,9 +343,9 @@ def test_the_decode_step_with_windows_softcap_and_sinks_traces_into_one_graph(na
     sequence = engine.new_sequence()
     engine.feed(sequence, _tokens(PROMPT))
     store = sequence.store
-    call = store.begin_forward(range(1), 1, static=True)
+    call = ForwardCall.open(store, range(1), 1, static=True)
     explained = torch._dynamo.explain(decode_logits)(
-        ours, sequence.cache, torch.tensor([[5]]), call.tensors
+        ours, sequence.cache, torch.tensor([[5]]), call.tensors, call.plan
     )
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
@@ -453,16 +454,19 @@ def test_the_compiled_decode_step_equals_the_eager_one_with_windows_and_softcap(
         torch.testing.assert_close(compiled, eager, atol=ATOL, rtol=0)
     (_, eager_run), (_, compiled_run) = runs
     assert compiled_run.store.lengths() == eager_run.store.lengths()
-    assert compiled_run.store.window_dropped > 0 and compiled_run.store.evicted_tokens > 0
+    assert (
+        compiled_run.store.figures.window_dropped > 0
+        and compiled_run.store.figures.evicted_tokens > 0
+    )
 
 
 def test_a_saved_store_keeps_its_windows_and_what_they_dropped():
     store = KVStore(2, 1, 4, windows=(3, None))
     store.window_slack = 0
-    store.append(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
-    assert store.lengths() == [2, 5] and store.window_dropped == 3
-    assert store.changed_at == [5]  # the window layer cannot go back before position 5
+    append_kv(store, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
+    assert store.lengths() == [2, 5] and store.figures.window_dropped == 3
+    assert store.segments.changed_at == [5]  # the window layer cannot go back before position 5
     saved = KVStore.from_state(store.state())
-    assert saved.windows == (3, None) and saved.window_dropped == 3
+    assert saved.windows == (3, None) and saved.figures.window_dropped == 3
     assert saved.lengths() == [2, 5]
     assert saved.live_positions(0).tolist() == [3, 4]

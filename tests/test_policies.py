@@ -7,7 +7,9 @@ import torch
 from helpers import kept_positions, random_tokens, recorded_call
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import POLICIES, ConfKV, make_policy
 from agent_kv.kv.policy_names import POLICY_NAMES, UNBUDGETED_NAMES
 from agent_kv.kv.policy_spec import PolicySpec
@@ -58,7 +60,7 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     scores = torch.full((100,), 0.001)
     scores[[5, 17, 42]] = 0.5
     store = store_with(100, scores)
-    store.pin(0, 3)
+    store.pins.pin(0, 3)
     policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0, evict_slack=0)
     evicted = policy.step(store, confidence=1.0)
     kept = kept_positions(store)
@@ -73,7 +75,7 @@ def test_protect_recent_means_the_newest_unpinned_tokens():
     scores[:9] = 0.5
     scores[0] = 0.6
     store = store_with(100, scores)
-    store.pin(90, 100)
+    store.pins.pin(90, 100)
     policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0, evict_slack=0)
     policy.step(store, confidence=1.0)
     kept = kept_positions(store)
@@ -126,7 +128,7 @@ def test_full_never_evicts():
 
 def test_pins_never_crowd_out_the_newest_tokens():
     store = store_with(40)
-    store.pin(0, 20)
+    store.pins.pin(0, 20)
     make_policy("window", budget=10, evict_slack=0).step(store, 0.0)
     assert store.lengths() == [30, 30]
     assert kept_positions(store) == list(range(20)) + list(range(30, 40))
@@ -172,7 +174,7 @@ def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
 def test_random_keeps_the_budget_reproducibly():
     def kept(seed):
         store = store_with(100)
-        store.pin(0, 5)
+        store.pins.pin(0, 5)
         make_policy("random", budget=20, seed=seed, protect_recent=4, evict_slack=0).step(
             store, None
         )
@@ -331,7 +333,7 @@ def test_snapkv_keeps_pins_and_sinks_whatever_their_attention():
     mass[[0, 1, 20, 21, 22, 23, 24]] = 0.0
     mass[[50, 60]] = 1.0
     store = observed_store(mass, window=8)
-    store.pin(20, 25)
+    store.pins.pin(20, 25)
     policy = make_policy(
         "snapkv", budget=12, observation_window=8, sinks=2, kernel=1, evict_slack=0
     )
@@ -339,14 +341,16 @@ def test_snapkv_keeps_pins_and_sinks_whatever_their_attention():
     assert kept_positions(store) == [0, 1, *range(20, 25), 50, 60, *range(92, 100)]
 
 
-def test_snapkv_asks_prefill_calls_for_its_window_and_other_policies_stop_it():
+def test_each_policy_plans_what_its_calls_measure():
     store = store_with(4)
-    make_policy("snapkv", observation_window=16).prepare(store)
-    assert store.observation_window == 16
-    make_policy("arkv").prepare(store)
-    assert (store.observation_window, store.profile_prefill) == (0, True)
-    make_policy("h2o").prepare(store)
-    assert (store.observation_window, store.profile_prefill) == (0, False)
+    snapkv = make_policy("snapkv", observation_window=16).prepare(store)
+    assert (snapkv.observation_window, snapkv.profile, snapkv.recall) == (16, False, False)
+    arkv = make_policy("arkv").prepare(store)
+    assert (arkv.observation_window, arkv.profile) == (0, True)
+    assert arkv.statistics == frozenset({"welford"})
+    h2o = make_policy("h2o").prepare(store)
+    assert (h2o.observation_window, h2o.profile, h2o.reconstruct) == (0, False, False)
+    assert h2o.statistics == frozenset({"accumulated"})
 
 
 @pytest.mark.parametrize("query_len,window", [(100, 8), (100, 64), (40, 8), (6, 8)])
@@ -357,14 +361,12 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     store = KVStore(1, 2, 16)
     random_tokens(store, 30)  # already cached
     keys, values = (torch.randn(1, 2, query_len, 16, generator=gen) for _ in range(2))
-    call = store.begin_forward(range(1), query_len)
-    store.observation_window = window
+    call = ForwardCall.open(store, range(1), query_len, CallPlan(observation_window=window))
     query = torch.randn(1, 6, query_len, 16, generator=gen)  # 3 query heads per KV head
     layer = torch.nn.Module()
     layer.layer_idx = 0
     store_attention(layer, query, keys, values, None, kv_store=call)
-    call.commit()
-    store.end_forward(call)
+    call.close()
     cached = store.fp["keys"][0, :1, :, : 30 + query_len].repeat_interleave(3, dim=1)
     logits = query @ cached.transpose(-1, -2) / 4.0  # [1, 6, q, L]
     visible = torch.ones(query_len, 30 + query_len, dtype=torch.bool).tril(diagonal=30)

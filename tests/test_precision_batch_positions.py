@@ -122,7 +122,7 @@ def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(
         rerotate=True,
     )
     session = engine.new_sequence()
-    session.store.pin(0, len(head))
+    session.store.pins.pin(0, len(head))
     stream = head + filler[: stream_tokens - len(head)]
     assert len(stream) == stream_tokens > smollm.model.config.max_position_embeddings
     engine.feed(session, stream)

@@ -94,15 +94,15 @@ def test_sessions_read_the_pinned_system_prompt_once_and_reply_as_alone(engines)
     whole = system_end - system_end % BLOCK_TOKENS
     assert whole >= 4 * BLOCK_TOKENS
     for store, reference in zip(stores, (c.sequence.store for c in references), strict=True):
-        assert store.shared_tokens == whole
+        assert store.prefix.tokens == whole
         assert store.seen_tokens == reference.seen_tokens
         # the shared tokens left the session's own KV: it holds that much less
         per_token = store.bytes_per_token()
         assert store.nbytes() <= reference.nbytes() - whole * per_token + per_token
-        assert store.shared_nbytes() == whole * per_token
+        assert store.prefix.nbytes() == whole * per_token
     cache = shared.prefix_cache
     assert cache.nbytes() == whole * stores[0].bytes_per_token()  # held once for both
-    assert stores[0].shared_views()[0].run is stores[1].shared_views()[0].run
+    assert stores[0].prefix.views()[0].run is stores[1].prefix.views()[0].run
     # the second session computed none of the shared tokens: its first call starts past them
     assert chats[1].sequence.steps[0].seen_tokens > whole
     # the logits after the replies agree with computing the prompt alone, within float32
@@ -119,14 +119,14 @@ def test_forks_and_saved_sessions_read_the_same_blocks(engines):
     chat = _chat(shared, "Open the forum.")
     chat.reply(SamplingParams(max_new_tokens=4))
     store = chat.sequence.store
-    run = store.shared_views()[0].run
+    run = store.prefix.views()[0].run
     twin = chat.fork()
-    assert twin.sequence.store.shared_views()[0].run is run and run.refs == 2
+    assert twin.sequence.store.prefix.views()[0].run is run and run.refs == 2
     state = store.state(trim=True)
     restored = KVStore.from_state(state)
-    assert restored.shared.cache is None and restored.shared_tokens == store.shared_tokens
-    restored.adopt_shared(shared.prefix_cache)
-    assert restored.shared_views()[0].run is run and run.refs == 3
+    assert restored.prefix.holder.cache is None and restored.prefix.tokens == store.prefix.tokens
+    restored.prefix.adopt(shared.prefix_cache)
+    assert restored.prefix.views()[0].run is run and run.refs == 3
     reference = store.state(trim=True)
     again = restored.state(trim=True)
     for key in ("keys", "values"):
@@ -146,11 +146,11 @@ def test_a_session_that_rewrites_its_shared_history_copies_the_block_it_cuts(eng
     chat = _chat(shared, "Open the forum.")
     chat.prefill()
     sequence, store = chat.sequence, chat.sequence.store
-    whole = store.shared_tokens
+    whole = store.prefix.tokens
     end = whole - 10  # inside the last shared block
     store.truncate(end)
     del sequence.token_ids[end:]
-    assert store.shared_tokens == whole - BLOCK_TOKENS
+    assert store.prefix.tokens == whole - BLOCK_TOKENS
     assert store.live_positions(0).tolist() == list(range(whole - BLOCK_TOKENS, end))
     more = smollm.tokenizer("Then search for laptops.", add_special_tokens=False)["input_ids"]
     logits = shared.feed(sequence, more)

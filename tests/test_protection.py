@@ -60,6 +60,6 @@ def test_bad_rules_are_configuration_errors(smollm):
 def test_apply_pins_sets_exactly_the_spans():
     store = KVStore(1, 1, 4)
     random_tokens(store, 20)
-    store.pin(0, 20)
+    store.pins.pin(0, 20)
     apply_pins(store, [(2, 4), (10, 12)])
-    assert store.pinned_mask(0).nonzero().squeeze(1).tolist() == [2, 3, 10, 11]
+    assert store.pins.mask(0).nonzero().squeeze(1).tolist() == [2, 3, 10, 11]

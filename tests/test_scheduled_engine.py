@@ -149,6 +149,6 @@ def test_episodes_on_one_scheduler_read_their_common_system_turn_once(smollm):
     assert [c.messages[-1] for c in shared] == [c.messages[-1] for c in alone]
     stores = [c.sequence.store for c in shared]
     whole = shared[0].spans[0][1] // 32 * 32
-    assert whole >= 3 * 32 and all(store.shared_tokens == whole for store in stores)
-    assert stores[0].shared_views()[0].run is stores[1].shared_views()[0].run
+    assert whole >= 3 * 32 and all(store.prefix.tokens == whole for store in stores)
+    assert stores[0].prefix.views()[0].run is stores[1].prefix.views()[0].run
     assert base.prefix_cache.blocks == whole // 32

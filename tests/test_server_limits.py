@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.kv.store import Int8Config
+from agent_kv.kv.store.figures import StoreFigures
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import SequenceOutline
@@ -102,14 +103,13 @@ def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8, monkey
     service = ChatService(engine)
     rules = PinRules(roles=frozenset({"system"}))
     peak = [0]
-    append = KVStore.append
+    note_allocated = StoreFigures.note_allocated
 
-    def measured(store, *args, **kwargs):
-        appended = append(store, *args, **kwargs)
-        peak[0] = max(peak[0], store.allocated_nbytes())
-        return appended
+    def measured(figures, allocated):  # every allocation any store of the turn makes
+        peak[0] = max(peak[0], allocated)
+        note_allocated(figures, allocated)
 
-    monkeypatch.setattr(KVStore, "append", measured)
+    monkeypatch.setattr(StoreFigures, "note_allocated", measured)
     history: list[dict] = []
     kinds = []
     for turn in range(4):

@@ -32,9 +32,9 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
         rerotate=rerotate,
     )
     session = engine.new_sequence()
-    session.store.pin(0, 10)
+    session.store.pins.pin(0, 10)
     engine.feed(session, ids[:300])
-    assert session.store.evicted_tokens > 0 and session.store.quantized_tokens > 0
+    assert session.store.figures.evicted_tokens > 0 and session.store.figures.quantized_tokens > 0
     session.save(tmp_path / "s.pt")
     restored = Sequence.load(tmp_path / "s.pt", smollm.model)
     assert restored.token_ids == session.token_ids
@@ -43,7 +43,7 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     for token in ids[300:320]:
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
-    assert restored.store.pinned_mask(3).sum() == 10
+    assert restored.store.pins.mask(3).sum() == 10
 
 
 def test_a_saved_file_holds_live_bytes_and_says_what_loading_allocates(smollm, tmp_path):
@@ -95,7 +95,7 @@ def test_truncate_refuses_past_an_eviction():
     store = KVStore(1, 1, 4)
     random_tokens(store, 50)
     make_policy("window", budget=20, evict_slack=0).step(store, None)
-    assert store.changed_at == [50]
+    assert store.segments.changed_at == [50]
     with pytest.raises(ValueError, match="exact only back to 50"):
         store.truncate(40)
     store.truncate(50)  # nothing to forget: fine

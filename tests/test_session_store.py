@@ -177,7 +177,7 @@ def test_history_rebuilt_from_scratch_when_eviction_followed_the_change(smollm):
     a, b, c = list(range(100, 160)), list(range(200, 260)), list(range(300, 310))
     session = engine.new_sequence()
     sync_history(engine, session, a + b)  # evictions happened after token 60
-    assert session.store.changed_at[0] > 60
+    assert session.store.segments.changed_at[0] > 60
     assert sync_history(engine, session, a + c) == HistorySync(0, 70, "scratch")
     assert session.token_ids == a + c and session.store.seen_tokens == 70
     assert torch.equal(session.last_logits, fresh_logits(engine, a + c))
@@ -194,7 +194,7 @@ def test_a_pinned_fact_survives_twenty_turns_under_a_tight_budget(smollm, pinned
     engine = Engine(smollm.model, tok, make_policy("window", budget=256), prefill_chunk=128)
     session = engine.new_sequence()
     if pinned:
-        session.store.pin(0, len(head))
+        session.store.pins.pin(0, len(head))
     ids = list(head)
     for turn in range(20):
         filler = (

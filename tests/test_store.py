@@ -7,6 +7,8 @@ import torch
 from helpers import append_tokens, kept_positions
 
 from agent_kv.errors import ConfigError, ContextOverflowError
+from agent_kv.kv.call_plan import CallPlan
+from agent_kv.kv.forward_call import NO_PLAN, ForwardCall
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 
 
@@ -44,7 +46,7 @@ def test_compact_gathers_kept_tokens_to_the_front():
     assert values[0, 2, :, 3].tolist() == [-1.0, -4.0, -9.0]
     assert kept_positions(store) == [1, 4, 9]
     assert store.lengths() == [3, 10]
-    assert store.evicted_tokens == 7
+    assert store.figures.evicted_tokens == 7
     # the next token still takes the next original position
     append_tokens(store, torch.zeros(1, 3, 1, 4))
     assert kept_positions(store) == [1, 4, 9, 10]
@@ -58,7 +60,7 @@ def test_bytes_are_exactly_the_live_tensors():
     store.compact(1, torch.arange(0, 300, 3))
     assert store.nbytes() == live_tensor_bytes(store) == (300 + 100) * per_token // 2
     assert store.allocated_nbytes() >= store.nbytes()
-    assert store.peak_bytes == 300 * per_token
+    assert store.figures.peak_bytes == 300 * per_token
     assert store.full_kv_nbytes() == 300 * per_token
 
 
@@ -88,16 +90,17 @@ def test_a_bound_is_never_allocated_ahead_the_capacity_follows_the_live_tokens()
     assert store.decode_widths()["fp"] == BLOCK_TOKENS  # a static decode reads what is held
 
 
-def scored_call(store: KVStore, n: int, masses: list[torch.Tensor], scored=None) -> None:
-    """One forward call of `n` zero tokens on a one-layer store, with the given attention
-    masses (stored FP segment, then the new tokens) recorded."""
-    call = store.begin_forward(range(1), n)
+def scored_call(
+    store: KVStore, n: int, masses: list[torch.Tensor], scored=None, plan: CallPlan = NO_PLAN
+) -> None:
+    """One forward call of `n` zero tokens on a one-layer store under `plan`, with the given
+    attention masses (stored FP segment, then the new tokens) recorded."""
+    call = ForwardCall.open(store, range(1), n, plan)
     zeros = torch.zeros(1, store.kv_heads, n, store.head_dim)
     call.segments(0)
     call.stage(0, zeros, zeros)
     call.record_attention(0, masses, group=1, scored=scored)
-    call.commit()
-    store.end_forward(call)
+    call.close()
 
 
 def test_scores_normalise_by_visible_queries():
@@ -128,29 +131,29 @@ def test_scores_from_a_sample_of_queries_normalise_by_the_queries_that_see_each_
 
 def test_a_policy_that_ranks_by_nothing_records_nothing():
     store = filled_store(2, layers=1, heads=1)
-    store.statistics = frozenset()
-    scored_call(store, 2, [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])])
+    masses = [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])]
+    scored_call(store, 2, masses, plan=CallPlan(statistics=frozenset()))
     assert not store.live_meta("scores", 0).any() and not store.live_meta("accumulated", 0).any()
 
 
 def test_pins_follow_positions_through_compaction():
     store = filled_store(8, layers=1)
-    store.pin(2, 4)
-    assert store.pinned_mask(0).tolist() == [False, False, True, True, False, False, False, False]
-    assert store.pinned_live() == [[2]]
+    store.pins.pin(2, 4)
+    assert store.pins.mask(0).tolist() == [False, False, True, True, False, False, False, False]
+    assert store.pins.live() == [[2]]
     store.compact(0, torch.tensor([0, 3, 7]))
-    assert store.pinned_mask(0).tolist() == [False, True, False]
-    assert store.pinned_live() == [[1]]
-    store.unpin(3, 4)
-    assert not store.pinned_mask(0).any() and store.pinned_live() == [[0]]
+    assert store.pins.mask(0).tolist() == [False, True, False]
+    assert store.pins.live() == [[1]]
+    store.pins.unpin(3, 4)
+    assert not store.pins.mask(0).any() and store.pins.live() == [[0]]
 
 
 def test_rejects_bad_rows_and_sizes():
     store = KVStore(1, 3, 4, batch=2)
     with pytest.raises(ValueError, match="ascending range"):
-        store.begin_forward(range(1, 3), 1)
+        ForwardCall.open(store, range(1, 3), 1)
     with pytest.raises(ValueError, match="ascending range"):
-        store.begin_forward(range(2), 0)
+        ForwardCall.open(store, range(2), 0)
     with pytest.raises(ValueError, match="ema_decay"):
         KVStore(1, 1, 1, ema_decay=1.0)
     with pytest.raises(ValueError, match="positive"):
@@ -160,15 +163,15 @@ def test_rejects_bad_rows_and_sizes():
 def test_pin_spans_are_validated_and_pins_grow_with_the_episode():
     store = filled_store(4, layers=1)
     with pytest.raises(ValueError, match="invalid position span"):
-        store.pin(5, 2)
+        store.pins.pin(5, 2)
     with pytest.raises(ValueError, match="invalid position span"):
-        store.unpin(-1, 3)
-    store.pin(1000, 1001)  # beyond the tokens seen: applies when that position arrives
+        store.pins.unpin(-1, 3)
+    store.pins.pin(1000, 1001)  # beyond the tokens seen: applies when that position arrives
     for _ in range(1000):
         append_tokens(store, torch.zeros(1, 3, 1, 4))
-    mask = store.pinned_mask(0)
+    mask = store.pins.mask(0)
     assert mask.sum().item() == 1 and mask[1000]
-    assert store.pinned_live() == [[1]]  # counted as it arrived
+    assert store.pins.live() == [[1]]  # counted as it arrived
 
 
 def int8_store(tokens: int, window: int = 8, group: int = 4) -> KVStore:
@@ -186,22 +189,22 @@ def quantized_keys(store: KVStore, n: int) -> torch.Tensor:
 
 def test_tokens_leaving_the_fp_window_move_to_int8_in_whole_groups():
     store = int8_store(30)
-    store.pin(2, 4)
-    moved = store.quantize_stale()
+    store.pins.pin(2, 4)
+    moved = store.precision.quantize_stale()
     # 28 unpinned, 8 stay in the window: 20 stale, moved as 5 groups of 4
     assert moved == 20 and store.q.lengths == [[20]] and store.fp.lengths == [[10]]
     assert store.scales.lengths == [[5]]
     assert kept_positions(store) == [0, 1, *range(4, 22), 2, 3, *range(22, 30)]
-    assert store.pinned_mask(0).tolist() == [False] * 20 + [True, True] + [False] * 8
+    assert store.pins.mask(0).tolist() == [False] * 20 + [True, True] + [False] * 8
     # INT8 keys read back as their positions, to within half a quantization step
     expected = torch.tensor([0, 1, *range(4, 22)], dtype=torch.float32)
     assert (quantized_keys(store, 20)[0, :, 0] - expected).abs().max() <= 21 / 127 / 2 + 1e-3
-    assert store.quantize_stale() == 0  # nothing more until a whole group is stale
+    assert store.precision.quantize_stale() == 0  # nothing more until a whole group is stale
 
 
 def test_int8_bytes_count_int8_values_and_scales_exactly():
     store = int8_store(30)
-    store.quantize_stale()
+    store.precision.quantize_stale()
     fp_bytes = 2 * 10 * 2 * 4 * 4  # keys + values, 10 tokens, fp32
     int8_bytes = 2 * 20 * 2 * 4
     scale_bytes = 2 * 5 * 2 * 4 * 2  # float16, 5 groups
@@ -224,7 +227,7 @@ def test_rows_keep_their_own_lengths_and_bytes():
     per_token_layer = 2 * 2 * 4 * 4
     assert store.nbytes(1) == 30 * per_token_layer
     assert store.nbytes() == sum(store.nbytes(r) for r in range(3)) == 64 * per_token_layer
-    assert store.row_peak_bytes == [
+    assert store.figures.row_peak_bytes == [
         20 * per_token_layer,
         30 * per_token_layer,
         20 * per_token_layer,
@@ -234,9 +237,9 @@ def test_rows_keep_their_own_lengths_and_bytes():
 def test_pins_name_a_real_row_and_int8_settings_are_whole_numbers():
     store = KVStore(1, 1, 4, batch=2)
     with pytest.raises(ValueError, match="row 2"):
-        store.pin(0, 3, row=2)
+        store.pins.pin(0, 3, row=2)
     with pytest.raises(ValueError, match="row -1"):
-        store.unpin(0, 3, row=-1)
+        store.pins.unpin(0, 3, row=-1)
     for bad in (Int8Config(group=2.5), Int8Config(fp_window=1.5), Int8Config(group=0)):
         with pytest.raises(ConfigError, match="whole number"):
             KVStore(1, 1, 4, int8=bad)
@@ -246,13 +249,13 @@ def test_no_forward_call_passes_the_context():
     store = KVStore(1, 1, 4, max_positions=10)
     append_tokens(store, torch.zeros(1, 1, 10, 4))
     with pytest.raises(ContextOverflowError, match="position 10 is past the model's 10-token"):
-        store.begin_forward(range(1), 1)
+        ForwardCall.open(store, range(1), 1)
 
 
 def test_a_saved_store_loads_back_with_its_capacity_and_contents():
     store = int8_store(30)
-    store.pin(2, 4)
-    store.quantize_stale()
+    store.pins.pin(2, 4)
+    store.precision.quantize_stale()
     store.bound_capacity(fp_tokens=40, q_tokens=64, chunk=8)
     append_tokens(store, torch.ones(1, 2, 1, 4))
     trimmed = store.state(trim=True)
@@ -263,4 +266,4 @@ def test_a_saved_store_loads_back_with_its_capacity_and_contents():
     assert loaded.nbytes() == store.nbytes() and loaded.seen_tokens == 31
     assert kept_positions(loaded) == kept_positions(store)
     assert torch.equal(quantized_keys(loaded, 20), quantized_keys(store, 20))
-    assert loaded.pinned_live() == [[2]]
+    assert loaded.pins.live() == [[2]]

@@ -11,14 +11,13 @@ import torch
 from helpers import random_tokens
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.kv.store import (
+from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.kv.store.capacity import (
     BLOCK_TOKENS,
     KEEP_SHARE,
     SCALE_BLOCK,
-    Int8Config,
-    KVStore,
-    _capacity_bound,
-    _fitted_capacity,
+    capacity_bound,
+    fitted_capacity,
 )
 
 CHUNK = 512
@@ -39,7 +38,7 @@ CHUNK = 512
     ],
 )
 def test_capacities_follow_what_is_needed(current, needed, bound, expected):
-    assert _fitted_capacity(current, needed, BLOCK_TOKENS, bound) == expected
+    assert fitted_capacity(current, needed, BLOCK_TOKENS, bound) == expected
 
 
 @pytest.mark.parametrize("grain", [BLOCK_TOKENS, SCALE_BLOCK])
@@ -48,11 +47,11 @@ def test_no_sequence_of_lengths_passes_the_allocation_bound(grain):
     for most in (10, grain, grain + 1, 3 * grain - 5, 4 * grain, 1000):
         for start in (0, grain, 2 * grain, 8 * grain):
             for bounded in (False, True):
-                capacity, limit = start, _capacity_bound(start, most, grain)
+                capacity, limit = start, capacity_bound(start, most, grain)
                 for _ in range(400):
                     needed = rng.randint(0, most)
                     bound = rng.randint(needed, most) if bounded else None
-                    capacity = _fitted_capacity(capacity, needed, grain, bound)
+                    capacity = fitted_capacity(capacity, needed, grain, bound)
                     assert capacity <= limit, (most, start, capacity, limit)
                     assert needed <= capacity <= needed * (1 + KEEP_SHARE) + grain or (
                         capacity == start  # a capacity the store started with
@@ -68,7 +67,7 @@ def _conf_kv_int8_run(decode: int, confidence, pins: int = 40) -> tuple[KVStore,
     torch.manual_seed(0)
     store = KVStore(4, 3, 16, int8=Int8Config())
     policy = make_policy("conf-kv", budget=512)
-    store.pin(0, pins)
+    store.pins.pin(0, pins)
     steps = []
 
     def step(n: int, c: float | None) -> None:
@@ -85,7 +84,7 @@ def _conf_kv_int8_run(decode: int, confidence, pins: int = 40) -> tuple[KVStore,
                 **at_call,
                 "live": store.nbytes(),
                 "allocated": store.allocated_nbytes(),
-                "during": store.call_allocated_bytes,
+                "during": store.figures.call_allocated_bytes,
                 "bound": bound,
             }
         )
@@ -139,15 +138,15 @@ def test_a_steady_decode_cycles_between_a_few_buffers():
 
 def test_peak_allocated_is_the_most_any_step_held():
     store, steps = _conf_kv_int8_run(100, lambda i: 0.9)
-    assert store.peak_allocated_bytes == max(s["during"] for s in steps)
-    assert store.peak_allocated_bytes >= store.peak_bytes
+    assert store.figures.peak_allocated_bytes == max(s["during"] for s in steps)
+    assert store.figures.peak_allocated_bytes >= store.figures.peak_bytes
     assert all(s["during"] >= s["allocated"] >= s["live"] for s in steps)
 
 
 def test_peak_allocated_survives_saving():
     store, _ = _conf_kv_int8_run(10, lambda i: 0.9)
     restored = KVStore.from_state(store.state(trim=True))
-    assert restored.peak_allocated_bytes == store.peak_allocated_bytes
+    assert restored.figures.peak_allocated_bytes == store.figures.peak_allocated_bytes
     assert restored.allocated_nbytes() == store.allocated_nbytes()
 
 

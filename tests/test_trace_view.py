@@ -301,9 +301,9 @@ def test_token_pieces_give_a_split_character_to_the_token_that_completes_it():
 def test_step_cache_fields_run_length_encode_the_states_of_every_position():
     store = KVStore(2, 1, 4)
     random_tokens(store, 6)
-    store.pin(0, 2)
+    store.pins.pin(0, 2)
     store.compact(0, torch.tensor([0, 1, 2, 3, 5]))  # layer 0 evicts position 4
-    store.quantize_slots(1, 0, torch.tensor([2, 3]), group=2, fmt="int8")  # layer 1: INT8
+    store.precision.quantize_slots(1, 0, torch.tensor([2, 3]), group=2, fmt="int8")  # layer 1: INT8
     chat = SimpleNamespace(
         sequence=SimpleNamespace(store=store, token_ids=[1, 2, 3, 4, 1, 4]),
         engine=SimpleNamespace(tokenizer=_ByteTokenizer()),

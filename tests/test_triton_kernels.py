@@ -28,6 +28,7 @@ if not isinstance(tl.zeros, InterpretedFunction):
     )
 
 from agent_kv.kv.attention import store_attention  # noqa: E402
+from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.store import Int8Config, KVStore  # noqa: E402
 from kernels import dispatch, fp8, int8, triton_attention, triton_store_ops  # noqa: E402
 from kernels.formats import QUANT_FORMATS  # noqa: E402
@@ -237,16 +238,15 @@ def test_store_attention_decode_branch_uses_the_switch(monkeypatch):
         monkeypatch.setenv("AGENT_KV_KERNELS", mode)
         store = KVStore(1, 2, 64, batch=2, int8=Int8Config(fp_window=16, group=GROUP))
         keys = torch.randn(2, 2, 48, 64, generator=torch.Generator().manual_seed(48))
-        store.append(keys, keys.flip(-1), range(2))
-        store.quantize_stale()
+        append_kv(store, keys, keys.flip(-1), range(2))
+        store.precision.quantize_stale()
         assert store.q.lengths[0] == [32, 32]
         # the decode step's own token is the call's last, causal segment (committed after)
-        call = store.begin_forward(range(2), 1)
+        call = ForwardCall.open(store, range(2), 1)
         keys = torch.randn(2, 2, 1, 64, generator=torch.Generator().manual_seed(1))
         query = torch.randn(2, 8, 1, 64, generator=gen.manual_seed(11))
         out, _ = store_attention(layer, query, keys, keys.flip(-1), None, kv_store=call)
-        call.commit()
-        store.end_forward(call)
+        call.close()
         scores = torch.stack([store.live_meta("scores", 0, row) for row in range(2)])
         results[mode] = out, scores
     assert len(calls) == 1
@@ -263,8 +263,8 @@ def test_store_writes_through_the_switch_are_bit_identical(monkeypatch, fmt):
         monkeypatch.setenv("AGENT_KV_KERNELS", mode)
         store = KVStore(1, 2, 64, batch=2)
         keys = torch.randn(2, 2, 96, 64, generator=torch.Generator().manual_seed(12))
-        store.append(keys, keys * 0.5, range(2))
-        store.quantize_slots(0, 1, torch.arange(8, 40), GROUP, fmt)
+        append_kv(store, keys, keys * 0.5, range(2))
+        store.precision.quantize_slots(0, 1, torch.arange(8, 40), GROUP, fmt)
         store.compact(0, torch.tensor([0, 3, 5, 20, 40, 41, 90, 95]), row=1)
         store.compact(0, torch.arange(0, 96, 3), row=0)
         stores[mode] = store

@@ -22,13 +22,13 @@ def random_store(int8: bool, seed: int) -> KVStore:
     store = KVStore(3, 2, 4, batch=2, int8=Int8Config(fp_window=40, group=8) if int8 else None)
     append_tokens(store, torch.randn(2, 2, 300, 4), torch.randn(2, 2, 300, 4), rows=range(2))
     append_tokens(store, torch.randn(1, 2, 37, 4), torch.randn(1, 2, 37, 4), rows=range(1, 2))
-    store.pin(10, 30, row=0)
-    store.pin(200, 205, row=1)
-    store.pin(330, 400, row=1)  # part of it ahead of the tokens seen
+    store.pins.pin(10, 30, row=0)
+    store.pins.pin(200, 205, row=1)
+    store.pins.pin(330, 400, row=1)  # part of it ahead of the tokens seen
     for table in (store.fp, store.q):
         for name in (*META_FIELDS, "hits"):
             table[name].copy_(torch.rand_like(table[name]))
-    store.quantize_stale()
+    store.precision.quantize_stale()
     store.observed_from = [250, 320]
     return store
 
@@ -72,7 +72,7 @@ def reference_kept(policy, store: KVStore, confidences: list) -> list[list[set[i
         for row in range(store.batch):
             budget = policy.layer_budgets(confidences[row], store.num_layers)[layer]
             positions = store.live_positions(layer, row)
-            pinned = store.pinned_mask(layer, row)
+            pinned = store.pins.mask(layer, row)
             n, n_pinned = positions.numel(), int(pinned.sum())
             if n - n_pinned <= budget:
                 per_row.append(set(positions.tolist()))
@@ -126,8 +126,8 @@ def test_the_vectorised_step_keeps_the_per_row_step_s_tokens(name, params, int8)
                 before = {position: slot for slot, position in enumerate(positions)}
                 after = stepped.live_positions(layer, row).tolist()
                 slots = torch.tensor([before[p] for p in after])
-                old_keys, _ = store.read_slots(layer, row, slots)
-                new_keys, _ = stepped.read_slots(layer, row, torch.arange(len(after)))
+                old_keys, _ = store.segments.read_slots(layer, row, slots)
+                new_keys, _ = stepped.segments.read_slots(layer, row, torch.arange(len(after)))
                 torch.testing.assert_close(new_keys, old_keys)
 
 

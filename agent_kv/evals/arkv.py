@@ -145,9 +145,9 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
         tally.shares.append(sum(store.quantized_lengths()) / max(sum(store.lengths()), 1))
         tally.held.append(store.nbytes())
         tally.answers.append({"name": name, "code": code, "reply": reply.text, "right": right})
-    tally.peak = max(tally.peak, session.store.peak_allocated_bytes)
-    tally.peak_live = max(tally.peak_live, session.store.peak_bytes)
-    tally.peak_cold = max(tally.peak_cold, session.store.peak_cold_bytes)
+    tally.peak = max(tally.peak, session.store.figures.peak_allocated_bytes)
+    tally.peak_live = max(tally.peak_live, session.store.figures.peak_bytes)
+    tally.peak_cold = max(tally.peak_cold, session.store.recall.peak_bytes)
 
 
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:

@@ -327,7 +327,7 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
             "policy_share": timers[label].seconds / sum(times[label]),
             "kv_live_bytes": store.nbytes(),
             "kv_allocated_bytes": store.allocated_nbytes(),
-            "peak_kv_live_bytes": store.peak_bytes,
+            "peak_kv_live_bytes": store.figures.peak_bytes,
             "live_tokens": max(store.lengths()),
             "seen_tokens": store.seen_tokens,
         }
@@ -364,7 +364,7 @@ def _batch_run(engine: Engine, label: str, prompts: list[list[int]], new_tokens:
         wall_s=wall,
         kv_live_bytes=result.store.nbytes(),
         kv_allocated_bytes=result.store.allocated_nbytes(),
-        peak_kv_live_bytes=result.store.peak_bytes,
+        peak_kv_live_bytes=result.store.figures.peak_bytes,
         per_row_generated=per_row,
     )
 

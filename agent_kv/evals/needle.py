@@ -174,9 +174,9 @@ def run(ctx: EvalContext) -> Report:
                             "key": key,
                             "answer": reply.text,
                             "right": right,
-                            "peak_kv_allocated_bytes": session.store.peak_allocated_bytes,
-                            "peak_kv_live_bytes": session.store.peak_bytes,
-                            "peak_cold_kv_bytes": session.store.peak_cold_bytes,
+                            "peak_kv_allocated_bytes": session.store.figures.peak_allocated_bytes,
+                            "peak_kv_live_bytes": session.store.figures.peak_bytes,
+                            "peak_cold_kv_bytes": session.store.recall.peak_bytes,
                             "recall_s": round(_recall_s(session.store), 3),
                             "prefill_s": round(reply.ttft_s, 2),
                         }
@@ -191,7 +191,7 @@ def run(ctx: EvalContext) -> Report:
 
 def _recall_s(store) -> float:
     """Seconds the store spent recalling cold pages (0 without a cold tier)."""
-    return 0.0 if store.cold is None else store.cold.recall_s
+    return 0.0 if store.recall.tier is None else store.recall.tier.recall_s
 
 
 def _accuracy(trials: list[dict]) -> float | None:

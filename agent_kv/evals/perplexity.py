@@ -107,8 +107,8 @@ def score_segment(loaded: LoadedModel, variant: Variant, ids: list[int]) -> Scor
     return Scored(
         nll=-float(log_probs.sum()),
         tokens=log_probs.numel(),
-        peak_bytes=session.store.peak_bytes,
-        peak_allocated_bytes=session.store.peak_allocated_bytes,
+        peak_bytes=session.store.figures.peak_bytes,
+        peak_allocated_bytes=session.store.figures.peak_allocated_bytes,
         mean_bytes=sum(s.kv_live_bytes for s in session.steps) / len(session.steps),
         mean_budget=sum(budgets) / len(budgets) if budgets else None,
     )

@@ -82,16 +82,16 @@ class EpisodeResult:
 
     Attributes:
         peak_kv_allocated_bytes: the most bytes the KV store's buffers held at any point of
-            the episode, spare capacity included (`KVStore.peak_allocated_bytes`).
+            the episode, spare capacity included (`StoreFigures.peak_allocated_bytes`).
         peak_kv_live_bytes: the most bytes of live keys, values and scales it held
-            (`KVStore.peak_bytes`).
+            (`StoreFigures.peak_bytes`).
         full_kv_allocated_bytes: what a full KV cache of the tokens seen would be allocated at
             full precision under the same growth rule (`KVStore.full_kv_allocated_nbytes`):
             the allocated reference `peak_kv_allocated_bytes` is compared with.
         full_kv_live_bytes: the live bytes of those tokens alone, at full precision
             (`KVStore.full_kv_nbytes`): the live-equivalent reference.
         kv_shared_bytes: bytes of the shared prefix blocks the episode's store reads at its
-            end (`KVStore.shared_nbytes`; held once for every session that reads them, so
+            end (`PrefixReads.nbytes`; held once for every session that reads them, so
             apart from the figures above; 0 without prefix sharing).
         peak_cold_kv_bytes: the most bytes the cold tier held (evicted tokens kept for
             recall, `ColdTier.peak_bytes`; 0 without one), apart from the hot figures above.
@@ -291,15 +291,15 @@ def run_episode(
         error=error,
         steps=steps,
         tokens_seen=store.seen_tokens,
-        peak_kv_allocated_bytes=store.peak_allocated_bytes,
-        peak_kv_live_bytes=store.peak_bytes,
+        peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
+        peak_kv_live_bytes=store.figures.peak_bytes,
         full_kv_allocated_bytes=store.full_kv_allocated_nbytes(),
         full_kv_live_bytes=store.full_kv_nbytes(),
-        kv_shared_bytes=store.shared_nbytes(),
-        peak_cold_kv_bytes=store.peak_cold_bytes,
-        evicted_tokens=store.evicted_tokens,
+        kv_shared_bytes=store.prefix.nbytes(),
+        peak_cold_kv_bytes=store.recall.peak_bytes,
+        evicted_tokens=store.figures.evicted_tokens,
         int8=None if store.int8 is None else asdict(store.int8),
-        quantized_tokens=store.quantized_tokens,
+        quantized_tokens=store.figures.quantized_tokens,
         positions=store.positions_mode,
         ttft_s=[round(t, 3) for t in ttfts],
         decode_tokens_per_s=[round(r, 2) for r in rates],
@@ -354,9 +354,9 @@ def _write_step(
         "info": result.info,
         "kv_allocated_bytes": store.allocated_nbytes(),
         "kv_live_bytes": store.nbytes(),
-        "peak_kv_allocated_bytes": store.peak_allocated_bytes,
-        "peak_kv_live_bytes": store.peak_bytes,
-        "cold_kv_bytes": store.cold_nbytes(),
+        "peak_kv_allocated_bytes": store.figures.peak_allocated_bytes,
+        "peak_kv_live_bytes": store.figures.peak_bytes,
+        "cold_kv_bytes": store.recall.nbytes(),
         "kv_lengths": store.lengths(),
         "tokens_seen": store.seen_tokens,
         "step_s": round(step_s, 3),

@@ -208,15 +208,15 @@ class RecallRecord:
         reference_hits: scripted actions that were the model's greedy choice.
         peak_kv_allocated_bytes: the most bytes the KV store's buffers held
             (`peak_allocated_bytes`).
-        peak_kv_live_bytes: the most live KV bytes (`KVStore.peak_bytes`).
+        peak_kv_live_bytes: the most live KV bytes (`StoreFigures.peak_bytes`).
         full_kv_allocated_bytes: what a full KV cache of the tokens seen would allocate.
         full_kv_live_bytes: the live bytes of every token seen (the history and the answer
             decoded) alone, at full precision.
         kv_shared_bytes: bytes of the shared prefix blocks the store reads at the end
-            (`KVStore.shared_nbytes`; held once for every session, apart from the figures
+            (`PrefixReads.nbytes`; held once for every session, apart from the figures
             above; 0 without prefix sharing).
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
-        evicted_tokens: tokens the policy evicted (`KVStore.evicted_tokens`).
+        evicted_tokens: tokens the policy evicted (`StoreFigures.evicted_tokens`).
         policy: the policy's name; policy_params its settings.
         positions: "original" or "rerotate".
         model: the model's name.
@@ -328,13 +328,13 @@ def run_recall_task(
         reply=decoded.reply,
         history_tokens=history,
         reference_hits=hits,
-        peak_kv_allocated_bytes=store.peak_allocated_bytes,
-        peak_kv_live_bytes=store.peak_bytes,
+        peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
+        peak_kv_live_bytes=store.figures.peak_bytes,
         full_kv_allocated_bytes=store.full_kv_allocated_nbytes(),
         full_kv_live_bytes=store.full_kv_nbytes(),
-        kv_shared_bytes=store.shared_nbytes(),
-        peak_cold_kv_bytes=store.peak_cold_bytes,
-        evicted_tokens=store.evicted_tokens,
+        kv_shared_bytes=store.prefix.nbytes(),
+        peak_cold_kv_bytes=store.recall.peak_bytes,
+        evicted_tokens=store.figures.evicted_tokens,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         positions=store.positions_mode,

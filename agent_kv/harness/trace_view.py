@@ -104,8 +104,8 @@ def step_cache_fields(chat: Conversation, first_token: int, observation: int) ->
     """
     store = chat.sequence.store
     seen = store.seen_tokens
-    fp, quantized = store.precision_counts()
-    pinned = store.pinned_positions().tolist()
+    fp, quantized = store.precision.counts()
+    pinned = store.pins.positions().tolist()
     return {
         "token_start": first_token,
         "tokens": token_pieces(chat.engine.tokenizer, chat.sequence.token_ids[first_token:seen]),
@@ -113,7 +113,7 @@ def step_cache_fields(chat: Conversation, first_token: int, observation: int) ->
         "reply_span": list(chat.spans[len(chat.messages) - 1]),
         "kv_layers": store.num_layers,
         "kv_bytes_per_token": store.bytes_per_token(),
-        "kv_quantized_format": store.quantized_format(),
+        "kv_quantized_format": store.precision.quantized_format(),
         "kv_states": _runs(list(zip(fp.tolist(), quantized.tolist(), strict=True))),
         "pinned_spans": [run[:2] for run in _runs([(flag,) for flag in pinned]) if run[2]],
         "pinned_tokens": sum(pinned),

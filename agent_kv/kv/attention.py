@@ -3,16 +3,17 @@
 `register_attention()` registers, under the name `"agent_kv"`:
 - an attention function (transformers `AttentionInterface`) that reads the layer's stored
   segments through the call given as the `kv_store` keyword of the model call
-  (`KVStore.begin_forward`: quantized segment, FP segment, then the call's own new tokens,
-  which it stages for the call's commit) — decode steps and chunks of up to
+  (`ForwardCall.open`: shared prefix views, quantized segment, FP segment, then the call's
+  own new tokens, which it stages for the call's commit) — decode steps and chunks of up to
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
   CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks through
   torch's fused attention with the mass from a strided sample of the chunk's queries
   (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
-  calls, when the store asks, the shape of the attention: `kernels.reference.attention_profile`,
-  and the mass from the last `observation_window` queries: `ForwardCall.record_window`);
-- before reading, when the store recalls in this call (`KVStore.recall_due`; never in a static
-  call), the best cold pages of the layer back into the hot store (`KVStore.recall`,
+  calls, when the call's plan asks, the shape of the attention:
+  `kernels.reference.attention_profile`, and the mass from the last `observation_window`
+  queries: `ForwardCall.record_window`);
+- before reading, when the call's plan recalls and a recall is due (never in a static call),
+  the best cold pages of the layer back into the hot store (`ForwardCall.recall`,
   `agent_kv.kv.policies.cold_recall`);
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
@@ -35,8 +36,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
-from agent_kv.kv.store import ForwardCall
 from kernels.dispatch import decode_attention
 from kernels.reference import (
     attention_profile,
@@ -94,7 +95,7 @@ def store_attention(
         attention_mask: must be None (the store's causality and row lengths apply); a 4D mask
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
-        kv_store: the call (`agent_kv.kv.store.ForwardCall`, from `KVStore.begin_forward`):
+        kv_store: the call (`agent_kv.kv.forward_call.ForwardCall`, from `ForwardCall.open`):
             read, given the new tokens and the attention mass; or a `PackedCall` of several
             sequences packed into one row (`R = 1`), each span of `q` run through its own
             call.
@@ -145,10 +146,9 @@ def store_attention(
     extras = SoftmaxExtras(softcap, s_aux)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query_len = query.shape[2]
-    if store.reconstructing:
+    if call.plan.reconstruct:
         return _reconstruction_attention(call, layer, query, key, value, scale, extras), None
-    if not call.static and store.recall_due(query_len):
-        store.recall(layer, query, scale)
+    call.recall(layer, query, scale)
     call.stage(layer, key, value)
     segments = [*call.segments(layer), call.new_segment(key, value, layer)]
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
@@ -161,13 +161,13 @@ def store_attention(
     else:
         out, masses = decode_attention(query, segments, scale, extras)
     call.record_attention(layer, masses, query.shape[1] // key.shape[1], offsets)
-    if query_len > 1 and store.observation_window:
-        observed = min(query_len, store.observation_window)
+    if query_len > 1 and call.plan.observation_window:
+        observed = min(query_len, call.plan.observation_window)
         if observed != query_len or query_len > SCORED_QUERIES:
             last = [segment.last_queries(observed) for segment in segments]
             _, masses = segmented_attention(query[:, :, -observed:], last, scale, extras=extras)
         call.record_window(layer, masses, observed)
-    if query_len > 1 and store.profile_prefill:
+    if query_len > 1 and call.plan.profile:
         window = query[:, :, -PROFILED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole, extras)
         store.record_profile(layer, stats)
@@ -183,7 +183,7 @@ def _reconstruction_attention(
     scale: float,
     extras: SoftmaxExtras,
 ) -> torch.Tensor:
-    """A reconstruction call's attention (`KVStore.reconstructing`, KVzip): the output, and
+    """A reconstruction call's attention (`CallPlan.reconstruct`, KVzip): the output, and
     for the store every stored token's largest attention probability over all the call's
     queries and query heads (`ForwardCall.record_reconstruction`); no other statistic, no
     recall, and the call's own tokens are not kept."""

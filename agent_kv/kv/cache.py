@@ -3,7 +3,7 @@
 The model's attention modules call `cache.update(key_states, value_states, layer_idx)`; the
 adapter hands the new keys and values straight back, and the registered attention function
 (`agent_kv.kv.attention`) reads the store's segments and stages the new tokens in the call
-(`KVStore.begin_forward`), whose commit writes every layer's at once. Nothing here reads a
+(`ForwardCall.open`), whose commit writes every layer's at once. Nothing here reads a
 length that changes between decode steps, so a traced decode step keeps one graph.
 """
 

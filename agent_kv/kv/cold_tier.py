@@ -167,7 +167,7 @@ class ColdTier:
         dropped_tokens: tokens dropped past the cap.
         recalled_tokens: tokens returned to the hot store.
         peak_bytes: the most bytes the tier has held.
-        recall_s: seconds spent recalling (`KVStore.recall`: scoring and moving pages back).
+        recall_s: seconds spent recalling (`RecallTier.recall`: scoring and moving pages back).
     """
 
     num_layers: int

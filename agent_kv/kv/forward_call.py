@@ -1,12 +1,16 @@
 """One model call over the KV store: what each layer's attention reads, what it leaves, and the
 commit that writes it all back for every layer at once.
 
-`KVStore.begin_forward` makes the call; the registered attention function
+The ritual of a call is `ForwardCall.open` (host: positions, the store's segments fitted to the
+call, lengths uploaded) -> the model, whose registered attention function
 (`agent_kv.kv.attention`) reads `segments(layer)` and the call's own new tokens
 (`new_segment`), stages the new keys and values (`stage`) and the attention mass
-(`record_attention`); after the model has run, `commit` writes every layer's new tokens after its
-rows' FP slots and folds the mass into the per-token statistics with a handful of operations
-over `[layers, rows, ...]` tensors; `KVStore.end_forward` then moves the host lengths on.
+(`record_attention`) -> `close`: every layer's new tokens written after its rows' FP slots and
+the mass folded into the per-token statistics, with a handful of operations over
+`[layers, rows, ...]` tensors, then the store's host lengths moved on
+(`KVStore.note_appended`). What the call measures besides attention is its `CallPlan` (the
+policy's, `Policy.prepare`): the statistics it folds, a prefill profile, SnapKV's observation
+window, recall from the cold tier, or a reconstruction pass.
 
 In a sliding-window layer (`KVStore.windows`) every segment also carries its window mask
 (`Segment.window`): query `i` of a row, at original position `origin + i`, sees the stored and
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.rope import Rotary
 from kernels.reference import Segment
 
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 
 SEGMENTS = ("q", "fp")
 """The stored segments, in reading order: quantized, then FP (`KVStore.q`, `KVStore.fp`)."""
+NO_PLAN = CallPlan()
+"""The plan of a call no policy prepared: every statistic folded, nothing else measured."""
 SHARED = "shared"
 """What a shared view's segment is called among a layer's reads: read before the stored ones
 (its tokens come first), it keeps no statistics (its tokens are pinned, never ranked)."""
@@ -73,17 +80,25 @@ class ForwardCall:
         rows: its rows in the call, contiguous.
         n: new tokens per row.
         tensors: the call's positions and lengths.
+        plan: what the call measures besides attention (`CallPlan`).
         static: read each segment at its fixed decode width (`KVStore.decode_widths`), masked by
             the lengths: a traced decode step.
     """
 
     def __init__(
-        self, store: KVStore, rows: range, n: int, tensors: CallTensors, static: bool = False
+        self,
+        store: KVStore,
+        rows: range,
+        n: int,
+        tensors: CallTensors,
+        plan: CallPlan = NO_PLAN,
+        static: bool = False,
     ):
         self.store = store
         self.rows = rows
         self.n = n
         self.tensors = tensors
+        self.plan = plan
         self.static = static
         self._rows = slice(rows.start, rows.stop)
         slots = {"q": tensors.q_slots, "fp": tensors.fp_slots}
@@ -109,6 +124,98 @@ class ForwardCall:
         self._group = 1
         self._observed = 0
 
+    @classmethod
+    def open(
+        cls,
+        store: KVStore,
+        rows: range,
+        n: int,
+        plan: CallPlan = NO_PLAN,
+        start: int | None = None,
+        static: bool = False,
+    ) -> ForwardCall:
+        """Begin the next model call over `store`: `n` new tokens for each of the contiguous
+        `rows`, measuring what `plan` says.
+
+        Args:
+            start: the first rotary position of the call for every row, instead of the
+                default (a reconstruction pass that must stay inside the trained context).
+            static: read each segment at its fixed decode width (`KVStore.decode_widths`,
+                masked by the lengths), so the call's shapes depend on the capacities and
+                bounds alone (a compiled or captured decode step); otherwise each segment is
+                read up to its longest row.
+
+        Returns:
+            The call: its `tensors.position_ids` `[len(rows), n]` are the tokens seen onward
+            (original positions), or the most live tokens of any layer onward (rerotate).
+
+        Raises:
+            ValueError: rows out of range or not contiguous ascending, `n < 1`, or a static
+                call over a row past its bound.
+            ContextOverflowError: positions past the model's trained context.
+        """
+        if not rows or rows.step != 1 or rows.start < 0 or rows.stop > store.batch or n < 1:
+            raise ValueError(f"rows must be a non-empty ascending range within {store.batch}")
+        if start is not None:
+            starts = [start] * len(rows)
+        elif store.rotary is None:
+            starts = [store.seen(r) for r in rows]
+        else:
+            starts = [max(store.lengths(r)) for r in rows]
+        store.check_context(max(starts) + n)
+        segments = store.segments
+        store.recall.recalling = plan.recall
+        store.figures.begin_call(store.allocated_nbytes())
+        if not plan.reconstruct:
+            segments.fit(n)
+        device = store.device
+        span = slice(rows.start, rows.stop)
+        if static:
+            widths = store.decode_widths()
+            for name, width in widths.items():
+                if getattr(segments, name).most() > width:
+                    raise ValueError(
+                        f"a row holds {getattr(segments, name).most()} {name} slots, past the "
+                        f"static read of {width}: the store's bound was not kept"
+                    )
+        else:  # each segment up to its longest row among the call's rows
+            widths = {
+                name: max(max(row[span]) for row in getattr(segments, name).lengths)
+                for name in SEGMENTS
+            }
+        tensors = CallTensors(
+            position_ids=torch.tensor(starts, device=device)[:, None]
+            + torch.arange(n, device=device),
+            q_lengths=segments.q.length_tensor(slice(None), span),
+            fp_lengths=segments.fp.length_tensor(slice(None), span),
+            origin=torch.tensor([segments.seen(r) for r in rows], device=device),
+            q_slots=torch.arange(widths["q"], device=device),
+            fp_slots=torch.arange(widths["fp"], device=device),
+        )
+        return cls(store, rows, n, tensors, plan, static)
+
+    def position_ids(self) -> torch.Tensor:
+        """`[R, n]` int64: the new tokens' rotary positions (the model's `position_ids`)."""
+        return self.tensors.position_ids
+
+    def close(self, folded: dict[str, torch.Tensor] | None = None) -> None:
+        """End the call after the model ran: write its new tokens and statistics (`folded`,
+        when a compiled step computed them, else `fold()`), then move the store's host
+        lengths on (`KVStore.note_appended`; a reconstruction pass keeps nothing)."""
+        self.write(self.fold() if folded is None else folded)
+        if not self.plan.reconstruct:
+            self.store.note_appended(self.rows, self.n)
+
+    def recall(self, layer: int, query: torch.Tensor, scale: float) -> None:
+        """Bring cold pages of `layer` back before its attention reads it, when the plan
+        recalls and the cold tier says a call of this length is due (`RecallTier.recall`;
+        never in a static call)."""
+        store = self.store
+        if self.static or not self.plan.recall:
+            return
+        if store.recall.due(query.shape[2], self.rows[0]):
+            store.recall.recall(layer, query, scale, self.rows, self.tensors.position_ids)
+
     # -- what attention reads ----------------------------------------------------------------
 
     def segments(self, layer: int) -> list[Segment]:
@@ -121,7 +228,7 @@ class ForwardCall:
         widths = dict(self.widths)
         lengths = {name: per_layer[layer] for name, per_layer in self._lengths.items()}
         bias = {name: per_layer[layer] for name, per_layer in self._bias.items()}
-        if store.recalling and not self.static:  # a recall may have grown this layer
+        if self.plan.recall and not self.static:  # a recall may have grown this layer
             for name in SEGMENTS:
                 table = getattr(store, name)
                 widths[name] = max(widths[name], max(table.lengths[layer][rows]))
@@ -130,12 +237,10 @@ class ForwardCall:
                 bias[name] = _bias(slots < lengths[name][..., None])
         rotation = {"q": (None, None), "fp": (None, None)}
         if store.rotary is not None:
-            cos_q, sin_q, cos_fp, sin_fp = store.read_rotation(
-                layer, rows, (widths["q"], widths["fp"])
-            )
+            cos_q, sin_q, cos_fp, sin_fp = self._rotation(layer, widths["q"], widths["fp"])
             rotation = {"q": (cos_q, sin_q), "fp": (cos_fp, sin_fp)}
         read = tuple(name for name in SEGMENTS if widths[name])
-        shared = store.shared_views()
+        shared = store.prefix.views()
         self._read[layer] = (*(SHARED,) * len(shared), *read)
         out = [self._shared_segment(view, layer) for view in shared]
         for name in read:
@@ -168,11 +273,35 @@ class ForwardCall:
         return out
 
     def _shared_segment(self, view, layer: int) -> Segment:
-        """A shared view's tokens of `layer` (`KVStore.shared`), for the call's one row:
+        """A shared view's tokens of `layer` (`KVStore.prefix`), for the call's one row:
         positions before every token of the row's own, all visible."""
         keys, values = view.keys[layer][None], view.values[layer][None]  # [1, H, n, D]
         lengths = torch.full((1,), keys.shape[2], device=keys.device)
         return Segment(keys=keys, values=values, lengths=lengths)
+
+    def _rotation(self, layer: int, q_width: int, fp_width: int):
+        """Rerotate tables `(cos_q, sin_q, cos_fp, sin_fp)`, `[R, width, D]` each: every live
+        token at its rank among the row's live tokens, shifted so the new tokens sit at the
+        query positions of this call."""
+        store = self.store
+        rows = self._rows
+        positions = torch.cat(
+            [
+                store.q["positions"][layer, rows, :q_width],
+                store.fp["positions"][layer, rows, :fp_width],
+            ],
+            dim=-1,
+        )  # [R, q_width + fp_width]
+        shifted = torch.zeros_like(positions)
+        for i, row in enumerate(self.rows):
+            q_len, fp_len = store.q.lengths[layer][row], store.fp.lengths[layer][row]
+            live = torch.cat([positions[i, :q_len], positions[i, q_width : q_width + fp_len]])
+            rank = torch.argsort(torch.argsort(live))
+            rank = rank + (self.tensors.position_ids[i, 0] - live.numel())
+            shifted[i, :q_len] = rank[:q_len]
+            shifted[i, q_width : q_width + fp_len] = rank[q_len:]
+        cos, sin = store.rotary.cos_sin(shifted)
+        return cos[:, :q_width], sin[:, :q_width], cos[:, q_width:], sin[:, q_width:]
 
     @staticmethod
     def _window(positions: torch.Tensor, queries: torch.Tensor, window: int) -> torch.Tensor:
@@ -257,8 +386,8 @@ class ForwardCall:
     def commit(self) -> None:
         """Write every layer's new tokens after its rows' FP slots and fold the call's
         attention into the statistics, for all layers at once: `write(fold())`. The host
-        lengths follow in `KVStore.end_forward`. A reconstruction pass keeps only its maxima,
-        and none of its tokens."""
+        lengths follow in `close`. A reconstruction pass keeps only its maxima, and none of
+        its tokens."""
         self.write(self.fold())
 
     def fold(self) -> dict[str, torch.Tensor]:
@@ -272,7 +401,7 @@ class ForwardCall:
             `[L, R, H, W]` (`[L, R, W]` for hits), to replace the first `W` slots of `rows`.
         """
         store = self.store
-        if store.reconstructing:
+        if self.plan.reconstruct:
             return self._maxima()
         keys = torch.stack([k for k, _ in self._new])  # [L, R, H, n, D]
         values = torch.stack([v for _, v in self._new])
@@ -304,7 +433,7 @@ class ForwardCall:
             else:
                 region = getattr(store, where)[field][:, rows]
                 region.narrow(-1, 0, value.shape[-1]).copy_(value)
-        if self._windows[0] is not None and not store.reconstructing:
+        if self._windows[0] is not None and not self.plan.reconstruct:
             for row in self.rows:
                 store.observed_from[row] = store.seen(row) + self.n - self._observed
 
@@ -341,7 +470,7 @@ class ForwardCall:
         return torch.stack(padded)
 
     def _statistics(self) -> dict[str, torch.Tensor]:
-        """The staged attention folded into each token's statistics (`KVStore.statistics`),
+        """The staged attention folded into each token's statistics (`CallPlan.statistics`),
         as `fold` returns them:
 
         - the step's mean attention per query `a_j = mass_j / (group * n_j)`, `n_j` the scored
@@ -358,7 +487,7 @@ class ForwardCall:
         store = self.store
         n = self.n
         device = self.tensors.fp_lengths.device
-        stats = store.statistics
+        stats = self.plan.statistics
         if self._scored is None:
             count = n
             seen_by = torch.arange(n, 0, -1, device=device)
@@ -403,7 +532,7 @@ class ForwardCall:
         `_statistics`), as `fold` returns them."""
         store = self.store
         rows = self._rows
-        stats = store.statistics
+        stats = self.plan.statistics
         table = getattr(store, name)
         width = mass.shape[-1]
         slots = torch.arange(width, device=mass.device)
@@ -440,6 +569,28 @@ class ForwardCall:
                 kept = getattr(self.store, name)["reconstruction"][:, rows, :, : best.shape[-1]]
                 out[f"{name}.reconstruction"] = torch.maximum(kept, best)
         return out
+
+
+def append_kv(
+    store: KVStore, keys: torch.Tensor, values: torch.Tensor, rows: range | None = None
+) -> None:
+    """Append `n` tokens to every layer of `rows` (default: all) of `store` outside a model
+    call: a call opened, the tokens staged, the call closed. Their statistics start at 0 (no
+    attention was read).
+
+    Args:
+        keys, values: `[L, R, H, n, D]`, or `[R, H, n, D]` for the same tokens in every layer;
+            keys rotated as a model call would give them.
+    """
+    rows = range(store.batch) if rows is None else rows
+    if keys.dim() == 4:
+        keys = keys.expand(store.num_layers, *keys.shape)
+        values = values.expand(store.num_layers, *values.shape)
+    plan = CallPlan(recall=store.recall.recalling)  # recall stays as the last plan left it
+    call = ForwardCall.open(store, rows, keys.shape[-2], plan)
+    for layer in range(store.num_layers):
+        call.stage(layer, keys[layer], values[layer])
+    call.close()
 
 
 def _bias(visible: torch.Tensor) -> torch.Tensor:

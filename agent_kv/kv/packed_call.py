@@ -20,7 +20,7 @@ class PackedCall:
 
     Args:
         calls: one call per sequence, in packing order, each over one row of its store
-            (`KVStore.begin_forward(range(r, r + 1), n)`); a store appears at most once.
+            (`ForwardCall.open(store, range(r, r + 1), n, plan)`); a store appears at most once.
 
     Raises:
         ValueError: no call, a call over more than one row, or one store twice.
@@ -53,9 +53,7 @@ class PackedCall:
         device = self.calls[0].store.device
         return torch.tensor([end - 1 for _, end in self.spans], device=device)
 
-    def commit(self) -> None:
-        """Commit every call (`ForwardCall.commit`) and account for it in its store
-        (`KVStore.end_forward`)."""
+    def close(self) -> None:
+        """Close every call (`ForwardCall.close`): its tokens written, its store moved on."""
         for call in self.calls:
-            call.commit()
-            call.store.end_forward(call)
+            call.close()

@@ -21,7 +21,7 @@ SGLang's radix cache does (a tree of token runs):
   when its holder is collected, so a dropped session returns its blocks at once); a run no
   sequence reads is forgotten, its blocks gone from the index.
 Shared tokens are pinned tokens: read-only, never evicted or quantized by one sequence's policy,
-and counted apart from a sequence's own KV (`KVStore.shared_nbytes`).
+and counted apart from a sequence's own KV (`PrefixReads.nbytes`).
 """
 
 from __future__ import annotations

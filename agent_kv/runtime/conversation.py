@@ -103,7 +103,7 @@ class Conversation:
             KeyError: the message has not been prefilled yet.
         """
         start, end = self.spans[index]
-        self.sequence.store.unpin(start, end)
+        self.sequence.store.pins.unpin(start, end)
 
     def _take_prompt(self) -> list[int]:
         """Queue the assistant header, pin and place the queued messages' tokens, and return
@@ -117,7 +117,7 @@ class Conversation:
             if item.message is not None:
                 self.spans[item.message] = span
             if item.pin:
-                store.pin(*span)
+                store.pins.pin(*span)
             prompt.extend(item.ids)
         self._pending.clear()
         return prompt

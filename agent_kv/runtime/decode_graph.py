@@ -23,7 +23,7 @@ follow host lengths), a cold tier (recall inserts tokens mid-call) and reconstru
 Sliding-window layers, logit soft-capping and attention sinks (Mistral, Gemma-2/3, gpt-oss)
 are taken: their masks come from the positions the store keeps and the call's origin tensor,
 all tensor operations; dropping the tokens that left a window runs after the step, on the
-host (`KVStore.end_forward`).
+host (`KVStore.note_appended`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import fields
 import torch
 
 from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.forward_call import CallTensors, ForwardCall
 from agent_kv.kv.store import KVStore
 from kernels import cpu_compile
@@ -43,14 +44,18 @@ CAPTURES_PER_STORE = 4
 
 
 def decode_logits(
-    model: torch.nn.Module, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors
+    model: torch.nn.Module,
+    cache: StoreCache,
+    input_ids: torch.Tensor,
+    tensors: CallTensors,
+    plan: CallPlan,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One static decode step over every row of `cache`'s store: the model on `input_ids`
-    `[B, 1]` and what its commit writes (`ForwardCall.fold`), with nothing written yet.
-    Returns float32 logits `[B, vocab]` and the fold. Tensor operations only: what the
-    graph runs."""
+    """One static decode step over every row of `cache`'s store, measuring what `plan` says:
+    the model on `input_ids` `[B, 1]` and what its commit writes (`ForwardCall.fold`), with
+    nothing written yet. Returns float32 logits `[B, vocab]` and the fold. Tensor operations
+    only: what the graph runs."""
     store = cache.store
-    call = ForwardCall(store, range(store.batch), 1, tensors, static=True)
+    call = ForwardCall(store, range(store.batch), 1, tensors, plan, static=True)
     out = model(
         input_ids=input_ids,
         position_ids=tensors.position_ids,
@@ -63,12 +68,17 @@ def decode_logits(
 
 
 def decode_step(
-    model: torch.nn.Module, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors
+    model: torch.nn.Module,
+    cache: StoreCache,
+    input_ids: torch.Tensor,
+    tensors: CallTensors,
+    plan: CallPlan,
 ) -> torch.Tensor:
     """`decode_logits` and the writes of its fold: one whole static decode step (what a
     CUDA graph captures). Returns float32 logits `[B, vocab]`."""
-    logits, folded = decode_logits(model, cache, input_ids, tensors)
-    ForwardCall(cache.store, range(cache.store.batch), 1, tensors, static=True).write(folded)
+    logits, folded = decode_logits(model, cache, input_ids, tensors, plan)
+    store = cache.store
+    ForwardCall(store, range(store.batch), 1, tensors, plan, static=True).write(folded)
     return logits
 
 
@@ -85,34 +95,34 @@ class DecodeGraph:
         self._captured: dict[tuple, _Captured] = {}
 
     @staticmethod
-    def takes(store: KVStore, rows: range, n: int) -> bool:
-        """Whether a call of `n` tokens for `rows` of `store` runs as a graph: one token for
-        every row of a store whose FP capacity a policy bounds (`KVStore.fp_bounded`; full
-        KV's growing read is faster through torch's eager attention than as a compiled
-        loop: `benchmarks/decode_latency.py`), original positions, no cold tier, no
-        reconstruction."""
+    def takes(store: KVStore, rows: range, n: int, plan: CallPlan) -> bool:
+        """Whether a call of `n` tokens for `rows` of `store` under `plan` runs as a graph:
+        one token for every row of a store whose FP capacity a policy bounds
+        (`KVStore.fp_bounded`; full KV's growing read is faster through torch's eager
+        attention than as a compiled loop: `benchmarks/decode_latency.py`), original
+        positions, no cold tier, no reconstruction."""
         return (
             n == 1
             and store.fp_bounded
             and rows == range(store.batch)
             and store.rotary is None
-            and not store.recalling
-            and not store.reconstructing
+            and not plan.recall
+            and not plan.reconstruct
         )
 
-    def step(self, cache: StoreCache, tokens: list[int]) -> torch.Tensor:
-        """Decode one token per row (`tokens`, one per row of the store): float32 logits
-        `[B, vocab]`, the store moved on as an eager step would."""
+    def step(self, cache: StoreCache, tokens: list[int], plan: CallPlan) -> torch.Tensor:
+        """Decode one token per row (`tokens`, one per row of the store) under `plan`:
+        float32 logits `[B, vocab]`, the store moved on as an eager step would."""
         store = cache.store
-        call = store.begin_forward(range(store.batch), 1, static=True)
+        call = ForwardCall.open(store, range(store.batch), 1, plan, static=True)
         input_ids = torch.tensor([[t] for t in tokens], device=store.device)
         if store.device.type == "cuda":
-            logits = self._replay(cache, input_ids, call.tensors)
+            logits = self._replay(cache, input_ids, call.tensors, plan)
+            call.close({})  # the captured step wrote its fold already
         else:
             _mark_dynamic(store, call.tensors)
-            logits, folded = self._compile()(self.model, cache, input_ids, call.tensors)
-            call.write(folded)  # in place, outside the graph (`ForwardCall.fold`)
-        store.end_forward(call)
+            logits, folded = self._compile()(self.model, cache, input_ids, call.tensors, plan)
+            call.close(folded)  # in place, outside the graph (`ForwardCall.fold`)
         return logits
 
     def _compile(self):
@@ -124,21 +134,23 @@ class DecodeGraph:
             )
         return self._compiled
 
-    def _replay(self, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors):
+    def _replay(
+        self, cache: StoreCache, input_ids: torch.Tensor, tensors: CallTensors, plan: CallPlan
+    ):
         """The step through the store's captured CUDA graph: captured at the second step of a
         store and capacity (the first runs eagerly, loading every kernel), replayed after."""
         store = cache.store
         key = (id(store), store.fp.capacity, store.q.capacity, store.scales.capacity,
-               store.q["keys"].dtype, store.statistics)  # fmt: skip
+               store.q["keys"].dtype, plan)  # fmt: skip
         captured = self._captured.get(key)
         if captured is None:
             mine = [k for k in self._captured if k[0] == id(store)]
             for old in mine[: max(0, len(mine) + 1 - CAPTURES_PER_STORE)]:  # the oldest go
                 del self._captured[old]
             self._captured[key] = _Captured.pending()
-            return decode_step(self.model, cache, input_ids, tensors)
+            return decode_step(self.model, cache, input_ids, tensors, plan)
         if captured.graph is None:
-            captured.capture(self.model, cache, input_ids, tensors)
+            captured.capture(self.model, cache, input_ids, tensors, plan)
         return captured.replay(input_ids, tensors)
 
 
@@ -165,7 +177,9 @@ class _Captured:
         """Not captured yet: the next step captures."""
         return cls()
 
-    def capture(self, model, cache, input_ids: torch.Tensor, tensors: CallTensors) -> None:
+    def capture(
+        self, model, cache, input_ids: torch.Tensor, tensors: CallTensors, plan: CallPlan
+    ) -> None:
         """Record one step on static copies of the inputs (nothing runs while recording)."""
         static = CallTensors(
             **{field.name: getattr(tensors, field.name).clone() for field in fields(tensors)}
@@ -173,7 +187,7 @@ class _Captured:
         self.inputs = (input_ids.clone(), static)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = decode_step(model, cache, self.inputs[0], static)
+            self.output = decode_step(model, cache, self.inputs[0], static, plan)
 
     def replay(self, input_ids: torch.Tensor, tensors: CallTensors) -> torch.Tensor:
         """Copy this step's inputs into the static ones, replay, return a copy of the

@@ -21,7 +21,9 @@ import torch
 
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
 from agent_kv.kv.cache import PackedCache, StoreCache
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
+from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
@@ -31,9 +33,14 @@ from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
+from agent_kv.runtime.model_call import run_call
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence, StepRecord
+
+RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
+"""The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
+only (`ForwardCall.record_reconstruction`), and its tokens are not kept."""
 
 
 class Engine:
@@ -156,14 +163,14 @@ class Engine:
         0 without `share_prefixes`, for a store of several rows or one with tokens of its
         own."""
         cache, store = self.prefix_cache, sequence.store
-        if not self._shares(store) or store.seen(0) != store.shared_tokens:
+        if not self._shares(store) or store.seen(0) != store.prefix.tokens:
             return 0
         start = store.seen(0)
-        pinned = store.pinned_run(start, len(token_ids) - 1)
+        pinned = store.pins.run(start, len(token_ids) - 1)
         views = cache.match(cache.digests(_last_digest(store), token_ids[:pinned]))
         if not views:
             return 0
-        added = store.share(cache, views)
+        added = store.prefix.share(cache, views)
         sequence.token_ids.extend(token_ids[:added])
         return added
 
@@ -174,19 +181,19 @@ class Engine:
         cache, store = self.prefix_cache, sequence.store
         if not self._shares(store):
             return 0
-        start = store.shared_tokens
-        run = store.pinned_run(start, store.seen(0) - start)
+        start = store.prefix.tokens
+        run = store.pins.run(start, store.seen(0) - start)
         count = run - run % cache.block_tokens
         if not count or store.q.most() or min(store.lengths(0)) < count:
             return 0
         tokens = sequence.token_ids[start : start + count]
-        keys, values = store.front_tokens(count)
-        views = store.shared_views()
+        keys, values = store.prefix.front_tokens(count)
+        views = store.prefix.views()
         parent = views[-1] if views else None
         published = cache.publish(
             parent, cache.digests(_last_digest(store), tokens), keys, values, start
         )
-        store.share_front(cache, published, count)
+        store.prefix.share_front(cache, published, count)
         return count
 
     def _shares(self, store: KVStore) -> bool:
@@ -284,20 +291,10 @@ class Engine:
         start = store.seen(row) if store.rotary is None else max(store.lengths(row))
         if store.max_positions:
             start = max(min(start, store.max_positions - len(tokens)), 0)
-        store.reconstructing = True
-        try:
-            call = store.begin_forward(range(row, row + 1), len(tokens), start=start)
-            self.model(
-                input_ids=torch.tensor([tokens], device=store.device),
-                position_ids=call.tensors.position_ids,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                kv_store=call,
-            )
-            call.commit()
-        finally:
-            store.reconstructing = False
+        call = ForwardCall.open(
+            store, range(row, row + 1), len(tokens), RECONSTRUCTION, start=start
+        )
+        run_call(self.model, cache, call, torch.tensor([tokens], device=store.device))
 
     def _apply_policy(
         self,
@@ -321,8 +318,8 @@ class Engine:
                     seen_tokens=store.seen(row),
                     appended_kv_live_bytes=appended[i],
                     kv_live_bytes=store.nbytes(row),
-                    kv_allocated_bytes=store.call_allocated_bytes // store.batch,
-                    cold_kv_bytes=store.cold_nbytes(row),
+                    kv_allocated_bytes=store.figures.call_allocated_bytes // store.batch,
+                    cold_kv_bytes=store.recall.nbytes(row),
                     confidence=confs[i],
                     gated=gated[i],
                     budget=policy.budget(gates[i]),
@@ -441,32 +438,25 @@ class Engine:
         after each row's last token, `[len(rows), vocab]`, or with `all_positions` after every
         token, `[len(rows), n, vocab]`."""
         store = cache.store
-        self._prepare(policy or self.policy, store)
+        plan = self._prepare(policy or self.policy, store)
         n = len(chunks[0])
         if (
             self.decode_graph is not None
             and not all_positions
-            and self.decode_graph.takes(store, rows, n)
+            and self.decode_graph.takes(store, rows, n, plan)
         ):
-            return self.decode_graph.step(cache, [chunk[0] for chunk in chunks])
-        call = store.begin_forward(rows, n)
-        out = self.model(
-            input_ids=torch.tensor(chunks, device=store.device),
-            position_ids=call.tensors.position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if all_positions else 1,
-            kv_store=call,
-        )
-        call.commit()
-        store.end_forward(call)
-        return out.logits.float() if all_positions else out.logits[:, -1].float()
+            return self.decode_graph.step(cache, [chunk[0] for chunk in chunks], plan)
+        call = ForwardCall.open(store, rows, n, plan)
+        input_ids = torch.tensor(chunks, device=store.device)
+        logits = run_call(self.model, cache, call, input_ids, 0 if all_positions else 1)
+        return logits.float() if all_positions else logits[:, -1].float()
 
-    def _prepare(self, policy: Policy, store: KVStore) -> None:
-        """Before a forward call: the policy's per-call state, and the store's capacity fixed
-        by the policy's bound (`KVStore.bound_capacity`)."""
-        policy.prepare(store)
+    def _prepare(self, policy: Policy, store: KVStore) -> CallPlan:
+        """Before a forward call: the policy's plan for it (`Policy.prepare`), and the store's
+        capacity bounded by the policy's bound (`KVStore.bound_capacity`)."""
+        plan = policy.prepare(store)
         store.bound_capacity(*policy.slot_bounds(store), self.prefill_chunk)
+        return plan
 
     @torch.no_grad()
     def step_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
@@ -487,10 +477,10 @@ class Engine:
         calls, running = [], []
         for i, part in enumerate(parts):
             store = part.sequence.store
-            self._prepare(part.policy, store)
+            plan = self._prepare(part.policy, store)
             try:
                 if len(parts) > 1:
-                    calls.append(store.begin_forward(range(1), len(part.tokens)))
+                    calls.append(ForwardCall.open(store, range(1), len(part.tokens), plan))
                 else:
                     store.check_context(store.seen(0) + len(part.tokens))
             except ContextOverflowError as err:
@@ -504,18 +494,12 @@ class Engine:
             logits = self._forward(part.sequence.cache, range(1), [part.tokens], policy=part.policy)
         else:
             packed = PackedCall(calls)
-            out = self.model(
-                input_ids=torch.tensor(
-                    [[t for i in running for t in parts[i].tokens]], device=self.model.device
-                ),
-                position_ids=packed.position_ids(),
-                cache=PackedCache(len(parts[0].sequence.cache.layers)),
-                use_cache=True,
-                logits_to_keep=packed.last_indices(),
-                kv_store=packed,
+            input_ids = torch.tensor(
+                [[t for i in running for t in parts[i].tokens]], device=self.model.device
             )
-            packed.commit()
-            logits = out.logits[0].float()  # [len(running), vocab]
+            cache = PackedCache(len(parts[0].sequence.cache.layers))
+            logits = run_call(self.model, cache, packed, input_ids, packed.last_indices())
+            logits = logits[0].float()  # [len(running), vocab]
         for k, i in enumerate(running):
             part, sequence = parts[i], parts[i].sequence
             self._after_chunk(
@@ -643,7 +627,7 @@ def _prefix_cache(model: torch.nn.Module, rerotate: bool) -> PrefixCache | None:
 
 def _last_digest(store: KVStore) -> bytes:
     """The digest of the last shared block the store reads (b"" for none)."""
-    views = store.shared_views()
+    views = store.prefix.views()
     return views[-1].digest if views else b""
 
 

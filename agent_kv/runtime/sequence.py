@@ -34,10 +34,10 @@ class StepRecord:
         budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
         evicted: tokens evicted this step, summed over layers.
         kv_allocated_bytes: the most bytes the store's buffers held during this call, spare
-            capacity included (`KVStore.call_allocated_bytes`: after its append or any
+            capacity included (`StoreFigures.call_allocated_bytes`: after its append or any
             quantization of its policy step), this row's share of a batch; the most over
-            all calls is `KVStore.peak_allocated_bytes`. 0 in records saved before it existed.
-        cold_kv_bytes: bytes of the store's cold tier after this call (`KVStore.cold_nbytes`,
+            all calls is `StoreFigures.peak_allocated_bytes`. 0 in records saved before it existed.
+        cold_kv_bytes: bytes of the store's cold tier after this call (`RecallTier.nbytes`,
             codes, scales and digests; 0 without one), never part of the figures above.
     """
 
@@ -162,7 +162,7 @@ class SequenceOutline:
             capacities).
         token_ids: its history.
         changed_at: the tokens seen when eviction or quantization last changed its cache
-            (`KVStore.changed_at`, row 0).
+            (`Segments.changed_at`, row 0).
         pinned_tokens: positions pinned.
     """
 
@@ -179,8 +179,8 @@ class SequenceOutline:
             meta=meta or {},
             footprint=sequence.store.footprint(),
             token_ids=list(sequence.token_ids),
-            changed_at=sequence.store.changed_at[0],
-            pinned_tokens=sequence.store.pinned_tokens(),
+            changed_at=sequence.store.segments.changed_at[0],
+            pinned_tokens=sequence.store.pins.tokens(),
         )
 
     @classmethod

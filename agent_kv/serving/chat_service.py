@@ -123,16 +123,16 @@ class KVReport:
         kv_allocated_bytes: bytes the session's KV buffers hold now, spare capacity included
             (`KVStore.allocated_nbytes`).
         peak_kv_live_bytes: the most live KV bytes the session's cache has held
-            (`KVStore.peak_bytes`).
+            (`StoreFigures.peak_bytes`).
         peak_kv_allocated_bytes: the most bytes its buffers have held
-            (`KVStore.peak_allocated_bytes`).
+            (`StoreFigures.peak_allocated_bytes`).
         full_kv_live_bytes: the live bytes full KV at full precision would hold for the
             session's tokens (`KVStore.full_kv_nbytes`).
         kv_shared_bytes: bytes of the shared prefix blocks the session reads
-            (`KVStore.shared_nbytes`; held once for every session that reads them, so apart
+            (`PrefixReads.nbytes`; held once for every session that reads them, so apart
             from the figures above).
         cold_kv_bytes: bytes of the session's cold tier (evicted tokens kept for recall, in
-            host memory; `KVStore.cold_nbytes`), 0 without one; apart from the figures above.
+            host memory; `RecallTier.nbytes`), 0 without one; apart from the figures above.
         evicted_tokens: tokens the session's cache has evicted, summed over layers.
         quantized_tokens: tokens moved to INT8, summed over layers.
         pinned_tokens: positions pinned now.
@@ -400,7 +400,10 @@ class ChatService:
                 check_policy_precision(policy, None, session.store)
                 if on_start is not None:
                     on_start(session_id)
-                evicted, quantized = session.store.evicted_tokens, session.store.quantized_tokens
+                evicted, quantized = (
+                    session.store.figures.evicted_tokens,
+                    session.store.figures.quantized_tokens,
+                )
                 steps_before = len(session.steps)
                 sync = prepare_history(self.engine, session, prompt_ids, pins)
                 if sync.rebuild == "scratch":
@@ -421,14 +424,14 @@ class ChatService:
                     rebuild=sync.rebuild,
                     kv_live_bytes=store.nbytes(),
                     kv_allocated_bytes=store.allocated_nbytes(),
-                    peak_kv_live_bytes=store.peak_bytes,
-                    peak_kv_allocated_bytes=store.peak_allocated_bytes,
+                    peak_kv_live_bytes=store.figures.peak_bytes,
+                    peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
                     full_kv_live_bytes=store.full_kv_nbytes(),
-                    kv_shared_bytes=store.shared_nbytes(),
-                    cold_kv_bytes=store.cold_nbytes(),
-                    evicted_tokens=store.evicted_tokens,
-                    quantized_tokens=store.quantized_tokens,
-                    pinned_tokens=store.pinned_tokens(),
+                    kv_shared_bytes=store.prefix.nbytes(),
+                    cold_kv_bytes=store.recall.nbytes(),
+                    evicted_tokens=store.figures.evicted_tokens,
+                    quantized_tokens=store.figures.quantized_tokens,
+                    pinned_tokens=store.pins.tokens(),
                     confidence=ConfidenceSummary.of(session.steps[steps_before:]),
                 )
                 ran = True
@@ -441,8 +444,8 @@ class ChatService:
             kv=report,
             ttft_s=reply.ttft_s,
             wait_s=joined[0] - queued,
-            evicted_in_turn=store.evicted_tokens - evicted,
-            quantized_in_turn=store.quantized_tokens - quantized,
+            evicted_in_turn=store.figures.evicted_tokens - evicted,
+            quantized_in_turn=store.figures.quantized_tokens - quantized,
         )
 
     def turn_kv_bound(

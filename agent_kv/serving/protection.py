@@ -240,9 +240,9 @@ def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> No
     """Make exactly `spans` pinned in the row: every other position is released. Spans may
     lie past the tokens seen so far: apply them before prefilling a prompt, so the policy
     keeps them from the first chunk on."""
-    store.unpin(0, max([store.seen(row), *(end for _, end in spans)]), row)
+    store.pins.unpin(0, max([store.seen(row), *(end for _, end in spans)]), row)
     for start, end in spans:
-        store.pin(start, end, row)
+        store.pins.pin(start, end, row)
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:

@@ -75,7 +75,7 @@ def prepare_history(
     Raises:
         ValueError: `token_ids` is empty.
     """
-    sync = plan_history_sync(session.token_ids, token_ids, session.store.changed_at[0])
+    sync = plan_history_sync(session.token_ids, token_ids, session.store.segments.changed_at[0])
     if sync.rebuild == "truncated":
         session.store.truncate(sync.reused_tokens)
         del session.token_ids[sync.reused_tokens :]
@@ -88,7 +88,7 @@ def prepare_history(
 
 def plan_history_sync(history: list[int], token_ids: list[int], exact_from: int) -> HistorySync:
     """How `prepare_history` meets `token_ids` in a session whose history is `history` and
-    whose cache is exact back to `exact_from` tokens (`KVStore.changed_at`): extended, cut
+    whose cache is exact back to `exact_from` tokens (`Segments.changed_at`): extended, cut
     back to where the two diverge (keeping at least one token to re-feed, whose logits the
     reply needs), or rebuilt from scratch when the cut would pass `exact_from`.
 
@@ -402,7 +402,7 @@ class SessionStore:
     def _summary(self, session_id: str, entry: _Entry) -> SessionSummary:
         if entry.session is not None:
             store = entry.session.store
-            tokens, pinned = len(entry.session.token_ids), store.pinned_tokens()
+            tokens, pinned = len(entry.session.token_ids), store.pins.tokens()
             live, allocated, where = store.nbytes(), store.allocated_nbytes(), "memory"
         elif entry.saved is not None:
             saved = entry.saved
@@ -475,7 +475,7 @@ class SessionStore:
             session = Sequence.load(path, self.engine.model)
             path.unlink()
             if self.engine.prefix_cache is not None:  # its shared blocks read once again
-                session.store.adopt_shared(self.engine.prefix_cache)
+                session.store.prefix.adopt(self.engine.prefix_cache)
             return session
         return self.engine.new_sequence()
 

@@ -104,7 +104,7 @@ def check_policy_precision(
         raise ConfigError(
             f"policy {policy.name!r} chooses which tokens to quantize itself: run it without --int8"
         )
-    held = None if store is None else store.quantized_format()
+    held = None if store is None else store.precision.quantized_format()
     if held not in (None, policy.quantized):
         raise ConfigError(
             f"this session's cache holds {held} tokens; policy {policy.name!r} would add "

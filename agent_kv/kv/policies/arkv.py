@@ -8,7 +8,7 @@ Original; the other tokens are ranked by the heavy-hitter score
     S_k = mu_k + gamma * sigma_k^2
 
 (mean plus `gamma` times variance of the relative attention token k received per step,
-Welford-style per KV head, kept by the store: `KVStore.record_attention`; averaged over the
+Welford-style per KV head, kept by the store: `ForwardCall.record_attention`; averaged over the
 layer's KV heads); the top ones fill the layer's Original slots, the next its Quantized slots,
 the rest are evicted. A Quantized token is never promoted back (its precision is gone); it can
 still be evicted. Tokens are quantized in whole groups, so up to `group - 1` tokens due for
@@ -42,12 +42,13 @@ budget, as in every policy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.policies.base import (
     FixedBudgetPolicy,
     Policy,
@@ -132,10 +133,9 @@ class TriState(Policy):
             )
         check_quantized(self.name, self.quantized, self.group)
 
-    def prepare(self, store: KVStore) -> None:
-        """Turn on the store's prefill attention statistics (the per-layer plan's input)."""
-        super().prepare(store)
-        store.profile_prefill = True
+    def prepare(self, store: KVStore) -> CallPlan:
+        """Measure the prefill's attention statistics too (the per-layer plan's input)."""
+        return replace(super().prepare(store), profile=True)
 
     def layer_plan(self, store: KVStore, budgets: list[int]) -> list[LayerPlan]:
         """Each layer's Original and Quantized token counts for this step (module docstring,
@@ -208,7 +208,7 @@ class TriState(Policy):
         together: one compaction and one quantization. Sliding-window layers keep their
         window, unassigned (`agent_kv.kv.policies.base`).
         """
-        pinned_live = store.pinned_live()
+        pinned_live = store.pins.live()
         due_layers = []
         for idx, plan in enumerate(plans):
             if store.windows[idx] is not None:  # its window is its policy (`Policy.step`)
@@ -244,7 +244,7 @@ class TriState(Policy):
         cq = store.q.capacity
         # the FP slots to quantize, renumbered as the compaction moved them
         move = torch.take_along_dim(to_quantize[..., cq:], kept_first(keep[..., cq:]), dim=-1)
-        store.quantize_joint(move, self.group, self.quantized, slice(None), span)
+        store.precision.quantize_joint(move, self.group, self.quantized, slice(None), span)
         return evicted
 
     def _choose(

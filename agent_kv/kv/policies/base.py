@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.store import KVStore
 from kernels.formats import QUANT_FORMATS
 
@@ -55,7 +56,7 @@ class SlotView:
         layers = slice(None)
         valid = store.valid(layers, rows)
         positions = torch.where(valid, store.joint("positions", layers, rows), -1)
-        return cls(rows, valid, positions, store.pinned_joint(layers, rows))
+        return cls(rows, valid, positions, store.pins.joint(layers, rows))
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Policy(ABC):
     """The engine runs a reconstruction pass after each prefill chunk, before the policy
     steps (KVzip, `agent_kv.kv.policies.kvzip`)."""
     statistics: ClassVar[frozenset[str]] = frozenset()
-    """The per-token statistics (`agent_kv.kv.store.STATISTICS`) the policy ranks by: forward
+    """The per-token statistics (`agent_kv.kv.call_plan.STATISTICS`) the policy ranks by: forward
     calls fold only these (a policy that keeps everything, or ranks by recency, asks for
     none, and its calls pay for no bookkeeping)."""
     protect_recent: int = 0
@@ -112,14 +113,12 @@ class Policy(ABC):
         if self.evict_slack < 0:
             raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
 
-    def prepare(self, store: KVStore) -> None:
-        """Called before every forward call on `store`: say what the call should measure:
-        the per-token statistics the policy ranks by (`statistics`), and by default no prefill
-        attention statistics (no profile, no observation window)."""
-        store.statistics = self.statistics
-        store.profile_prefill = False
-        store.observation_window = 0
-        store.recalling = False
+    def prepare(self, store: KVStore) -> CallPlan:
+        """Called before every forward call on `store`: what the call should measure (its
+        `CallPlan`): the per-token statistics the policy ranks by (`statistics`), and by
+        default no prefill attention statistics (no profile, no observation window) and no
+        recall."""
+        return CallPlan(statistics=self.statistics)
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:
@@ -163,10 +162,10 @@ class Policy(ABC):
 
     def keep_scores(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
         """`rank`, with the tokens each layer's last recall brought back
-        (`KVStore.held_joint`) above every other candidate: they stay first within the
+        (`RecallTier.held_joint`) above every other candidate: they stay first within the
         budget until the next recall."""
         ranks = self.rank(store, view, candidates)
-        held = store.held_joint(slice(None), view.rows)
+        held = store.recall.held_joint(slice(None), view.rows)
         return ranks if held is None else torch.where(held, HELD_RANK, ranks)
 
     def step(
@@ -202,8 +201,8 @@ class Policy(ABC):
     def quantize(self, store: KVStore, rows: range) -> int:
         """After the eviction: move what the policy's precision rule says to the quantized
         tier, in every layer of `rows`; returns the tokens moved. Default: the store's
-        age-based mixed precision, if on (`KVStore.quantize_stale`)."""
-        return store.quantize_stale(rows=slice(rows.start, rows.stop))
+        age-based mixed precision, if on (`PrecisionTiers.quantize_stale`)."""
+        return store.precision.quantize_stale(rows=slice(rows.start, rows.stop))
 
     def protected(self, store: KVStore, view: SlotView) -> torch.Tensor:
         """`[L, R, S]` bool: the live slots every step keeps: pinned, attention sinks (the first
@@ -246,7 +245,7 @@ def _descending_rank(values: torch.Tensor) -> torch.Tensor:
 def _over_budget(store: KVStore, rows: range, budgets: list[list[int]]) -> bool:
     """Whether some full-attention layer of `rows` holds more unpinned tokens than its budget
     (host counts: no tensor is read)."""
-    pinned = store.pinned_live()
+    pinned = store.pins.live()
     return any(
         store.length(layer, row) - pinned[layer][row] > budget[layer]
         for row, budget in zip(rows, budgets, strict=True)

@@ -46,4 +46,4 @@ class BaseQuant(FullKV):
         """Quantize every whole group of each layer's unpinned FP tokens; returns the tokens
         moved."""
         span = slice(rows.start, rows.stop)
-        return store.quantize_oldest(0, self.group, self.quantized, rows=span)
+        return store.precision.quantize_oldest(0, self.group, self.quantized, rows=span)

@@ -10,7 +10,7 @@ same statistics; what it adds is that
   question), and every `config.every` decode tokens if set, each layer's cold pages are
   scored against the call's last `config.queries` queries by their digest bound, and the best
   `config.pages` return to the hot store at their original positions before the call's
-  attention reads it (`KVStore.recall`);
+  attention reads it (`RecallTier.recall`);
 - the recalled tokens are ranked above every other candidate until the layer's next recall
   (`Policy.keep_scores`), inside `inner`'s budget: the hot tier is bounded as without recall.
 
@@ -20,11 +20,12 @@ cannot know what it will need, a recall made when it is asked can.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies.base import Policy, SlotView
 from agent_kv.kv.store import KVStore
@@ -92,10 +93,11 @@ class ColdRecall(Policy):
         self.inner.validate()
         self.config.validate()
 
-    def prepare(self, store: KVStore) -> None:
-        """The inner policy's preparation, then the store's cold tier on (`attach_cold`)."""
-        self.inner.prepare(store)
-        store.attach_cold(self.config)
+    def prepare(self, store: KVStore) -> CallPlan:
+        """The inner policy's plan with recall on, the store's cold tier attached
+        (`RecallTier.attach`)."""
+        store.recall.attach(self.config)
+        return replace(self.inner.prepare(store), recall=True)
 
     def budget(self, confidence: float | None) -> int | None:
         return self.inner.budget(confidence)

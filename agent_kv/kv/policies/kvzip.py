@@ -9,7 +9,7 @@ needed: the score says what the model needs to reproduce the context, whatever i
 
 Here the context arrives in prefill chunks, so the pass runs after each chunk over that
 chunk's tokens (the engine's `_reconstruct`: the prompt and the chunk fed once more, their
-attention recorded by `KVStore.record_reconstruction` and then truncated away), before the
+attention recorded by `ForwardCall.record_reconstruction` and then truncated away), before the
 eviction; every token already cached, not only the chunk's, keeps the largest probability
 any pass gave it. Tokens no pass has seen (a decoded reply) score 0 and stay only while they
 are among the `protect_recent` newest. Each pass costs about one more prefill of its chunk,

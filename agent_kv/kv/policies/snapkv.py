@@ -26,12 +26,13 @@ over the layer's KV heads (the paper selects per head).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from agent_kv.errors import ConfigError
+from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
 
@@ -74,10 +75,9 @@ class SnapKV(FixedBudgetPolicy):
                 "lower evict_slack or observation_window"
             )
 
-    def prepare(self, store: KVStore) -> None:
+    def prepare(self, store: KVStore) -> CallPlan:
         """Ask every prefill call for its observation window's attention."""
-        super().prepare(store)
-        store.observation_window = self.observation_window
+        return replace(super().prepare(store), observation_window=self.observation_window)
 
     def rank(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
         """`[L, R, S]`: tokens before the last observation window by their pooled window

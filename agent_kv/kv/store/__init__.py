@@ -1,0 +1,19 @@
+"""The KV store and its parts: `KVStore` (the front, `front`) over segments, pins, precision
+tiers, the cold tier's link, shared prefix reads and figures."""
+
+from agent_kv.kv.store.capacity import BLOCK_TOKENS, KEEP_SHARE, StoreFootprint
+from agent_kv.kv.store.front import KV_DTYPE_ATTRIBUTE, WINDOW_SLACK, KVStore
+from agent_kv.kv.store.precision import Int8Config
+from agent_kv.kv.store.segments import META_FIELDS, kept_first
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "KEEP_SHARE",
+    "KV_DTYPE_ATTRIBUTE",
+    "META_FIELDS",
+    "WINDOW_SLACK",
+    "Int8Config",
+    "KVStore",
+    "StoreFootprint",
+    "kept_first",
+]

@@ -1,0 +1,159 @@
+"""The hot store's link to its cold tier (`agent_kv.kv.cold_tier`): evicted tokens go there
+instead of being lost, and a forward call's queries bring the best pages back before its
+attention reads the layer."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from agent_kv.kv.cold_tier import ColdConfig, ColdTier
+from agent_kv.kv.rope import Rotary
+from agent_kv.kv.store.figures import StoreFigures
+from agent_kv.kv.store.segments import Segments
+from kernels.reference import apply_rotation
+
+
+class RecallTier:
+    """A store's cold tier and recalls.
+
+    Args:
+        segments, figures: the store's parts.
+        rotary: the model's rotary embedding in rerotate mode, else None.
+
+    Attributes:
+        tier: the cold tier (`attach`), or None.
+        recalling: whether the current forward call and policy step use the cold tier:
+            evictions go there and recalls come from it. Each call's plan says so
+            (`agent_kv.kv.call_plan.CallPlan.recall`); a tier whose policy changed keeps its
+            pages, unused.
+    """
+
+    def __init__(self, segments: Segments, figures: StoreFigures, rotary: Rotary | None):
+        self.segments = segments
+        self.figures = figures
+        self.rotary = rotary
+        self.tier: ColdTier | None = None
+        self.recalling = False
+
+    def attach(self, config: ColdConfig) -> ColdTier:
+        """Keep evicted tokens in a cold tier with these settings from now on, `recalling` (a
+        tier already attached keeps its pages and takes the new settings); returns it.
+
+        Raises:
+            ConfigError: invalid settings.
+        """
+        config.validate()
+        seg = self.segments
+        if self.tier is None:
+            self.tier = ColdTier(seg.num_layers, seg.batch, config, self.rotary)
+        else:
+            self.tier.config = config
+        self.recalling = True
+        return self.tier
+
+    def due(self, query_len: int, row: int) -> bool:
+        """Whether a forward call of `query_len` queries per row, `row` its first, recalls cold
+        pages: the store is `recalling` and `ColdConfig.due` says so."""
+        return self.recalling and self.tier.config.due(query_len, self.segments.seen(row))
+
+    def evict(self, evicted: torch.Tensor, layers: slice, rows: slice) -> None:
+        """Move the live slots `evicted` `[L', R, Cq + C]` marks into the cold tier."""
+        seg = self.segments
+        valid = seg.valid(layers, rows)
+        for i, layer in enumerate(range(*layers.indices(seg.num_layers))):
+            for j, row in enumerate(range(*rows.indices(seg.batch))):
+                slots = evicted[i, j][valid[i, j]].nonzero().squeeze(1)  # logical order
+                if slots.numel():
+                    keys, values = seg.read_slots(layer, row, slots)
+                    positions = seg.live_positions(layer, row)[slots]
+                    self.tier.add(layer, row, keys, values, positions)
+
+    def recall(
+        self, layer: int, query: torch.Tensor, scale: float, rows: range, positions: torch.Tensor
+    ) -> int:
+        """Bring the best cold pages of a layer back into the hot store for `rows`, before the
+        call's attention reads it; returns the tokens recalled.
+
+        The call's last `ColdConfig.queries` queries score the pages (`ColdTier.recall`); the
+        recalled tokens leave the `evicted_tokens` count (an eviction that was undone) and go
+        back at their original positions (`Segments.insert`) with fresh statistics, and the
+        policy keeps them first until the layer's next recall (`held_joint`), within its
+        budget.
+
+        Args:
+            query: `[rows, Hq, q, D]`, the call's queries as attention receives them (rotated
+                at the call's positions; in rerotate mode they are scored at their original
+                positions instead, like the digests).
+            scale: the attention's softmax scale.
+            rows: the call's rows.
+            positions: `[rows, q]` int64, the call's rotary positions.
+        """
+        started = time.perf_counter()
+        seg = self.segments
+        n = query.shape[2]
+        window = min(n, self.tier.config.queries)
+        recalled = 0
+        for i, row in enumerate(rows):
+            scoring = query[i, :, n - window :]  # [Hq, S, D]
+            if self.rotary is not None:
+                in_cache = positions[i : i + 1, -window:]
+                scoring = self._at_original(scoring, in_cache, seg.appended[row] - window)
+            got = self.tier.recall(layer, row, scoring, scale)
+            if got is None:
+                continue
+            kept_positions, keys, values = got
+            seg.insert(layer, row, keys, values, kept_positions, room=n)
+            seg.mark_changed(row)
+            self.figures.evicted_tokens -= kept_positions.numel()  # back: no longer evicted
+            recalled += kept_positions.numel()
+        if recalled:
+            self.figures.note_live({row: seg.nbytes(row) for row in rows}, seg.nbytes())
+            self.figures.note_allocated(seg.allocated_nbytes())
+        self.tier.recall_s += time.perf_counter() - started
+        return recalled
+
+    def _at_original(self, query: torch.Tensor, in_cache: torch.Tensor, start: int) -> torch.Tensor:
+        """Queries `[Hq, S, D]` rotated at their in-cache positions `in_cache` `[1, S]`,
+        rotated instead at original positions `start, start + 1, ...`."""
+        window = query.shape[1]
+        original = start + torch.arange(window, device=query.device)[None]
+        cos, sin = self.rotary.cos_sin(in_cache)
+        unrotated = Rotary.unrotate(query[None].float(), cos, sin)
+        cos, sin = self.rotary.cos_sin(original)
+        return apply_rotation(unrotated, cos, sin)[0]
+
+    def held_joint(self, layers: slice, rows: slice) -> torch.Tensor | None:
+        """`[L', R, Cq + C]` bool: the slots of the tokens each layer's last recall brought
+        back, or None when not recalling or before any recall."""
+        if not self.recalling:
+            return None
+        seg = self.segments
+        held_any = False
+        positions = seg.joint("positions", layers, rows)
+        held = torch.zeros_like(positions, dtype=torch.bool)
+        for i, layer in enumerate(range(*layers.indices(seg.num_layers))):
+            for j, row in enumerate(range(*rows.indices(seg.batch))):
+                taken = self.tier.held[layer][row]
+                if taken is not None:
+                    held[i, j] = torch.isin(positions[i, j], taken)
+                    held_any = True
+        return (held & seg.valid(layers, rows)) if held_any else None
+
+    def held_mask(self, layer: int, row: int = 0) -> torch.Tensor | None:
+        """`[length]` bool over one layer's row's live slots (logical order): the tokens its
+        last recall brought back, or None when not recalling or before any recall."""
+        layers, rows = slice(layer, layer + 1), slice(row, row + 1)
+        held = self.held_joint(layers, rows)
+        return None if held is None else held[0, 0][self.segments.valid(layers, rows)[0, 0]]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes the cold tier has held (0 without one)."""
+        return 0 if self.tier is None else self.tier.peak_bytes
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Exact bytes of the cold tier (codes, scales, digests), for one row or all; 0 without
+        one. Never part of the hot store's bytes."""
+        return 0 if self.tier is None else self.tier.nbytes(row)
