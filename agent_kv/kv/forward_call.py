@@ -273,10 +273,12 @@ class ForwardCall:
         return out
 
     def _shared_segment(self, view, layer: int) -> Segment:
-        """A shared view's tokens of `layer` (`KVStore.prefix`), for the call's one row:
-        positions before every token of the row's own, all visible."""
-        keys, values = view.keys[layer][None], view.values[layer][None]  # [1, H, n, D]
-        lengths = torch.full((1,), keys.shape[2], device=keys.device)
+        """A shared view's tokens of `layer` (`KVStore.prefix`), the same for every row of the
+        call: positions before every token of a row's own, all visible."""
+        rows = len(self.rows)
+        keys = view.keys[layer][None].expand(rows, -1, -1, -1)  # [R, H, n, D], no copy
+        values = view.values[layer][None].expand(rows, -1, -1, -1)
+        lengths = torch.full((rows,), keys.shape[2], device=keys.device)
         return Segment(keys=keys, values=values, lengths=lengths)
 
     def _rotation(self, layer: int, q_width: int, fp_width: int):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_kv.errors import ModelNotFoundError
+from agent_kv.runtime.model_cache import cache_root, cached_conversion
 
 CHUNK_BYTES = 4 * 2**20
 """Bytes read and written at a time while joining (a file is never held in memory whole)."""
@@ -389,13 +390,11 @@ def install(name: str, on_progress: Callable[[str], None] | None = None) -> Path
 
 def status(name: str) -> ModelStatus:
     """Where the bundled model `name` stands: its parts, its GGUF file (hashed whole, 0.4 s
-    for the 0.5B) and its converted cache (which imports `model_loading`, hence torch).
+    for the 0.5B) and its converted cache.
 
     Raises:
         ModelNotFoundError: an unknown name.
     """
-    from agent_kv.runtime.model_loading import cached_conversion
-
     model = get(name)
     installed = 0
     for part in model.parts:
@@ -460,8 +459,6 @@ def _gguf_path(model: BundledModel) -> Path | None:
     in-place part's data file (None while its package is not installed)."""
     if model.in_place:
         return _data_file(model.parts[0])
-    from agent_kv.runtime.model_loading import cache_root
-
     return cache_root() / "gguf" / model.file_name
 
 

@@ -196,6 +196,32 @@ class Engine:
         store.prefix.share_front(cache, published, count)
         return count
 
+    def _share_batch_prefix(self, store: KVStore, prompts: list[list[int]]) -> int:
+        """With `share_prefixes`: the prompts' longest common prefix, in whole blocks and
+        before every prompt's last token (whose logits each row needs), computed once on a
+        one-row sequence that pins it and publishes it to the prefix cache (or found there,
+        `feed`), then read by every row of the batch's empty `store` as shared blocks. Returns
+        the tokens each row reads shared (0 without `share_prefixes`, with rerotate, or
+        without one whole common block)."""
+        cache = self.prefix_cache
+        if cache is None or store.rotary is not None:
+            return 0
+        common = 0
+        limit = min(len(prompt) for prompt in prompts) - 1
+        while common < limit and all(p[common] == prompts[0][common] for p in prompts):
+            common += 1
+        count = common - common % cache.block_tokens
+        if not count:
+            return 0
+        prefix = self.new_sequence()
+        prefix.store.pins.pin(0, count)
+        self.feed(prefix, prompts[0][:count])
+        views = prefix.store.prefix.views()
+        if sum(view.tokens for view in views) != count:  # not published: prefill every row
+            return 0
+        cache.retain(views)  # the batch's store reads them too
+        return store.prefix.share(cache, views)
+
     def _shares(self, store: KVStore) -> bool:
         """Whether `store` may read this engine's shared prefix blocks: the engine keeps them,
         the store has one row, and its keys are stored as the cache's are (not rerotated)."""
@@ -355,10 +381,13 @@ class Engine:
 
         Each prompt is prefilled on its own row (rows then differ in length); decoding runs
         every row in one model call per token, and each row gets its own confidence, budget
-        and eviction. Rows are ragged: attention masks each row at its own length. A row that
-        has finished (EOS, stop string) keeps being fed its last token until every row is
-        done; its reply is fixed when it finishes. With a `seed`, every row samples from its
-        own generator seeded alike, so a batch equals its prompts run one by one.
+        and eviction. With `share_prefixes`, the prompts' longest common prefix in whole
+        blocks is computed once and read by every row from shared blocks
+        (`_share_batch_prefix`), never evicted. Rows are ragged: attention masks each row at
+        its own length. A row that has finished (EOS, stop string) keeps being fed its last
+        token until every row is done; its reply is fixed when it finishes. With a `seed`,
+        every row samples from its own generator seeded alike, so a batch equals its prompts
+        run one by one.
 
         Each row's reply is decoded by its own `ReplyDecoder`, as `generate` decodes one
         (sampling, end of the reply, text). With a grammar, each row has its own matcher and
@@ -380,8 +409,9 @@ class Engine:
         store = KVStore.for_model(self.model, batch=len(prompts), **self.store_options)
         cache = StoreCache(store)
         steps: list[list[StepRecord]] = [[] for _ in prompts]
+        shared = self._share_batch_prefix(store, prompts)
         logits = torch.stack(
-            [self._prefill_row(cache, row, p, steps[row]) for row, p in enumerate(prompts)]
+            [self._prefill_row(cache, row, p[shared:], steps[row]) for row, p in enumerate(prompts)]
         )  # [B, vocab]
         while True:
             chosen = [decoder.choose(logits[row]) for row, decoder in enumerate(decoders)]

@@ -10,7 +10,6 @@ Nothing is ever fetched from a hub.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,11 +18,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 
 from agent_kv.errors import ModelNotFoundError
 from agent_kv.runtime import bundled_models, threads
+from agent_kv.runtime.model_cache import cached_conversion, converted_dir, prune_stale
 from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, apply_weight_format, load_dtype
 
 ATTENTION_IMPLEMENTATION = "agent_kv"
@@ -49,39 +48,6 @@ class LoadedModel:
     source: Path
     from_cache: bool
     weights: str = "fp32"
-
-
-def cache_root() -> Path:
-    """Directory holding converted models (`models/`) and joined bundled GGUF files (`gguf/`):
-    `$AGENT_KV_CACHE` or the user cache dir."""
-    return Path(os.environ.get("AGENT_KV_CACHE") or platformdirs.user_cache_dir("agent-kv"))
-
-
-FINGERPRINT_BYTES = 2**20
-"""Bytes read from each end of a GGUF file for its cache key."""
-
-
-def _converted_dir(gguf: Path) -> Path:
-    """The cache directory of `gguf`'s conversion, keyed by the file's content (its size and
-    first and last MiB, which hold the header, the tensor index and the end of the weights),
-    not its path: the same model file in another clone or virtual environment reuses one
-    conversion."""
-    size = gguf.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with gguf.open("rb") as f:
-        digest.update(f.read(FINGERPRINT_BYTES))
-        f.seek(max(size - FINGERPRINT_BYTES, 0))
-        digest.update(f.read(FINGERPRINT_BYTES))
-    return cache_root() / "models" / f"{gguf.stem}-{digest.hexdigest()[:12]}"
-
-
-def _prune_stale(target: Path) -> None:
-    """Remove the other conversions of a file named like `target`'s GGUF (earlier versions of
-    that model file), so the cache holds one per model name."""
-    stem = target.name.rsplit("-", 1)[0]
-    for other in target.parent.glob(f"{stem}-*"):
-        if other != target and other.is_dir() and "." not in other.name[len(stem) :]:
-            shutil.rmtree(other, ignore_errors=True)
 
 
 @contextmanager
@@ -183,13 +149,6 @@ def _load_directory(path: Path, dtype: torch.dtype):
     return model, tokenizer
 
 
-def cached_conversion(gguf: Path) -> Path | None:
-    """The converted safetensors directory of `gguf` in the cache, None when it has not been
-    converted (looked up by the file's content: `_converted_dir`)."""
-    target = _converted_dir(gguf)
-    return target if target.is_dir() else None
-
-
 def convert(gguf: Path) -> Path:
     """Convert `gguf` into its safetensors directory in the cache (weights de-quantized to
     fp32, 4 bytes a parameter), then remove older conversions of a file of that name.
@@ -201,9 +160,9 @@ def convert(gguf: Path) -> Path:
         ModelNotFoundError: the file cannot be loaded by transformers, or the cache is not
             writable. The message is one line.
     """
-    target = _converted_dir(gguf)
+    target = converted_dir(gguf)
     _convert_gguf(gguf, target)
-    _prune_stale(target)
+    prune_stale(target)
     return target
 
 

@@ -16,7 +16,9 @@ never more):
 A session leaving memory is saved to `spill_dir` when one is given (and restored on its next
 request with identical next-token logits), dropped otherwise. Saved sessions found in
 `spill_dir` at start (a restart) are known again: counted, listed, expired by the TTL from
-the time they were saved, and restored on request. A session with a request in flight is
+the time they were saved, and restored on request; a file that cannot be read back whole
+(damaged, cut short) is never half-restored: it is removed, and the session starts again from
+the client's history. A session with a request in flight is
 never dropped or saved. Requests to one session are serialised by its lock; different
 sessions never share a cache.
 """
@@ -203,6 +205,8 @@ class SessionStore:
         self.clock = clock
         self.dropped = 0
         self.spilled = 0
+        self.unreadable = 0
+        """Saved sessions whose file could not be read back (each started again)."""
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a request ends
@@ -470,9 +474,18 @@ class SessionStore:
             self._path(session_id).unlink(missing_ok=True)
 
     def _restore(self, session_id: str) -> Sequence:
+        """The session saved to disk, loaded whole; a new one when there is no file, or when
+        its file cannot be read back (damaged, cut short: refused whole, logged and counted in
+        `unreadable`, removed), so the turn starts again from the client's history."""
         path = None if self.spill_dir is None else self._path(session_id)
         if path is not None and path.exists():
-            session = Sequence.load(path, self.engine.model)
+            try:
+                session = Sequence.load(path, self.engine.model)
+            except AgentKVError as err:
+                log.warning("session %r starts again from its history: %s", session_id, err)
+                self.unreadable += 1
+                path.unlink(missing_ok=True)
+                return self.engine.new_sequence()
             path.unlink()
             if self.engine.prefix_cache is not None:  # its shared blocks read once again
                 session.store.prefix.adopt(self.engine.prefix_cache)

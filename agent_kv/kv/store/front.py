@@ -420,7 +420,8 @@ class KVStore:
 
         Raises:
             ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
-                (eviction or quantization since then depended on the forgotten tokens).
+                (eviction or quantization since then depended on the forgotten tokens); or
+                inside the shared prefix of a store of several rows.
         """
         seg = self.segments
         if not seg.changed_at[row] <= end <= self.seen(row):
@@ -428,6 +429,8 @@ class KVStore:
                 f"cannot truncate row {row} to {end} tokens: the cache is exact only back to "
                 f"{seg.changed_at[row]} of its {self.seen(row)} tokens"
             )
+        if end < self.prefix.tokens and self.batch != 1:
+            raise ValueError("the rows of a store of several rows read one shared prefix")
         rows = slice(row, row + 1)
         keep = self.joint("positions", slice(None), rows) < end
         seg.compact(keep & self.valid(slice(None), rows), slice(None), rows)

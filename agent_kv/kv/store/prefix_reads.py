@@ -1,6 +1,7 @@
-"""A store's shared prefix: its first positions read from runs of shared blocks
+"""A store's shared prefix: the first positions of its rows read from runs of shared blocks
 (`agent_kv.kv.prefix_cache`), held once for every store that reads them, never in its own
-segments; read-only, so a store that cuts into them copies the cut block (copy on write)."""
+segments (every row of a store reads the same ones); read-only, so a one-row store that cuts
+into them copies the cut block (copy on write)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from agent_kv.kv.store.segments import Segments
 
 
 class PrefixReads:
-    """The shared views a one-row store reads before its own tokens.
+    """The shared views a store's rows read before their own tokens.
 
     Args:
         segments, pins: the store's parts.
@@ -42,21 +43,22 @@ class PrefixReads:
         return [] if self.holder is None else list(self.holder.views)
 
     def share(self, cache: PrefixCache, views: list[SharedView]) -> int:
-        """Read `views` (references taken, `PrefixCache.match`) as the next positions of a
-        one-row store that holds no token of its own yet: the tokens they add are seen, as if
-        fed. Returns the tokens added.
+        """Read `views` (references taken, `PrefixCache.match`) as the next positions of every
+        row of a store whose rows hold no token of their own yet (all rows read the same
+        views): the tokens they add are seen, as if fed. Returns the tokens added per row.
 
         Raises:
-            ValueError: a store of several rows, or one holding tokens of its own.
+            ValueError: a row holding tokens of its own.
         """
-        self._check_one_row()
-        if self.segments.seen(0) != self.tokens:
+        seg = self.segments
+        if any(seg.seen(row) != self.tokens for row in range(seg.batch)):
             raise ValueError("shared blocks go before the store's own tokens, and it holds some")
         holder = self._holder(cache)
         before = holder.tokens
         holder.extend(views)
         added = holder.tokens - before
-        self.segments.appended[0] += added
+        for row in range(seg.batch):
+            seg.appended[row] += added
         return added
 
     def _check_one_row(self) -> None:
@@ -107,9 +109,15 @@ class PrefixReads:
         holder.extend(views)
 
     def truncate(self, end: int) -> None:
-        """Read shared blocks only before position `end` (the store holds no token of its
-        own: they all came after the shared ones): the whole blocks before it stay shared, the
-        tokens of the block it cuts are copied into the FP segment (copy on write)."""
+        """Read shared blocks only before position `end` (the one-row store holds no token
+        of its own: they all came after the shared ones): the whole blocks before it stay
+        shared, the tokens of the block it cuts are copied into the FP segment (copy on
+        write).
+
+        Raises:
+            ValueError: a store of several rows (they read the same views).
+        """
+        self._check_one_row()
         views = self.holder.views
         keys = torch.cat([view.keys for view in views], dim=2)
         values = torch.cat([view.values for view in views], dim=2)
