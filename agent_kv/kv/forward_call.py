@@ -165,9 +165,10 @@ class ForwardCall:
         store.check_context(max(starts) + n)
         segments = store.segments
         store.recall.recalling = plan.recall
-        store.figures.begin_call(store.allocated_nbytes())
+        store.figures.begin_call()
         if not plan.reconstruct:
             segments.fit(n)
+        store.figures.note_allocated(store.allocated_nbytes())
         device = store.device
         span = slice(rows.start, rows.stop)
         if static:

@@ -47,7 +47,7 @@ class StoreFigures:
             self.row_peak_bytes[row] = max(self.row_peak_bytes[row], live)
         self.peak_bytes = max(self.peak_bytes, total)
 
-    def begin_call(self, allocated: int) -> None:
-        """A forward call begins: the call's allocation peak starts again from `allocated`."""
+    def begin_call(self) -> None:
+        """A forward call begins: the call's allocation peak starts again (from what the
+        buffers hold once fitted to the call, noted next)."""
         self.call_allocated_bytes = 0
-        self.note_allocated(allocated)
