@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -91,6 +92,8 @@ from api.schemas import (
     ToolCallBody,
     Usage,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_BODY_BYTES = 8 * 2**20
@@ -183,11 +186,15 @@ def create_app(
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
-        response = await call_next(request)
         path = request.url.path
         endpoint = (
             path if path in routes else "/sessions" if path.startswith("/sessions/") else "other"
         )
+        try:
+            response = await call_next(request)
+        except Exception:  # a 500: the catch-all handler answers it outside this middleware
+            metrics.requests.labels(endpoint, "500").inc()
+            raise
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -219,8 +226,10 @@ def create_app(
         return error_response(err.status_code, str(err.detail), None, code, err.headers)
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, err: Exception):
-        return error_response(500, f"internal error: {type(err).__name__}: {err}", None, None)
+    async def server_error(request: Request, err: Exception):
+        log.error("internal error on %s", request.url.path, exc_info=err)
+        message = f"internal error ({type(err).__name__}); the server's log has the details"
+        return error_response(500, message, None, None)
 
     @app.get("/health", responses=error_responses(400))
     async def health() -> Health:

@@ -79,6 +79,12 @@ class _SessionCollector(Collector):
         )
         unreadable.add_metric([], self.sessions.unreadable)
         yield unreadable
+        failures = CounterMetricFamily(
+            "agent_kv_sessions_spill_failures",
+            "Sessions that could not be saved to the spill dir (dropped instead).",
+        )
+        failures.add_metric([], self.sessions.spill_failures)
+        yield failures
 
 
 class ServerMetrics:

@@ -268,3 +268,19 @@ async def test_a_utf8_session_header_names_the_same_session_as_the_body(client, 
     by_body = await client.post("/v1/chat/completions", json={**body, "user": sid})
     assert by_body.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert service.sessions.ids() == [sid]
+
+
+async def test_an_internal_error_is_a_500_counted_and_naming_no_path(service, monkeypatch):
+    def broken(*args, **kwargs):
+        raise FileNotFoundError("/very/private/path/session.pt")
+
+    monkeypatch.setattr(service, "run", broken)
+    transport = httpx.ASGITransport(app=create_app(service, "m"), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        response = await client.post("/chat", json={"messages": HI, "max_tokens": 2})
+        metrics = (await client.get("/metrics")).text
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "private" not in error["message"]
+    assert "FileNotFoundError" in error["message"]
+    assert 'agent_kv_requests_total{endpoint="/chat",status="500"} 1.0' in metrics

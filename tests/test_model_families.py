@@ -468,5 +468,6 @@ def test_a_saved_store_keeps_its_windows_and_what_they_dropped():
     assert store.segments.changed_at == [5]  # the window layer cannot go back before position 5
     saved = KVStore.from_state(store.state())
     assert saved.windows == (3, None) and saved.figures.window_dropped == 3
+    assert saved.window_slack == 0
     assert saved.lengths() == [2, 5]
     assert saved.live_positions(0).tolist() == [3, 4]

@@ -6,6 +6,7 @@ restart (live uvicorn servers and the session store directly)."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
@@ -277,3 +278,17 @@ async def test_a_damaged_spill_file_is_never_half_restored(smollm, tmp_path):
         assert not path.exists() and sessions.unreadable == 1
         metrics = (await http.get("/metrics")).text
         assert "agent_kv_sessions_unreadable_total 1.0" in metrics
+
+
+def test_a_session_that_cannot_be_saved_is_dropped_and_counted(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    spill = tmp_path / "spill"
+    (spill / "0123456789abcdef0123456789abcdef.pt").mkdir(parents=True)  # not a file: ignored
+    sessions = SessionStore(engine, max_kv_bytes=64 * 46_080, spill_dir=spill)  # one session
+    assert sessions.ids() == []
+    with sessions.use("a") as session:
+        engine.feed(session, list(range(10, 60)))
+    shutil.rmtree(spill)  # the disk is gone: "a" cannot be saved when "b" needs the room
+    with sessions.use("b") as session:
+        engine.feed(session, list(range(10, 60)))
+    assert sessions.ids() == ["b"] and sessions.spill_failures == 1 and sessions.dropped == 1

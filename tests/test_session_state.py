@@ -98,4 +98,38 @@ def test_truncate_refuses_past_an_eviction():
     assert store.segments.changed_at == [50]
     with pytest.raises(ValueError, match="exact only back to 50"):
         store.truncate(40)
+    with pytest.raises(ValueError, match="not in this store's 1 rows"):
+        store.truncate(50, row=1)
+    with pytest.raises(ValueError, match="to 50.5 tokens"):
+        store.truncate(50.5)
     store.truncate(50)  # nothing to forget: fine
+
+
+def test_a_damaged_or_malformed_file_is_refused_whole(smollm, tmp_path):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    sequence = engine.new_sequence()
+    engine.feed(sequence, list(range(10, 60)))
+    path = tmp_path / "s.pt"
+    sequence.save(path)
+    data = bytearray(path.read_bytes())
+    # bytes changed inside a tensor's record: torch.load reads them, the checksum does not
+    start = data.find(b"data/0") + 200
+    data[start : start + 64] = bytes(64)
+    (tmp_path / "bytes.pt").write_bytes(bytes(data))
+    with pytest.raises(AgentKVError, match="is damaged"):
+        Sequence.load(tmp_path / "bytes.pt", smollm.model)
+    saved = torch.load(path, weights_only=True)
+    for name, change in {
+        "no_store": lambda d: d.pop("store"),
+        "no_shape": lambda d: d["store"].pop("shape"),
+        "no_tokens": lambda d: d.pop("token_ids"),
+        "bad_steps": lambda d: d.__setitem__("steps", [{"bogus": 1}]),
+        "store_none": lambda d: d.__setitem__("store", None),
+    }.items():
+        broken = torch.load(path, weights_only=True)
+        change(broken)
+        torch.save(broken, tmp_path / f"{name}.pt")
+        with pytest.raises(AgentKVError, match="cannot be restored"):
+            Sequence.load(tmp_path / f"{name}.pt", smollm.model)
+    restored = Sequence.load(path, smollm.model)  # the intact file still loads
+    assert restored.token_ids == saved["token_ids"]

@@ -267,3 +267,13 @@ def test_a_saved_store_loads_back_with_its_capacity_and_contents():
     assert kept_positions(loaded) == kept_positions(store)
     assert torch.equal(quantized_keys(loaded, 20), quantized_keys(store, 20))
     assert loaded.pins.live() == [[2]]
+
+
+def test_a_call_closes_once():
+    store = KVStore(1, 1, 4)
+    call = ForwardCall.open(store, range(1), 2)
+    call.stage(0, torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4))
+    call.close()
+    with pytest.raises(ValueError, match="closed already"):
+        call.close()
+    assert store.seen_tokens == 2 and store.lengths() == [2]

@@ -123,6 +123,7 @@ class ForwardCall:
         self._scored: torch.Tensor | None = None
         self._group = 1
         self._observed = 0
+        self._closed = False
 
     @classmethod
     def open(
@@ -202,7 +203,14 @@ class ForwardCall:
     def close(self, folded: dict[str, torch.Tensor] | None = None) -> None:
         """End the call after the model ran: write its new tokens and statistics (`folded`,
         when a compiled step computed them, else `fold()`), then move the store's host
-        lengths on (`KVStore.note_appended`; a reconstruction pass keeps nothing)."""
+        lengths on (`KVStore.note_appended`; a reconstruction pass keeps nothing).
+
+        Raises:
+            ValueError: the call was closed already (its tokens are in the store).
+        """
+        if self._closed:
+            raise ValueError("this forward call was closed already: open a new one")
+        self._closed = True
         self.write(self.fold() if folded is None else folded)
         if not self.plan.reconstruct:
             self.store.note_appended(self.rows, self.n)
@@ -343,7 +351,7 @@ class ForwardCall:
 
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold a layer's new keys and values `[R, H, n, D]` (rotated at the call's
-        positions) until `commit` writes them."""
+        positions) until `close` writes them."""
         self._new[layer] = (keys, values)
 
     def _by_segment(self, layer: int, per_segment: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -357,7 +365,7 @@ class ForwardCall:
         group: int,
         scored: torch.Tensor | None = None,
     ) -> None:
-        """Hold a layer's attention mass for `commit`.
+        """Hold a layer's attention mass for `close`.
 
         Args:
             masses: per segment of `segments(layer)` and then the new tokens, `[R, H, width]`:
@@ -386,15 +394,10 @@ class ForwardCall:
 
     # -- commit ------------------------------------------------------------------------------
 
-    def commit(self) -> None:
-        """Write every layer's new tokens after its rows' FP slots and fold the call's
-        attention into the statistics, for all layers at once: `write(fold())`. The host
-        lengths follow in `close`. A reconstruction pass keeps only its maxima, and none of
-        its tokens."""
-        self.write(self.fold())
-
     def fold(self) -> dict[str, torch.Tensor]:
-        """What `commit` writes, computed without writing anything (so a compiled step can
+        """What `close` writes (every layer's new tokens after its rows' FP slots, the call's
+        attention folded into the statistics; a reconstruction pass: only its maxima, none of
+        its tokens), computed without writing anything (so a compiled step can
         return it: inductor copies a whole buffer it both reads and writes in place).
 
         Returns:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,30 +126,32 @@ class Sequence:
         next-token logits.
 
         Raises:
-            AgentKVError: the file is missing, unreadable, or was saved for another shape of
-                model.
+            AgentKVError: the file is missing, unreadable, damaged (a record whose checksum
+                fails, a missing or malformed field: nothing of it is restored), or was saved
+                for another shape of model.
         """
+        _check_whole(path)
         data = _load(path)
-        state = data["store"]
         expected = KVStore.for_model(model)
         shape = [expected.num_layers, expected.kv_heads, expected.head_dim]
-        if state["shape"] != shape:
-            raise AgentKVError(
-                f"session {path} was saved for a model with [layers, kv heads, head dim] "
-                f"{state['shape']}, not {shape}"
-            )
-        rotary = Rotary.from_model(model) if state["rerotate"] else None
         try:
+            state = data["store"]
+            if state["shape"] != shape:
+                raise AgentKVError(
+                    f"session {path} was saved for a model with [layers, kv heads, head dim] "
+                    f"{state['shape']}, not {shape}"
+                )
+            rotary = Rotary.from_model(model) if state["rerotate"] else None
             store = KVStore.from_state(state, rotary)
-        except (ValueError, KeyError, TypeError, RuntimeError) as err:
-            raise AgentKVError(f"session {path} cannot be restored: {err}") from err
-        return cls(
-            store=store,
-            cache=StoreCache(store),
-            token_ids=list(data["token_ids"]),
-            last_logits=data["last_logits"],
-            steps=[StepRecord.read(step) for step in data["steps"]],
-        )
+            return cls(
+                store=store,
+                cache=StoreCache(store),
+                token_ids=[int(token) for token in data["token_ids"]],
+                last_logits=data["last_logits"],
+                steps=[StepRecord.read(step) for step in data["steps"]],
+            )
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as err:
+            raise AgentKVError(f"session {path} cannot be restored: {err!r}") from None
 
 
 @dataclass
@@ -203,6 +206,19 @@ class SequenceOutline:
             )
         except (KeyError, TypeError, IndexError, AttributeError) as err:
             raise AgentKVError(f"{path} is not a saved session: {err!r}") from None
+
+
+def _check_whole(path: Path) -> None:
+    """Raise AgentKVError unless every record of the sequence file `path` (a zip archive, as
+    `torch.save` writes it) matches its checksum: `torch.load` reads damaged bytes inside a
+    tensor's record without noticing."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise AgentKVError(f"cannot load session {path}: {err}") from None
+    if damaged is not None:
+        raise AgentKVError(f"cannot load session {path}: record {damaged} is damaged")
 
 
 def _load(path: Path, mmap: bool = False) -> dict:

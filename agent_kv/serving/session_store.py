@@ -206,7 +206,10 @@ class SessionStore:
         self.dropped = 0
         self.spilled = 0
         self.unreadable = 0
-        """Saved sessions whose file could not be read back (each started again)."""
+        """Saved session files that could not be read back (each session started again, or
+        the file removed at start)."""
+        self.spill_failures = 0
+        """Sessions that could not be saved to `spill_dir` (each dropped instead)."""
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a request ends
@@ -297,19 +300,21 @@ class SessionStore:
         needed = outline.footprint.allocated_bytes if need is None else need(outline)
         with self._room:
             while True:
-                busy = self.shared_bytes() + sum(
+                shared = self.shared_bytes()  # (an idle session leaving may free some)
+                flight = sum(
                     max(other.reserved, other.allocated_bytes())
                     for sid, other in self._entries.items()
                     if sid != session_id and other.in_flight
-                )  # held, or reserved (its session perhaps not yet made), by requests in
-                # flight; and the shared blocks (an idle session leaving may free some)
+                )  # held, or reserved (its session perhaps not yet made), by requests in flight
+                busy = shared + flight
                 if busy + needed <= self.max_kv_bytes:
                     break
                 if deadline is None or needed > self.max_kv_bytes:
                     raise KVCapacityError(
                         f"this request may hold up to {needed} bytes of KV cache; the cap on "
                         f"all sessions is {self.max_kv_bytes} bytes"
-                        + (f", {busy} of them held by requests in flight" if busy else "")
+                        + (f", {flight} of them held by requests in flight" if flight else "")
+                        + (f", {shared} by shared prefix blocks" if shared else "")
                         + ": send a shorter prompt or max_tokens, or use a budgeted policy"
                     )
                 _wait_slice(self._room, cancel, deadline, "room under the KV cap")
@@ -456,14 +461,22 @@ class SessionStore:
 
     def _evict(self, session_id: str) -> None:
         """Take an idle session out of memory: saved to disk when there is a spill dir,
-        dropped otherwise."""
+        dropped otherwise, or when it cannot be saved (logged, counted in `spill_failures`:
+        the client's history rebuilds it)."""
         entry = self._entries[session_id]
         if self.spill_dir is None:
             self._remove(session_id)
             self.dropped += 1
             return
         meta = {"session_id": session_id, "policy": entry.policy}
-        entry.session.save(self._path(session_id), meta)
+        try:
+            entry.session.save(self._path(session_id), meta)
+        except (OSError, RuntimeError) as err:  # the disk is full, gone or not writable
+            log.warning("session %r dropped: it could not be saved: %s", session_id, err)
+            self.spill_failures += 1
+            self._remove(session_id)
+            self.dropped += 1
+            return
         entry.saved = SequenceOutline.describe(entry.session, meta)
         entry.session = None
         self.spilled += 1
@@ -471,22 +484,22 @@ class SessionStore:
     def _remove(self, session_id: str) -> None:
         del self._entries[session_id]
         if self.spill_dir is not None:
-            self._path(session_id).unlink(missing_ok=True)
+            _discard(self._path(session_id))
 
     def _restore(self, session_id: str) -> Sequence:
         """The session saved to disk, loaded whole; a new one when there is no file, or when
         its file cannot be read back (damaged, cut short: refused whole, logged and counted in
         `unreadable`, removed), so the turn starts again from the client's history."""
         path = None if self.spill_dir is None else self._path(session_id)
-        if path is not None and path.exists():
+        if path is not None and path.is_file():
             try:
                 session = Sequence.load(path, self.engine.model)
             except AgentKVError as err:
                 log.warning("session %r starts again from its history: %s", session_id, err)
                 self.unreadable += 1
-                path.unlink(missing_ok=True)
+                _discard(path)
                 return self.engine.new_sequence()
-            path.unlink()
+            _discard(path)
             if self.engine.prefix_cache is not None:  # its shared blocks read once again
                 session.store.prefix.adopt(self.engine.prefix_cache)
             return session
@@ -498,6 +511,9 @@ class SessionStore:
         cannot be read is removed (it could never be asked for)."""
         now_wall, now = time.time(), self.clock()
         for path in sorted(self.spill_dir.glob("*.pt")):
+            if not path.is_file():
+                log.warning("ignoring %s in the spill dir: not a file", path)
+                continue
             try:
                 saved = SequenceOutline.read(path)
                 session_id = saved.meta["session_id"]
@@ -505,7 +521,8 @@ class SessionStore:
                     raise AgentKVError(f"{path} holds session {session_id!r} under another name")
             except (AgentKVError, KeyError, TypeError) as err:
                 log.warning("removing unusable spill file %s: %s", path, err)
-                path.unlink(missing_ok=True)
+                self.unreadable += 1
+                _discard(path)
                 continue
             saved_at = path.stat().st_mtime
             entry = _Entry(None, now - max(now_wall - saved_at, 0.0), saved_at, saved)
@@ -516,6 +533,15 @@ class SessionStore:
     def _path(self, session_id: str) -> Path:
         digest = hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return self.spill_dir / f"{digest}.pt"
+
+
+def _discard(path: Path) -> None:
+    """Remove the spill file `path` if it is there; a path that cannot be removed (not a
+    file, no permission) is logged and left."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("cannot remove %s: %s", path, err)
 
 
 WAIT_SLICE_S = 0.1

@@ -419,15 +419,18 @@ class KVStore:
         row's own FP segment (copy on write).
 
         Raises:
-            ValueError: `end` is negative, past the tokens seen, or before `changed_at[row]`
+            ValueError: a row outside the store; `end` not a whole number, negative, past the
+                tokens seen, or before `changed_at[row]`
                 (eviction or quantization since then depended on the forgotten tokens); or
                 inside the shared prefix of a store of several rows.
         """
         seg = self.segments
-        if not seg.changed_at[row] <= end <= self.seen(row):
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is not in this store's {self.batch} rows")
+        if not isinstance(end, int) or not seg.changed_at[row] <= end <= self.seen(row):
             raise ValueError(
-                f"cannot truncate row {row} to {end} tokens: the cache is exact only back to "
-                f"{seg.changed_at[row]} of its {self.seen(row)} tokens"
+                f"cannot truncate row {row} to {end!r} tokens: it has seen {self.seen(row)}, "
+                f"and its cache is exact only back to {seg.changed_at[row]}"
             )
         if end < self.prefix.tokens and self.batch != 1:
             raise ValueError("the rows of a store of several rows read one shared prefix")
@@ -495,6 +498,7 @@ class KVStore:
             "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
             "max_positions": self.max_positions,
             "windows": list(self.windows),
+            "window_slack": self.window_slack,
             "rerotate": self.rotary is not None,
             "pinned": self.pins.flags,
             "counters": [
@@ -536,6 +540,7 @@ class KVStore:
         if state.get("shared") is not None:
             store.prefix.load(state["shared"])
         store.observed_from = list(state.get("observed_from", store.observed_from))
+        store.window_slack = state.get("window_slack", WINDOW_SLACK)
         store.pins.load(state["pinned"])
         counters, figures = state["counters"], store.figures
         figures.peak_bytes, figures.evicted_tokens, figures.quantized_tokens = counters[:3]
