@@ -259,7 +259,7 @@ def create_app(
         summaries = await run_in_threadpool(service.sessions.describe)
         return SessionList(data=[SessionInfo.model_validate(asdict(s)) for s in summaries])
 
-    @app.delete("/sessions/{session_id}", responses=error_responses(400, *key_error, 404, 409))
+    @app.delete("/sessions/{session_id:path}", responses=error_responses(400, *key_error, 404, 409))
     async def delete_session(session_id: str) -> DeletedSession:
         """Forget a session, in memory and on disk."""
         try:

@@ -178,6 +178,11 @@ async def test_a_session_reuses_its_cache_across_turns(client):
     }
     missing = await client.delete("/sessions/episode-1")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    # an id with a slash is a session like any other, and can be deleted
+    slashed = {**body, "user": "team/a", "max_tokens": 2}
+    assert (await client.post("/v1/chat/completions", json=slashed)).status_code == 200
+    deleted = await client.delete("/sessions/team/a")
+    assert deleted.json() == {"id": "team/a", "deleted": True}
 
 
 async def test_streamed_reply_equals_the_plain_one(client):
