@@ -27,7 +27,8 @@ class Generation:
         token_ids: generated token ids (EOS included when it ended the reply).
         finish_reason: "stop" (EOS, stop string or a complete grammar) or "length"
             (max_new_tokens reached).
-        prompt_tokens: tokens prefilled for this reply.
+        prompt_tokens: tokens of the prompt this reply follows (those read from shared prefix
+            blocks included).
         ttft_s: seconds from the start of the prefill to the first sampled token.
         decode_s: seconds spent after the first token.
     """
