@@ -136,7 +136,7 @@ class ReplyDecoder:
                 self._sent = safe
 
     def generation(self, prompt_tokens: int) -> Generation:
-        """The finished reply (its last text piece streamed), `prompt_tokens` prefilled for
+        """The finished reply (its last text piece streamed), after `prompt_tokens` of prompt
         it. Call once `choose` returned None."""
         raw_ids = [t for t in self.generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
