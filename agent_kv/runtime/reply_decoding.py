@@ -136,8 +136,8 @@ class ReplyDecoder:
                 self._sent = safe
 
     def generation(self, prompt_tokens: int) -> Generation:
-        """The finished reply (its last text piece streamed), after `prompt_tokens` of prompt
-        it. Call once `choose` returned None."""
+        """The finished reply (its last text piece streamed), after a prompt of
+        `prompt_tokens` tokens. Call once `choose` returned None."""
         raw_ids = [t for t in self.generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
         reply = cut_at_stop(raw_text, self.params.stop)
