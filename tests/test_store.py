@@ -8,7 +8,7 @@ from helpers import append_tokens, kept_positions
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.call_plan import CallPlan
-from agent_kv.kv.forward_call import NO_PLAN, ForwardCall
+from agent_kv.kv.forward_call import NO_PLAN, ForwardCall, append_kv
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 
 
@@ -277,3 +277,10 @@ def test_a_call_closes_once():
     with pytest.raises(ValueError, match="closed already"):
         call.close()
     assert store.seen_tokens == 2 and store.lengths() == [2]
+
+
+def test_tokens_for_another_number_of_layers_are_refused():
+    store = KVStore(2, 1, 4)
+    with pytest.raises(ValueError, match="keys for 3 layers, the store has 2"):
+        append_kv(store, torch.zeros(3, 1, 1, 2, 4), torch.zeros(3, 1, 1, 2, 4))
+    assert store.seen_tokens == 0

@@ -587,8 +587,13 @@ def append_kv(
     Args:
         keys, values: `[L, R, H, n, D]`, or `[R, H, n, D]` for the same tokens in every layer;
             keys rotated as a model call would give them.
+
+    Raises:
+        ValueError: keys for another number of layers than the store's.
     """
     rows = range(store.batch) if rows is None else rows
+    if keys.dim() == 5 and keys.shape[0] != store.num_layers:
+        raise ValueError(f"keys for {keys.shape[0]} layers, the store has {store.num_layers}")
     if keys.dim() == 4:
         keys = keys.expand(store.num_layers, *keys.shape)
         values = values.expand(store.num_layers, *values.shape)
