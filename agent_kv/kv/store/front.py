@@ -300,14 +300,8 @@ class KVStore:
                 lengths[row] += n
         for row in rows:
             seg.appended[row] += n
-        self.note_peak(rows)
+        seg.note_peak(rows)
         self.trim_windows(rows)
-
-    def note_peak(self, rows: range) -> None:
-        """Take the live and allocated bytes now into the peaks (`figures`)."""
-        seg = self.segments
-        self.figures.note_live({row: seg.nbytes(row) for row in rows}, seg.nbytes())
-        self.figures.note_allocated(seg.allocated_nbytes())
 
     # -- sliding-window layers ---------------------------------------------------------------
 

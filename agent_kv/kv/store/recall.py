@@ -109,8 +109,7 @@ class RecallTier:
             self.figures.evicted_tokens -= kept_positions.numel()  # back: no longer evicted
             recalled += kept_positions.numel()
         if recalled:
-            self.figures.note_live({row: seg.nbytes(row) for row in rows}, seg.nbytes())
-            self.figures.note_allocated(seg.allocated_nbytes())
+            seg.note_peak(rows)
         self.tier.recall_s += time.perf_counter() - started
         return recalled
 

@@ -329,6 +329,12 @@ class Segments:
         )
         return total if row is None else total // self.batch
 
+    def note_peak(self, rows: range) -> None:
+        """Take the live bytes of `rows` and of all rows, and the allocated bytes, now into
+        the peaks (`figures`)."""
+        self.figures.note_live({row: self.nbytes(row) for row in rows}, self.nbytes())
+        self.figures.note_allocated(self.allocated_nbytes())
+
     def host_lengths(self) -> dict[str, list[list[int]]]:
         """Each table's host lengths `[L][B]`, copied."""
         return {name: [list(row) for row in getattr(self, name).lengths] for name in TABLES}
