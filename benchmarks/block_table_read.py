@@ -8,7 +8,10 @@ FP segment and the step's own token, the path a CPU decode step takes) is timed 
 - `contiguous`: keys and values `[1, H, W, D]`, one slice of the store's buffers;
 - `table`: the same tokens in 32-token blocks scattered over a pool `[N, H, 32, D]`, gathered
   through a block table into `[1, H, W, D]` (`index_select`) before the same read: what a
-  block-table read costs without a kernel that walks the table itself.
+  block-table read costs without a kernel that walks the table itself;
+- `compiled_table`: a decode read written over the pool and the block table and compiled by
+  `torch.compile` (inductor's C++ backend), whose loops index the pool through the table: the
+  kernel that walks the table, as far as this CPU's compiler generates one.
 Both side by side in one process, alternating, medians of `--reps`; printed as one JSON line per
 length with the ratio `table / contiguous`.
 
@@ -31,7 +34,7 @@ BLOCK = 32
 
 
 def measure(width: int, heads: int, query_heads: int, dim: int, reps: int) -> dict:
-    """One length's medians (microseconds) and ratio, both reads alternating."""
+    """One length's medians (microseconds) and ratios to the contiguous read, reads alternating."""
     gen = torch.Generator().manual_seed(width)
     blocks = width // BLOCK
     pool_keys = torch.randn(blocks * 2, heads, BLOCK, dim, generator=gen)  # half of it free
@@ -57,10 +60,35 @@ def measure(width: int, heads: int, query_heads: int, dim: int, reps: int) -> di
         segment = Segment(gathered(pool_keys), gathered(pool_values), lengths)
         return decode_attention(query, [segment, last], scale)[0]
 
+    group = query_heads // heads
+
+    def read_pool(query: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        grouped = query.view(heads, group, 1, 1, dim)
+        block_keys = pool_keys[table].permute(1, 0, 2, 3)[:, None]  # [H, 1, blocks, 32, D]
+        block_values = pool_values[table].permute(1, 0, 2, 3)[:, None]
+        scores = (grouped * block_keys).sum(-1).reshape(heads, group, width) * scale
+        probs = torch.softmax(scores, dim=-1).view(heads, group, blocks, BLOCK, 1)
+        return (probs * block_values).sum((2, 3)).reshape(1, 1, query_heads, dim)
+
+    compiled = torch.compile(read_pool, dynamic=False)
+    old_keys, old_values = keys[:, :, :-1], values[:, :, :-1]
+    whole = Segment(keys=old_keys, values=old_values, lengths=lengths - 1)
+    own = Segment(keys[:, :, -1:], values[:, :, -1:], torch.tensor([1]), causal=True)
+    expected = decode_attention(query, [whole, own], scale)[0]
+    torch.testing.assert_close(compiled(query, table), expected, rtol=1e-4, atol=1e-4)
+
+    def compiled_table() -> torch.Tensor:
+        return compiled(query, table)
+
     torch.testing.assert_close(contiguous(), through_table())
-    times: dict[str, list[float]] = {"contiguous": [], "table": []}
+    reads = (
+        ("contiguous", contiguous),
+        ("table", through_table),
+        ("compiled_table", compiled_table),
+    )
+    times: dict[str, list[float]] = {name: [] for name, _ in reads}
     for _ in range(reps):
-        for name, read in (("contiguous", contiguous), ("table", through_table)):
+        for name, read in reads:
             started = time.perf_counter()
             read()
             times[name].append(time.perf_counter() - started)
@@ -69,7 +97,9 @@ def measure(width: int, heads: int, query_heads: int, dim: int, reps: int) -> di
         "tokens": width,
         "contiguous_us": round(medians["contiguous"], 1),
         "table_us": round(medians["table"], 1),
+        "compiled_table_us": round(medians["compiled_table"], 1),
         "ratio": round(medians["table"] / medians["contiguous"], 2),
+        "compiled_ratio": round(medians["compiled_table"] / medians["contiguous"], 2),
     }
 
 
