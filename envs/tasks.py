@@ -8,6 +8,10 @@ config files (`task_id`, `sites`, `start_url`, `intent`, `eval`, ...). Two field
   DOM node ids that differ between runs); see `envs.actions`.
 - `horizon`: how many earlier pages' observations the task needs remembered (0 = the answer
   is on the page where the agent stops).
+- `facts` and `history_tokens` (the long-horizon suite): each fact the answer needs, the page
+  that shows it and the page where it is used, with the step and token distance between them;
+  and the tokens of the whole scripted history at the answer (`scripts/make_long_tasks.py`
+  measures both).
 
 Bundled suites live in `tasks/<suite>/*.json` (see tasks/README.md). Every error is a
 `TaskError` with a one-line message naming the file, the task and the field.
@@ -118,6 +122,32 @@ class EvalSpec(BaseModel):
 Difficulty = Literal["easy", "medium", "hard"]
 
 
+class Fact(BaseModel):
+    """One fact a task's answer (or a later action) needs, where it is read and where used.
+
+    Pages are numbered as the agent sees them: page 1 is the start page, page n + 1 the one
+    after reference action n; the answer is given on the last page (`len(reference_actions)`).
+
+    Attributes:
+        text: the fact as the page shows it (whole words, e.g. `$120` or `pixel_pilot`).
+        page: the page that shows it.
+        used_on: the page whose action uses it (the last page for the answer).
+        tokens: tokens of the scripted history from the fact on its page to its use (the
+            default model's tokenizer, the recall runner's notes format); None until measured.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1)
+    page: int = Field(ge=1)
+    used_on: int = Field(ge=1)
+    tokens: int | None = Field(default=None, ge=0)
+
+    @property
+    def steps(self) -> int:
+        """Actions between reading the fact and using it (`used_on - page`)."""
+        return self.used_on - self.page
+
+
 class Task(BaseModel):
     """One web task (VisualWebArena config fields plus `reference_actions` and `horizon`)."""
 
@@ -141,6 +171,8 @@ class Task(BaseModel):
     eval: EvalSpec
     reference_actions: list[str] = []
     horizon: int = Field(default=0, ge=0)
+    facts: list[Fact] = []
+    history_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Task":
@@ -172,6 +204,13 @@ class Task(BaseModel):
                 ) from None
             if (action.kind == "stop") != (i == len(self.reference_actions) - 1):
                 raise ValueError("reference_actions must end with stop [...] and stop only there")
+        pages = len(self.reference_actions)
+        for i, fact in enumerate(self.facts):
+            if not fact.page <= fact.used_on <= pages:
+                raise ValueError(
+                    f"facts[{i}]: needs page <= used_on <= {pages} (the pages of the "
+                    f"reference actions), got page {fact.page}, used_on {fact.used_on}"
+                )
         return self
 
     @property

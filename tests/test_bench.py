@@ -137,7 +137,17 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert window["mean_kl"] == pytest.approx((4 * 0.1 + 2 * 0.4) / 6)
     assert window["agreement_steps"] == 6
     assert full["agreement"] is None and conf["agreement"] is None
-    window_cells = "| window | 512 | fp | text | 4 | 0 | 25% | 0.50 | 50.0 | – | 0.0 | 3.00x |"
+    # Wilson's interval of 1 in 4: 4.6-69.9%; window minus full per task: 0, -1, 0, 0, whose
+    # resampled means run from -0.75 to 0
+    assert window["success_ci95"] == pytest.approx((0.0456, 0.6994), abs=1e-4)
+    assert window["success_minus_full"] == pytest.approx(-0.25)
+    assert window["success_minus_full_ci95"] == (-0.75, 0.0)
+    assert full["success_minus_full"] is None and full["success_minus_full_ci95"] is None
+    assert conf["success_minus_full_ci95"] == (-1.0, 0.0)  # tasks 1 and 2: 0 and -1
+    window_cells = (
+        "| window | 512 | fp | text | 4 | 0 | 25% (5-70%) | -25 (-75 to +0 points) | 0.50 | "
+        "50.0 | – | 0.0 | 3.00x |"
+    )
     assert window_cells + " 67% (6 steps) | 0.200 |" in table
     assert "33% (3 steps) | 2.00 |" in lines[3]
 

@@ -13,6 +13,18 @@ from envs.tasks import TaskError, load_suite, load_task, load_tasks, suite_names
 WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
 BUNDLED = [(suite, task) for suite in suite_names() for task in load_suite(suite)]
 """(suite, task) of every bundled task, replayed below."""
+LONG_QUICK = {506, 531}
+"""The long-horizon tasks the default run replays (one that writes to a site, one across two
+sites); the others, 15-60 actions each, replay under `slow`."""
+
+
+def replayed(suite: str, task):
+    """`task` as a parameter of the replay test: long-horizon tasks outside `LONG_QUICK` are
+    `slow`."""
+    slow = suite == "long" and task.task_id not in LONG_QUICK
+    return pytest.param(
+        task, marks=[pytest.mark.slow] if slow else [], id=f"{suite}-task{task.task_id}"
+    )
 
 
 def valid_task(task_id: int = 3) -> dict:
@@ -220,6 +232,30 @@ def test_bundled_suite_is_complete_and_mixed():
         load_suite("nope")
 
 
+def test_the_long_horizon_suite_is_long_by_its_work():
+    tasks = load_suite("long")
+    assert len(tasks) >= 30
+    tokens = sorted(task.history_tokens for task in tasks)
+    assert all(12_000 <= count <= 32_000 for count in tokens)
+    assert tokens[len(tokens) // 2] >= 16_000  # the median (upper one for an even count)
+    for task in tasks:
+        assert 15 <= len(task.reference_actions) <= 60, task.task_id
+        assert task.facts and all(fact.tokens is not None for fact in task.facts), task.task_id
+        assert task.horizon == max(fact.steps for fact in task.facts)
+    assert {site for task in tasks for site in task.sites} == {"classifieds", "forum", "shopping"}
+    assert sum(len(task.sites) == 2 and len(task.start_urls) == 2 for task in tasks) >= 8
+    assert sum("program_html" in task.eval.eval_types for task in tasks) >= 6  # write actions
+    assert max(fact.tokens for task in tasks for fact in task.facts) >= 16_000
+
+
+def test_a_fact_outside_the_reference_pages_is_refused(tmp_path):
+    task = {**valid_task(), "facts": [{"text": "$120", "page": 2, "used_on": 2}]}
+    message = error_of(write(tmp_path, task))
+    assert "facts[0]: needs page <= used_on <= 1" in message
+    task["facts"] = [{"text": "$120", "page": 1, "used_on": 1, "tokens": 40}]
+    assert load_task(write(tmp_path, task)).facts[0].steps == 0
+
+
 def test_task_1_is_a_one_step_answer_on_the_start_page():
     task = load_task(1)
     assert task.reference_actions == ["stop [$120]"]
@@ -234,15 +270,15 @@ def env():
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize(
-    "task",
-    [task for _, task in BUNDLED],
-    ids=[f"{suite}-task{task.task_id}" for suite, task in BUNDLED],
-)
+@pytest.mark.parametrize("task", [replayed(suite, task) for suite, task in BUNDLED])
 def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
-    env.reset(task)
+    observation = env.reset(task)
     for number, action in enumerate(task.reference_actions, start=1):
+        for fact in task.facts:
+            if fact.page == number:
+                assert fact.text in observation["text"], f"fact {fact.text!r} on page {number}"
         result = env.step(action)
+        observation = result.observation
         assert result.observation["error"] is None, f"step {number} {action}"
         assert result.done == (number == len(task.reference_actions))
     assert result.info["reason"] == "stop"

@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
+from agent_kv.harness.intervals import paired_difference_interval, success_interval
 from agent_kv.kv.policy_names import check_policy_name, split_recall
 from agent_kv.renamed_fields import current_names
 from agent_kv.runtime import bundled_models
@@ -854,7 +855,11 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     with the full-KV episodes of its own agent.
 
     Row fields: `policy`, `budget` (None for full), `precision`, `agent`, `episodes`,
-    `errors`, `success_rate` (errors count as failures), `relative_success` (this row's
+    `errors`, `success_rate` (errors count as failures) and `success_ci95` (its Wilson 95%
+    interval, `intervals.success_interval`), `success_minus_full` (this row's success rate
+    minus full KV's on the tasks both ran) and `success_minus_full_ci95` (its paired
+    bootstrap 95% interval over those tasks, `intervals.paired_difference_interval`; None
+    for full KV itself or under two common tasks), `relative_success` (this row's
     success rate over full KV's on the tasks both ran; None without a full run or when full never
     succeeded), `peak_kv_mb` (mean peak allocated KV bytes / 1e6 over episodes that report
     them), `peak_kv_live_mb` (the same for the peak live bytes), `peak_cold_kv_mb` (mean
@@ -877,6 +882,9 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (policy, budget, precision, agent), group in groups.items():
         full = {r["task_id"]: r for r in groups.get(("full", None, "fp", agent), [])}
         common = [r for r in group if r["task_id"] in full]
+        ours = [float(bool(r.get("success"))) for r in common]
+        theirs = [float(bool(full[r["task_id"]].get("success"))) for r in common]
+        is_full = policy == "full"
         relative = None
         if common:
             base = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
@@ -917,6 +925,15 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "episodes": len(group),
                 "errors": sum(r.get("end_reason") == "error" for r in group),
                 "success_rate": _mean(float(bool(r.get("success"))) for r in group),
+                "success_ci95": success_interval(
+                    sum(bool(r.get("success")) for r in group), len(group)
+                ),
+                "success_minus_full": None
+                if is_full or not common
+                else _mean(ours) - _mean(theirs),
+                "success_minus_full_ci95": None
+                if is_full
+                else paired_difference_interval(ours, theirs),
                 "relative_success": relative,
                 "peak_kv_mb": None if peak is None else peak / 1e6,
                 "peak_kv_live_mb": None if live is None else live / 1e6,
@@ -965,6 +982,22 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _percent_interval(interval: tuple[float, float] | None, signed: bool = False) -> str:
+    """' (48-78%)' or ' (-12 to +3 points)'; '' for None."""
+    if interval is None:
+        return ""
+    low, high = (round(100 * bound) for bound in interval)
+    return f" ({low:+d} to {high:+d} points)" if signed else f" ({low}-{high}%)"
+
+
+def _minus_full(row: dict[str, Any]) -> str:
+    """The *minus full* cell: the difference in points with its paired interval."""
+    if row.get("success_minus_full") is None:
+        return "–"
+    points = round(100 * row["success_minus_full"])
+    return f"{points:+d}{_percent_interval(row.get('success_minus_full_ci95'), signed=True)}"
+
+
 def _relative(row: dict[str, Any]) -> str:
     """The *vs full* cell: the ratio, or why there is none."""
     if row["relative_success"] is not None:
@@ -985,7 +1018,8 @@ def _agreement_cell(row: dict[str, Any]) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows of `aggregate` as a markdown table."""
     header = (
-        "| policy | budget | precision | agent | episodes | errors | success | vs full | "
+        "| policy | budget | precision | agent | episodes | errors | success (95% CI) | "
+        "minus full (95% CI) | vs full | "
         "peak KV (MB) | live KV (MB) | cold KV (MB) | reduction vs full | agreement | "
         "KL vs full | steps | "
         "decode tok/s | ref. action acc. | ref. NLL |"
@@ -1003,7 +1037,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             r["agent"],
             str(r["episodes"]),
             str(r["errors"]),
-            _fmt(r["success_rate"], ".0%"),
+            _fmt(r["success_rate"], ".0%") + _percent_interval(r.get("success_ci95")),
+            _minus_full(r),
             _relative(r),
             _fmt(r["peak_kv_mb"], ".1f"),
             _fmt(r.get("peak_kv_live_mb"), ".1f"),
@@ -1024,7 +1059,8 @@ def plot_vs_memory(rows: list[dict[str, Any]], path: Path, metric: str, what: st
     """Write a PNG: `metric` (a share, 0-1, plotted in %) against mean peak allocated KV
     memory (MB), one point per row, named in the legend with its episode count (points often
     coincide: equal budgets, or no success anywhere); rows without a peak or without the
-    metric are left out.
+    metric are left out. The success rate is drawn with its 95% interval (`success_ci95`) as
+    an error bar, and full KV's rate as a dashed line across the plot.
 
     Args:
         rows: `aggregate`'s rows.
@@ -1045,8 +1081,16 @@ def plot_vs_memory(rows: list[dict[str, Any]], path: Path, metric: str, what: st
             x, y = row["peak_kv_mb"], row[metric] * 100
             marker = "s" if row["policy"] == "full" else "o"
             label = f"{row_label(row)}: {x:.1f} MB, {y:.0f}% (n={row['episodes']})"
-            ax.scatter([x], [y], marker=marker, s=40, alpha=0.8, label=label)
-        if ax.collections:
+            interval = row.get("success_ci95") if metric == "success_rate" else None
+            spread = None
+            if interval is not None:
+                spread = [[y - interval[0] * 100], [interval[1] * 100 - y]]
+            points = ax.errorbar(
+                [x], [y], yerr=spread, fmt=marker, ms=6, alpha=0.8, capsize=3, label=label
+            )
+            if row["policy"] == "full":
+                ax.axhline(y, ls="--", lw=1, color=points[0].get_color(), alpha=0.6)
+        if ax.containers:
             ax.legend(fontsize=8, loc="best")
         ax.set_xlabel("mean peak KV memory, allocated (MB)")
         ax.set_ylabel(f"{what} (%)")
@@ -1209,7 +1253,10 @@ def write_report(out: Path) -> str:
         "(nats); *ref. action acc.* is the share of reference steps whose action is the "
         "model's greedy choice under the policy (teacher-forced); *ref. NLL* is the "
         "reference actions' mean negative log-likelihood per token (nats; lower is "
-        "better).\n\n"
+        "better). *success (95% CI)* carries Wilson's 95% interval over the row's episodes; "
+        "*minus full (95% CI)* is the row's success rate minus full KV's on the same tasks, in "
+        "percentage points, with the 95% percentile-bootstrap interval of that paired "
+        "difference, tasks resampled (`agent_kv.harness.intervals`).\n\n"
         f"{table}\n\n{plots}\n\n"
         f"{by_k}## Per task\n\nEach cell links the episode's trace.\n\n"
         f"{per_task_table(records, out)}\n"
