@@ -22,7 +22,7 @@ from agent_kv.harness.recall import (
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.engine import Engine
-from envs.browser_env import BrowserEnv
+from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
 from envs.observation import main_content
 from envs.server import SiteServers
@@ -155,6 +155,16 @@ def test_the_decoder_is_a_parameter_and_the_agent_format_drops_the_notes(smollm,
     trace = json.loads((tmp_path / "task414" / TRACE_JSON).read_text())
     assert re.fullmatch(r"click \[\d+\]", trace["pages"][0]["action"])
     assert trace["pages"][1]["observation"].startswith("Tab 0 (current): Grocery | One Stop Shop")
+
+
+@pytest.mark.browser
+def test_a_task_that_does_not_replay_names_its_step(smollm, env, tmp_path):
+    task = load_task(414).model_copy(
+        update={"reference_actions": ["click [link 'Grocery']", "click [link 'Gone']", "stop [x]"]}
+    )
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    with pytest.raises(ActionError, match=r"^task 414 step 2 click \[link 'Gone'\]: "):
+        run_recall_task(task, engine, env, tmp_path / "broken", "smollm", FORMATS["agent"])
 
 
 @pytest.mark.model

@@ -271,8 +271,9 @@ def run_recall_task(
     if given, is called as page n of the task's `pages` enters the conversation (progress).
 
     Raises:
-        envs.browser_env.ActionError: a scripted action fails on its page (a broken task,
-            not a model failure).
+        envs.browser_env.ActionError: a scripted action names no element of its page or
+            fails on it (a broken task, not a model failure); the message names the task, the
+            step and the action.
         playwright Error: the browser failed.
     """
     decode = decode or forced_stop()
@@ -298,7 +299,10 @@ def run_recall_task(
             pages.append(page)
             if action is None:
                 break
-            concrete = env.concrete_action(action)
+            try:
+                concrete = env.concrete_action(action)
+            except ActionError as error:
+                raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
             reply = fmt.reply(action, concrete)
             forced = chat.force_reply(reply)
             hits += forced.greedy
