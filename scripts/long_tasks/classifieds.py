@@ -12,10 +12,21 @@ import datetime as dt
 from typing import Any
 
 from envs.sites.classifieds.data import generate_listings
-from scripts.long_tasks.script import Script, element, long_task
+from envs.sites.common.web import site_date
+from scripts.long_tasks.script import (
+    Script,
+    Start,
+    comment_action,
+    element,
+    long_task,
+    named,
+    one_of,
+    rule_checks,
+    search_and_open,
+)
 
-SITE = ["classifieds"]
-START = "__CLASSIFIEDS__/"
+HOME = Start(["classifieds"], "__CLASSIFIEDS__/")
+"""Where the classifieds' tasks start: the home page."""
 LISTINGS = {
     listing["title"]: {**listing, "id": i} for i, listing in enumerate(generate_listings(0), 1)
 }
@@ -28,21 +39,37 @@ def price(title: str) -> str:
 
 def posted(title: str) -> str:
     """The date as the listing page shows it, e.g. `Mar 28, 2024`."""
-    day = LISTINGS[title]["posted"]
-    return f"{day:%b} {day.day}, {day.year}"
+    return site_date(LISTINGS[title]["posted"].isoformat())
+
+
+def listing_link(title: str) -> str:
+    """The listing's link in search results, e.g. `[link 'Blue road bike - $120']`."""
+    return element("link", f"{title} - {price(title)}")
 
 
 def open_listing(script: Script, title: str, note: str | None = None) -> None:
     """Search for `title` and open its listing (two actions); `note`, the agent's note of the
     page it leaves, goes with the first."""
-    script.act(f"type [textbox 'Search'] [{title}] [1]", note=note)
-    script.act(f"click {element('link', f'{title} - {price(title)}')}")
+    search_and_open(script, title, listing_link(title), note)
 
 
-def named(titles: list[str]) -> str:
-    """'A', 'B' and 'C'."""
-    quoted = [f"'{title}'" for title in titles]
-    return ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
+def read_price(script: Script, title: str) -> str:
+    """Read the price on the listing's page; the note `title: $price`."""
+    return f"{title}: {script.fact(price(title))}"
+
+
+def read_posted(script: Script, title: str) -> str:
+    """Read the date the listing was posted on its page; the note `title: posted date`."""
+    return f"{title}: posted {script.fact(posted(title))}"
+
+
+def listing_check(title: str, contents: dict[str, Any]) -> dict[str, Any]:
+    """A `program_html` check of the text of the listing's page."""
+    return {
+        "url": f"__CLASSIFIEDS__/listing/{LISTINGS[title]['id']}",
+        "locator": "",
+        "required_contents": contents,
+    }
 
 
 def pick(category: str | None = None, count: int = 10, skip: int = 0) -> list[str]:
@@ -54,38 +81,30 @@ def pick(category: str | None = None, count: int = 10, skip: int = 0) -> list[st
 def compare(task_id: int, titles: list[str], cheapest: bool) -> dict[str, Any]:
     """The cheapest (or most expensive) of `titles`, each looked up in turn; the answer is the
     title and the facts are every price."""
-    script, noted = Script(), None
-    for title in titles:
-        open_listing(script, title, note=noted)
-        noted = f"{title}: {script.fact(price(title))}"
+    script = Script()
+    script.read_each(titles, open_listing, read_price, "go_back")
     best = (min if cheapest else max)(titles, key=lambda t: LISTINGS[t]["price"])
-    script.act("go_back", note=noted)
     script.stop(f"{best}: {price(best)}")
     word = "cheapest" if cheapest else "most expensive"
     intent = (
         f"Look up each of these listings and note its price: {named(titles)}. "
         f"Answer with the title of the {word} one and its price."
     )
-    others = [t for t in titles if t != best]
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [best], "must_exclude": others},
+        one_of(best, titles),
         f"Prices: {', '.join(f'{t} {price(t)}' for t in titles)}.",
     )
 
 
 def total(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The sum of the prices of `titles`."""
-    script, noted = Script(), None
-    for title in titles:
-        open_listing(script, title, note=noted)
-        noted = f"{title}: {script.fact(price(title))}"
+    script = Script()
+    script.read_each(titles, open_listing, read_price, "go_back")
     amount = sum(LISTINGS[t]["price"] for t in titles)
-    script.act("go_back", note=noted)
     script.stop(f"${amount:,}")
     intent = (
         f"I want to buy all of these listings: {named(titles)}. Look up each one and answer "
@@ -93,8 +112,7 @@ def total(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [" |OR| ".join(dict.fromkeys([f"{amount:,}", str(amount)]))]},
@@ -105,40 +123,42 @@ def total(task_id: int, titles: list[str]) -> dict[str, Any]:
 def seller_of_most_expensive(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Who sells the most expensive of `titles`: every price, then the winner's seller, which
     was shown on its page several listings earlier."""
-    script, noted = Script(), None
     best = max(titles, key=lambda t: LISTINGS[t]["price"])
-    for title in titles:
-        open_listing(script, title, note=noted)
-        noted = f"{title}: {script.fact(price(title))}"
+
+    def read(script: Script, title: str) -> str:
+        noted = read_price(script, title)
         if title == best:
             noted += f", seller {script.fact(LISTINGS[title]['seller'])}"
-    script.act("go_back", note=noted)
+        return noted
+
+    script = Script()
+    script.read_each(titles, open_listing, read, "go_back")
     seller = LISTINGS[best]["seller"]
     script.stop(seller)
     intent = (
         f"Of these listings, find the most expensive one: {named(titles)}. Answer with the "
         "name of its seller."
     )
-    others = sorted({LISTINGS[t]["seller"] for t in titles} - {seller})
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [seller], "must_exclude": others},
+        one_of(seller, sorted({LISTINGS[t]["seller"] for t in titles})),
         f"Most expensive: {best} {price(best)}, sold by {seller}.",
     )
 
 
 def count_located(task_id: int, titles: list[str], state: str) -> dict[str, Any]:
     """How many of `titles` are located in `state` (the location's two-letter suffix)."""
-    script, noted = Script(), None
-    for title in titles:
-        open_listing(script, title, note=noted)
-        noted = f"{title}: {script.fact(LISTINGS[title]['location'])}"
+    script = Script()
+    script.read_each(
+        titles,
+        open_listing,
+        lambda script, title: f"{title}: {script.fact(LISTINGS[title]['location'])}",
+        "go_back",
+    )
     hits = [t for t in titles if LISTINGS[t]["location"].endswith(f", {state}")]
-    script.act("go_back", note=noted)
     script.stop(str(len(hits)))
     intent = (
         f"Open each of these listings and read its location: {named(titles)}. Answer with how "
@@ -146,8 +166,7 @@ def count_located(task_id: int, titles: list[str], state: str) -> dict[str, Any]
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [str(len(hits))]},
@@ -157,25 +176,20 @@ def count_located(task_id: int, titles: list[str], state: str) -> dict[str, Any]
 
 def earliest(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The listing of `titles` posted first."""
-    script, noted = Script(), None
-    for title in titles:
-        open_listing(script, title, note=noted)
-        noted = f"{title}: posted {script.fact(posted(title))}"
+    script = Script()
+    script.read_each(titles, open_listing, read_posted, "go_back")
     first = min(titles, key=lambda t: LISTINGS[t]["posted"])
-    script.act("go_back", note=noted)
     script.stop(f"{first}, posted {posted(first)}")
     intent = (
         f"Which of these listings was posted first: {named(titles)}? Open each one, read the "
         "date it was posted, and answer with the title."
     )
-    others = [t for t in titles if t != first]
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [first], "must_exclude": others},
+        one_of(first, titles),
         f"Posted: {', '.join(f'{t} {posted(t)}' for t in titles)}.",
     )
 
@@ -190,28 +204,19 @@ def fact_then_comments(task_id: int, first: str, titles: list[str], text: str) -
     for title in titles:
         open_listing(script, title, note=noted)
         noted = None
-        script.act(f"type [textbox 'Comment'] [{text}] [1]")
+        script.act(comment_action(text))
     script.stop(f"{first} seller: {seller}")
     intent = (
         f"First find out who sells '{first}'. Then post the comment '{text}' on each of these "
         f"listings: {named(titles)}. When done, answer with the seller of '{first}'."
     )
-    checks = [
-        {
-            "url": f"__CLASSIFIEDS__/listing/{LISTINGS[title]['id']}",
-            "locator": "",
-            "required_contents": {"must_include": [text]},
-        }
-        for title in (titles[0], titles[-1])
-    ]
-    others = sorted({LISTINGS[t]["seller"] for t in titles} - {seller})
+    checks = [listing_check(title, {"must_include": [text]}) for title in (titles[0], titles[-1])]
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [seller], "must_exclude": others},
+        one_of(seller, sorted({LISTINGS[t]["seller"] for t in titles})),
         f"{first} is sold by {seller}; the comment goes on {len(titles)} listings.",
         program_html=checks,
     )
@@ -221,14 +226,15 @@ def rule_once(task_id: int, titles: list[str], before: str, text: str) -> dict[s
     """A rule given once decides every later action: comment only on listings posted before
     `before` (an ISO date); answer with how many comments were posted."""
     cutoff = dt.date.fromisoformat(before)
-    script, chosen = Script(), []
-    for title in titles:
-        open_listing(script, title)
-        shown = script.fact(posted(title))
-        script.use(shown)
-        if LISTINGS[title]["posted"] < cutoff:
-            chosen.append(title)
-            script.act(f"type [textbox 'Comment'] [{text}] [1]", note=f"posted {shown}, comment")
+    chosen = [t for t in titles if LISTINGS[t]["posted"] < cutoff]
+    script = Script()
+    script.follow_rule(
+        titles,
+        open_listing,
+        posted,
+        chosen,
+        lambda script, _, shown: script.act(comment_action(text), note=f"posted {shown}, comment"),
+    )
     script.stop(str(len(chosen)))
     intent = (
         f"Visit each of these listings in turn: {named(titles)}. Only on those posted before "
@@ -236,25 +242,14 @@ def rule_once(task_id: int, titles: list[str], before: str, text: str) -> dict[s
         "others alone. Answer with how many comments you posted."
     )
     skipped = [t for t in titles if t not in chosen]
-    checks = [
-        {
-            "url": f"__CLASSIFIEDS__/listing/{LISTINGS[title]['id']}",
-            "locator": "",
-            "required_contents": {"must_include": [text]}
-            if title in chosen
-            else {"must_exclude": [text]},
-        }
-        for title in (chosen[-1], skipped[-1])
-    ]
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [str(len(chosen))]},
         f"Posted before {before}: {', '.join(chosen)}.",
-        program_html=checks,
+        program_html=rule_checks(listing_check, chosen, skipped, text),
     )
 
 

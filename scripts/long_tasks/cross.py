@@ -14,61 +14,58 @@ data.
 
 from __future__ import annotations
 
-import sqlite3
-import tempfile
 from collections import Counter
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from envs.sites.common.web import money_cents
-from envs.sites.forum.data import generate_comments, generate_posts
-from envs.sites.shopping.data import (
-    build_template_db,
-    generate_orders,
-    generate_products,
-    generate_reviews,
+from scripts.long_tasks.classifieds import HOME as CLASSIFIEDS
+from scripts.long_tasks.classifieds import (
+    LISTINGS,
+    listing_check,
+    listing_link,
+    open_listing,
+    pick,
+    posted,
+    price,
+    read_posted,
+    read_price,
 )
-from scripts.long_tasks.classifieds import LISTINGS, named, posted, price
-from scripts.long_tasks.script import Script, element, long_task
-
-CLASSIFIEDS, FORUM, SHOPPING = "__CLASSIFIEDS__/", "__FORUM__/", "__SHOPPING__/"
-
-_ROWS = generate_products(0)
-_REVIEWS = generate_reviews(len(_ROWS), 0)
-PRODUCTS = {
-    row["title"]: {
-        **row,
-        "id": i,
-        "ratings": [review["rating"] for review in _REVIEWS if review["product_id"] == i],
-    }
-    for i, row in enumerate(_ROWS, 1)
-}
-"""The shop's products by title, with their id and their reviews' ratings."""
-_POSTS = generate_posts(0)
-_COUNTS = Counter(comment["post_id"] for comment in generate_comments(_POSTS, 0))
-POSTS = {
-    post["title"]: {**post, "id": i, "comments": _COUNTS[i]} for i, post in enumerate(_POSTS, 1)
-}
-"""The forum's posts by title (unique across forums), with their id and comment count."""
-ORDERS = [order for order in generate_orders(_ROWS, 0) if order["user_id"] == 1]
-"""The test account's past orders, oldest first."""
-
-
-def _initial_cart() -> dict[str, int]:
-    """The test account's cart as the shop starts it: title -> quantity (read from the
-    template database `build_template_db` writes)."""
-    titles = {row["id"]: title for title, row in PRODUCTS.items()}
-    query = "SELECT product_id, quantity FROM cart_items WHERE user_id = 1"
-    with tempfile.TemporaryDirectory() as folder:
-        db = sqlite3.connect(build_template_db(Path(folder) / "shopping.db", 0))
-        rows = db.execute(query).fetchall()
-        db.close()
-    return {titles[pid]: quantity for pid, quantity in rows}
-
-
-CART = _initial_cart()
-"""The test account's cart at the start of a task: title -> quantity."""
-
+from scripts.long_tasks.forum import HOME as FORUM
+from scripts.long_tasks.forum import (
+    POSTS,
+    comments,
+    comments_check,
+    open_post,
+    read_score,
+    score,
+)
+from scripts.long_tasks.script import (
+    Script,
+    Start,
+    comment_action,
+    element,
+    long_task,
+    named,
+    one_of,
+    rule_checks,
+    search_action,
+    search_and_open,
+    unique_best,
+)
+from scripts.long_tasks.shopping import (
+    ADD_TO_CART,
+    CART,
+    ORDERS,
+    PRODUCTS,
+    cart_check,
+    product_link,
+    rating,
+    read_stars,
+    stars,
+)
+from scripts.long_tasks.shopping import HOME as SHOPPING
+from scripts.long_tasks.shopping import price as shop_price
 
 SHOP_KIND = {
     "e-readers": "e-reader",
@@ -88,13 +85,6 @@ LISTING_KIND = {
 """Forum topic -> the search that finds the classifieds' listings of that kind."""
 USED_KINDS = ["tablet", "bluetooth speaker", "smartwatch", "headphones", "mechanical keyboard"]
 """Kinds of electronics both the classifieds site and the shop have."""
-
-
-def unique_best(values: dict[str, Any], best=max) -> str:
-    """The key whose value is `best` (max or min), which no other key shares."""
-    winner = best(values, key=values.get)
-    assert sum(value == values[winner] for value in values.values()) == 1, values
-    return winner
 
 
 def _matches(query: str, *texts: str) -> bool:
@@ -117,45 +107,12 @@ def listing_search(query: str) -> list[str]:
 
 def cheapest_new(kind: str) -> str:
     """The title of the cheapest product a shop search for `kind` finds (no ties)."""
-    return unique_best({t: PRODUCTS[t]["price"] for t in shop_search(kind)}, best=min)
+    return unique_best(shop_search(kind), lambda t: PRODUCTS[t]["price"], highest=False)
 
 
 def new_price(kind: str) -> str:
     """The price of the cheapest new product of `kind` in the shop, e.g. `$323.99`."""
     return shop_price(cheapest_new(kind))
-
-
-def shop_price(title: str) -> str:
-    """The product's price as the shop shows it, e.g. `$18.95`."""
-    return money_cents(PRODUCTS[title]["price"])
-
-
-def rating(title: str) -> float:
-    """The product's rating: the mean of its reviews to one decimal (as `build_template_db`
-    computes it); every product these tasks rate has reviews."""
-    ratings = PRODUCTS[title]["ratings"]
-    return round(sum(ratings) / len(ratings) + 1e-9, 1)
-
-
-def stars(title: str) -> str:
-    """The rating as the product page shows it, e.g. `4.2 out of 5 stars`."""
-    return f"{rating(title):.1f} out of 5 stars"
-
-
-def points(title: str) -> str:
-    """The post's score as its page shows it: `1 point`, `32 points`."""
-    value = POSTS[title]["score"]
-    return f"{value} point" if abs(value) == 1 else f"{value} points"
-
-
-def comment_count(title: str) -> str:
-    """The post's comment count as its page's heading shows it, e.g. `Comments (6)`."""
-    return f"Comments ({POSTS[title]['comments']})"
-
-
-def post_url(title: str) -> str:
-    """The post's page, with the site placeholder."""
-    return f"__FORUM__/f/{POSTS[title]['forum']}/{POSTS[title]['id']}"
 
 
 def topic(title: str, kinds: dict[str, str]) -> str:
@@ -179,51 +136,57 @@ def used_kind(title: str) -> str:
     return title.split(" ", 1)[1]
 
 
-def search(query: str, note: str | None = None) -> tuple[str, str | None]:
-    """`Script.act` arguments typing `query` into the current site's search box."""
-    return f"type [textbox 'Search'] [{query}] [1]", note
+def tabs(first: Start, second: Start, require_login: bool = False, first_page: str = "") -> Start:
+    """Where a task on two sites starts, from the sites' own starts `first` and `second`:
+    the first active in tab 0 (on the path `first_page` below its URL), the second in tab 1."""
+    url = f"{first.url}{first_page} |AND| {second.url}"
+    return Start(first.sites + second.sites, url, require_login)
 
 
-def open_product(script: Script, title: str, note: str | None = None) -> None:
-    """Search the shop for `title` and open its page (two actions); `note` goes with the
-    first."""
-    script.act(*search(title, note))
-    script.act(f"click {element('link', f'{title} - {shop_price(title)}')}")
+def quote_new_prices(
+    script: Script,
+    items: list[str],
+    open_item: Callable[[Script, str], None],
+    fact: Callable[[str], str],
+    kind_of: Callable[[str], str],
+    quote: Callable[[str], str],
+) -> None:
+    """For each of `items`, open in tab 0: open it (`open_item(script, item)`) and read
+    `fact(item)`, find the price of the cheapest new product of its kind (`kind_of(item)`) in
+    the shop in tab 1, and back in tab 0 post the comment `quote(price)` on the item."""
+    for item in items:
+        open_item(script, item)
+        shown = script.fact(fact(item))
+        kind = kind_of(item)
+        script.act("tab_focus [1]", note=f"{item}: {shown}")
+        script.act(search_action(kind))
+        new = script.fact(new_price(kind))
+        script.act("tab_focus [0]", note=f"new {kind} from {new}")
+        script.use(new)
+        script.act(comment_action(quote(new)))
 
 
-def find_listing(script: Script, title: str, note: str | None = None) -> None:
-    """Search the classifieds for `title` and open the listing (two actions); `note` goes
-    with the first."""
-    script.act(*search(title, note))
-    script.act(f"click {element('link', f'{title} - {price(title)}')}")
-
-
-def open_post(script: Script, title: str, note: str | None = None) -> None:
-    """Search the forum for `title` and open the post (two actions); `note` goes with the
-    first."""
-    script.act(*search(title, note))
-    script.act(f"click {element('link', title)}")
-
-
-def tabs(first: str, second: str) -> str:
-    """A two-tab start URL: `first` active, `second` in tab 1."""
-    return f"{first} |AND| {second}"
+def comment_on_post(script: Script, post: str, text: str) -> None:
+    """Open the forum post `post` and post the comment `text`, which uses every fact read so
+    far (three actions)."""
+    open_post(script, post)
+    for fact in script.facts:
+        script.use(fact["text"])
+    script.act(comment_action(text))
 
 
 def cheaper_used(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Shop first: the cheapest new product of each kind of USED_KINDS (one search each);
     then every listing of `titles` on the classifieds site; the answer counts the listings
     cheaper than the cheapest new product of their kind, read many pages earlier."""
-    script, noted = Script(), None
-    for kind in USED_KINDS:
-        script.act(*search(kind, noted))
-        noted = f"new {kind} from {script.fact(new_price(kind))}"
-    script.act("tab_focus [1]", note=noted)
-    noted = None
-    for title in titles:
-        find_listing(script, title, noted)
-        noted = f"{title}: {script.fact(price(title))}"
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(
+        USED_KINDS,
+        lambda script, kind, note: script.act(search_action(kind), note=note),
+        lambda script, kind: f"new {kind} from {script.fact(new_price(kind))}",
+        "tab_focus [1]",
+    )
+    script.read_each(titles, open_listing, read_price, "go_back")
     cheaper = [
         t
         for t in titles
@@ -239,7 +202,6 @@ def cheaper_used(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        ["shopping", "classifieds"],
         tabs(SHOPPING, CLASSIFIEDS),
         intent,
         script,
@@ -256,21 +218,12 @@ def quote_new_price(task_id: int, titles: list[str]) -> dict[str, Any]:
     fact carried from one tab to a write in the other); the answer is the listing that
     saves the most against new, from prices read many pages earlier."""
     script = Script()
-    for title in titles:
-        find_listing(script, title)
-        shown = script.fact(price(title))
-        kind = used_kind(title)
-        script.act("tab_focus [1]", note=f"{title}: {shown}")
-        script.act(*search(kind))
-        new = script.fact(new_price(kind))
-        script.act("tab_focus [0]", note=f"new {kind} from {new}")
-        script.use(new)
-        script.act(f"type [textbox 'Comment'] [{quote(new)}] [1]")
+    quote_new_prices(script, titles, open_listing, price, used_kind, quote)
     saving = {
         t: PRODUCTS[cheapest_new(used_kind(t))]["price"] - LISTINGS[t]["price"] * 100
         for t in titles
     }
-    best = unique_best(saving)
+    best = unique_best(titles, saving.get)
     script.stop(best)
     intent = (
         "The classifieds site is open in the first tab and the shop in the second. For each of "
@@ -280,20 +233,15 @@ def quote_new_price(task_id: int, titles: list[str]) -> dict[str, Any]:
         "compared with buying its kind new."
     )
     checks = [
-        {
-            "url": f"__CLASSIFIEDS__/listing/{LISTINGS[title]['id']}",
-            "locator": "",
-            "required_contents": {"must_include": [quote(new_price(used_kind(title)))]},
-        }
+        listing_check(title, {"must_include": [quote(new_price(used_kind(title)))]})
         for title in (titles[0], titles[-1])
     ]
     return long_task(
         task_id,
-        ["classifieds", "shopping"],
         tabs(CLASSIFIEDS, SHOPPING),
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in titles if t != best]},
+        one_of(best, titles),
         "Saving against the cheapest new one: "
         + ", ".join(f"{t} {money_cents(cents)}" for t, cents in saving.items() if cents > 0)
         + "; the others cost more than new.",
@@ -311,7 +259,8 @@ def order_city_listing(task_id: int, titles: list[str]) -> dict[str, Any]:
     page; then every listing of `titles`; the answer is the most expensive listing located in
     the city most orders went to."""
     script, noted = Script(), None
-    newest_first = sorted(ORDERS, key=lambda order: (order["placed"], order["id"]), reverse=True)
+    orders = list(ORDERS.values())
+    newest_first = sorted(orders, key=lambda order: (order["placed"], order["id"]), reverse=True)
     for order in newest_first:
         number = f"Order #{order['id']}"
         script.act(f"click {element('link', number)}", note=noted)
@@ -320,17 +269,18 @@ def order_city_listing(task_id: int, titles: list[str]) -> dict[str, Any]:
             script.act(f"click {element('link', 'Back to my orders')}", note=noted)
             noted = None
     script.act("tab_focus [1]", note=noted)
-    cities = Counter(order["ship_city"] for order in ORDERS)
-    city = unique_best(dict(cities))
-    noted = None
-    for title in titles:
-        find_listing(script, title, noted)
+    cities = Counter(order["ship_city"] for order in orders)
+    city = unique_best(list(cities), cities.get)
+
+    def read(script: Script, title: str) -> str:
         noted = f"{title}: {script.fact(LISTINGS[title]['location'])}"
         if city_of(title) == city:
             noted += f", {script.fact(price(title))}"
-    script.act("go_back", note=noted)
-    local = {t: LISTINGS[t]["price"] for t in titles if city_of(t) == city}
-    best = unique_best(local)
+        return noted
+
+    script.read_each(titles, open_listing, read, "go_back")
+    local = [t for t in titles if city_of(t) == city]
+    best = unique_best(local, lambda t: LISTINGS[t]["price"])
     script.stop(best)
     intent = (
         "Your shop account is open in the first tab and the classifieds site in the second. "
@@ -341,15 +291,13 @@ def order_city_listing(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        ["shopping", "classifieds"],
-        tabs(f"{SHOPPING}orders", CLASSIFIEDS),
+        tabs(SHOPPING, CLASSIFIEDS, require_login=True, first_page="orders"),
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in titles if t != best]},
+        one_of(best, titles),
         f"Orders shipped to: {dict(cities)}. Listings in {city}: "
         + ", ".join(f"{t} {price(t)}" for t in local)
         + ".",
-        require_login=True,
     )
 
 
@@ -360,7 +308,7 @@ def cart_rule(task_id: int, titles: list[str], limit: int) -> dict[str, Any]:
     script, noted, added = Script(), None, []
     buys = [t for t in titles if LISTINGS[t]["price"] > limit]
     for title in titles:
-        find_listing(script, title, noted)
+        open_listing(script, title, noted)
         shown = script.fact(price(title))
         script.use(shown)
         if title not in buys:
@@ -368,9 +316,9 @@ def cart_rule(task_id: int, titles: list[str], limit: int) -> dict[str, Any]:
             continue
         kind, product = used_kind(title), cheapest_new(used_kind(title))
         script.act("tab_focus [1]", note=f"{title}: {shown}, over ${limit}, buy new")
-        script.act(*search(kind))
-        script.act(f"click {element('link', f'{product} - {shop_price(product)}')}")
-        script.act(f"click {element('button', 'Add to cart')}")
+        script.act(search_action(kind))
+        script.act(f"click {product_link(product)}")
+        script.act(ADD_TO_CART)
         added.append(product)
         noted = f"added {product}"
         if title == buys[-1]:
@@ -390,44 +338,37 @@ def cart_rule(task_id: int, titles: list[str], limit: int) -> dict[str, Any]:
         "after the last product you added."
     )
     skipped = sorted({cheapest_new(used_kind(t)) for t in titles} - set(added))
-    checks = [
-        {
-            "url": "__SHOPPING__/cart",
-            "locator": "document.querySelector('#cart-items').innerText",
-            "required_contents": {"must_include": added, "must_exclude": skipped},
-        }
-    ]
     number = total.lstrip("$")
     return long_task(
         task_id,
-        ["classifieds", "shopping"],
-        tabs(CLASSIFIEDS, SHOPPING),
+        tabs(CLASSIFIEDS, SHOPPING, require_login=True),
         intent,
         script,
         {"must_include": [f"{number} |OR| {number.replace(',', '')}"]},
         f"Over ${limit}: {', '.join(buys)}; added {', '.join(added)} to the cart "
         f"({', '.join(f'{n} {t}' for t, n in CART.items())} at the start): total {total}.",
-        program_html=checks,
-        require_login=True,
+        program_html=[cart_check(added, skipped)],
     )
 
 
 def most_comments_best_rated(task_id: int, posts: list[str]) -> dict[str, Any]:
     """Forum first: the comment count of each post of `posts`; then, in the shop, every
     product of the kind the most-commented post is about; the answer is the best-rated."""
-    script, noted = Script(), None
-    for title in posts:
-        open_post(script, title, noted)
-        noted = f"{title}: {script.fact(comment_count(title))}"
-    script.act("tab_focus [1]", note=noted)
-    top = unique_best({t: POSTS[t]["comments"] for t in posts})
+    top = unique_best(posts, lambda t: POSTS[t]["comments"])
     kind = shop_kind(top)
-    script.act(*search(kind))
+    script = Script()
+    script.read_each(
+        posts,
+        open_post,
+        lambda script, title: f"{title}: {script.fact(comments(title))}",
+        "tab_focus [1]",
+    )
+    script.act(search_action(kind))
     products = shop_search(kind)
     for product in products:
-        script.act(f"click {element('link', f'{product} - {shop_price(product)}')}")
-        script.act("go_back", note=f"{product}: {script.fact(stars(product))}")
-    best = unique_best({p: rating(p) for p in products})
+        script.act(f"click {product_link(product)}")
+        script.act("go_back", note=read_stars(script, product))
+    best = unique_best(products, rating)
     script.stop(best)
     topics = ", ".join(SHOP_KIND)
     intent = (
@@ -439,11 +380,10 @@ def most_comments_best_rated(task_id: int, posts: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        ["forum", "shopping"],
         tabs(FORUM, SHOPPING),
         intent,
         script,
-        {"must_include": [best], "must_exclude": [p for p in products if p != best]},
+        one_of(best, products),
         f"Most comments: {top} ({POSTS[top]['comments']}); shop {kind}: "
         + ", ".join(f"{p} {stars(p)}" for p in products)
         + ".",
@@ -453,17 +393,16 @@ def most_comments_best_rated(task_id: int, posts: list[str]) -> dict[str, Any]:
 def best_rated_pick(task_id: int, products: list[str], post: str) -> dict[str, Any]:
     """Shop first: the rating of each product of `products`; then a forum comment naming the
     best-rated one on `post`, which is also the answer."""
-    script, noted = Script(), None
-    for product in products:
-        open_product(script, product, noted)
-        noted = f"{product}: {script.fact(stars(product))}"
-    script.act("tab_focus [1]", note=noted)
-    best = unique_best({p: rating(p) for p in products})
-    open_post(script, post)
-    for fact in script.facts:
-        script.use(fact["text"])
+    script = Script()
+    script.read_each(
+        products,
+        lambda script, product, note: search_and_open(script, product, product_link(product), note),
+        read_stars,
+        "tab_focus [1]",
+    )
+    best = unique_best(products, rating)
     text = f"Best rated in the shop: {best}"
-    script.act(f"type [textbox 'Comment'] [{text}] [1]")
+    comment_on_post(script, post, text)
     script.stop(best)
     intent = (
         "The shop is open in the first tab and the forum in the second. Look up each of these "
@@ -471,23 +410,14 @@ def best_rated_pick(task_id: int, products: list[str], post: str) -> dict[str, A
         f"the comment 'Best rated in the shop: X' on the post '{post}', with X the title of the "
         "best-rated of those products. Answer with that title."
     )
-    checks = [
-        {
-            "url": post_url(post),
-            "locator": "document.querySelector('ul.comments').innerText",
-            "required_contents": {"must_include": [text]},
-        }
-    ]
     return long_task(
         task_id,
-        ["shopping", "forum"],
-        tabs(SHOPPING, FORUM),
+        tabs(SHOPPING, FORUM, require_login=True),
         intent,
         script,
-        {"must_include": [best], "must_exclude": [p for p in products if p != best]},
+        one_of(best, products),
         f"Ratings: {', '.join(f'{p} {rating(p)}' for p in products)}.",
-        program_html=checks,
-        require_login=True,
+        program_html=[comments_check(post, {"must_include": [text]})],
     )
 
 
@@ -496,17 +426,8 @@ def quote_on_posts(task_id: int, posts: list[str]) -> dict[str, Any]:
     is about, and a comment on the post quoting that price; the answer is the post with the
     most points, read many pages earlier."""
     script = Script()
-    for title in posts:
-        open_post(script, title)
-        shown = script.fact(points(title))
-        kind = shop_kind(title)
-        script.act("tab_focus [1]", note=f"{title}: {shown}")
-        script.act(*search(kind))
-        new = script.fact(new_price(kind))
-        script.act("tab_focus [0]", note=f"new {kind} from {new}")
-        script.use(new)
-        script.act(f"type [textbox 'Comment'] [{shop_quote(new)}] [1]")
-    best = unique_best({t: POSTS[t]["score"] for t in posts})
+    quote_new_prices(script, posts, open_post, score, shop_kind, shop_quote)
+    best = unique_best(posts, lambda t: POSTS[t]["score"])
     script.stop(best)
     intent = (
         "The forum is open in the first tab and the shop in the second. Each of these forum "
@@ -516,23 +437,17 @@ def quote_on_posts(task_id: int, posts: list[str]) -> dict[str, Any]:
         "with the title of the post that has the most points."
     )
     checks = [
-        {
-            "url": post_url(title),
-            "locator": "document.querySelector('ul.comments').innerText",
-            "required_contents": {"must_include": [shop_quote(new_price(shop_kind(title)))]},
-        }
+        comments_check(title, {"must_include": [shop_quote(new_price(shop_kind(title)))]})
         for title in (posts[0], posts[-1])
     ]
     return long_task(
         task_id,
-        ["forum", "shopping"],
-        tabs(FORUM, SHOPPING),
+        tabs(FORUM, SHOPPING, require_login=True),
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in posts if t != best]},
-        f"Points: {', '.join(f'{t} {points(t)}' for t in posts)}.",
+        one_of(best, posts),
+        f"Points: {', '.join(f'{t} {score(t)}' for t in posts)}.",
         program_html=checks,
-        require_login=True,
     )
 
 
@@ -544,19 +459,16 @@ def shop_quote(new: str) -> str:
 def top_post_cheapest_seller(task_id: int, posts: list[str]) -> dict[str, Any]:
     """Forum first: the points of each post of `posts`; then, on the classifieds site, every
     listing of the kind the top post is about; the answer is the seller of the cheapest."""
-    script, noted = Script(), None
-    for title in posts:
-        open_post(script, title, noted)
-        noted = f"{title}: {script.fact(points(title))}"
-    script.act("tab_focus [1]", note=noted)
-    top = unique_best({t: POSTS[t]["score"] for t in posts})
+    top = unique_best(posts, lambda t: POSTS[t]["score"])
     kind = LISTING_KIND[topic(top, LISTING_KIND)]
-    script.act(*search(kind))
     found = listing_search(kind)
-    cheapest = unique_best({t: LISTINGS[t]["price"] for t in found}, best=min)
+    cheapest = unique_best(found, lambda t: LISTINGS[t]["price"], highest=False)
+    script = Script()
+    script.read_each(posts, open_post, read_score, "tab_focus [1]")
+    script.act(search_action(kind))
     for title in found:
-        script.act(f"click {element('link', f'{title} - {price(title)}')}")
-        noted = f"{title}: {script.fact(price(title))}"
+        script.act(f"click {listing_link(title)}")
+        noted = read_price(script, title)
         if title == cheapest:
             noted += f", seller {script.fact(LISTINGS[title]['seller'])}"
         script.act("go_back", note=noted)
@@ -570,15 +482,13 @@ def top_post_cheapest_seller(task_id: int, posts: list[str]) -> dict[str, Any]:
         + ". On the classifieds site, look at every listing of that kind and answer with the "
         "name of the seller of the cheapest one."
     )
-    others = sorted({LISTINGS[t]["seller"] for t in found} - {seller})
     return long_task(
         task_id,
-        ["forum", "classifieds"],
         tabs(FORUM, CLASSIFIEDS),
         intent,
         script,
-        {"must_include": [seller], "must_exclude": others},
-        f"Top post: {top} ({points(top)}); {kind} listings: "
+        one_of(seller, sorted({LISTINGS[t]["seller"] for t in found})),
+        f"Top post: {top} ({score(top)}); {kind} listings: "
         + ", ".join(f"{t} {price(t)} by {LISTINGS[t]['seller']}" for t in found)
         + ".",
     )
@@ -587,17 +497,11 @@ def top_post_cheapest_seller(task_id: int, posts: list[str]) -> dict[str, Any]:
 def oldest_listing_comment(task_id: int, titles: list[str], post: str) -> dict[str, Any]:
     """Classifieds first: the date each listing of `titles` was posted; then a forum comment
     on `post` naming the one posted first and its date, which is also the answer."""
-    script, noted = Script(), None
-    for title in titles:
-        find_listing(script, title, noted)
-        noted = f"{title}: posted {script.fact(posted(title))}"
-    script.act("tab_focus [1]", note=noted)
-    first = unique_best({t: LISTINGS[t]["posted"] for t in titles}, best=min)
-    open_post(script, post)
-    for fact in script.facts:
-        script.use(fact["text"])
+    script = Script()
+    script.read_each(titles, open_listing, read_posted, "tab_focus [1]")
+    first = unique_best(titles, lambda t: LISTINGS[t]["posted"], highest=False)
     text = f"Listed the longest: {first}, posted {posted(first)}."
-    script.act(f"type [textbox 'Comment'] [{text}] [1]")
+    comment_on_post(script, post, text)
     script.stop(first)
     intent = (
         "The classifieds site is open in the first tab and the forum in the second. Open each "
@@ -606,23 +510,14 @@ def oldest_listing_comment(task_id: int, titles: list[str], post: str) -> dict[s
         "with X the title of the listing posted first and D its date as the listing shows it. "
         "Answer with that title."
     )
-    checks = [
-        {
-            "url": post_url(post),
-            "locator": "document.querySelector('ul.comments').innerText",
-            "required_contents": {"must_include": [text]},
-        }
-    ]
     return long_task(
         task_id,
-        ["classifieds", "forum"],
-        tabs(CLASSIFIEDS, FORUM),
+        tabs(CLASSIFIEDS, FORUM, require_login=True),
         intent,
         script,
-        {"must_include": [first], "must_exclude": [t for t in titles if t != first]},
+        one_of(first, titles),
         f"Posted: {', '.join(f'{t} {posted(t)}' for t in titles)}.",
-        program_html=checks,
-        require_login=True,
+        program_html=[comments_check(post, {"must_include": [text]})],
     )
 
 
@@ -635,15 +530,15 @@ def paired_rule(
     script, noted, chosen = Script(), None, []
     for post, listing in pairs:
         open_post(script, post, noted)
-        shown = script.fact(points(post))
+        shown = script.fact(score(post))
         script.use(shown)
         if POSTS[post]["score"] <= above:
             noted = f"{post}: {shown}, skip"
             continue
         chosen.append(listing)
         script.act("tab_focus [1]", note=f"{post}: {shown}, comment on {listing}")
-        find_listing(script, listing)
-        script.act(f"type [textbox 'Comment'] [{text}] [1]")
+        open_listing(script, listing)
+        script.act(comment_action(text))
         script.act("tab_focus [0]")
         noted = None
     script.stop(str(len(chosen)))
@@ -656,27 +551,16 @@ def paired_rule(
         "posted."
     )
     skipped = [listing for _, listing in pairs if listing not in chosen]
-    checks = [
-        {
-            "url": f"__CLASSIFIEDS__/listing/{LISTINGS[listing]['id']}",
-            "locator": "",
-            "required_contents": {"must_include": [text]}
-            if listing in chosen
-            else {"must_exclude": [text]},
-        }
-        for listing in (chosen[-1], skipped[-1])
-    ]
     return long_task(
         task_id,
-        ["forum", "classifieds"],
         tabs(FORUM, CLASSIFIEDS),
         intent,
         script,
         {"must_include": [str(len(chosen))]},
         f"Posts over {above} points: "
-        + ", ".join(f"{post} ({points(post)})" for post, _ in pairs if POSTS[post]["score"] > above)
+        + ", ".join(f"{post} ({score(post)})" for post, _ in pairs if POSTS[post]["score"] > above)
         + f"; commented on {', '.join(chosen)}.",
-        program_html=checks,
+        program_html=rule_checks(listing_check, chosen, skipped, text),
     )
 
 
@@ -684,10 +568,8 @@ def tasks() -> list[dict[str, Any]]:
     """Tasks 531-540."""
     electronics = [t for t, row in LISTINGS.items() if row["category"] == "electronics"]
     used = [t for t in electronics if used_kind(t) in USED_KINDS]
-    furniture = [t for t, row in LISTINGS.items() if row["category"] == "furniture"]
-    bikes = [t for t, row in LISTINGS.items() if row["category"] == "bikes"]
     rated = [
-        t for t, row in PRODUCTS.items() if row["category"] == "electronics" and row["ratings"]
+        t for t, row in PRODUCTS.items() if row["category"] == "electronics" and row["reviews"]
     ]
     return [
         cheaper_used(531, used),
@@ -701,7 +583,7 @@ def tasks() -> list[dict[str, Any]]:
                 "Red tablet",
             ],
         ),
-        order_city_listing(533, furniture[12:21]),
+        order_city_listing(533, pick("furniture", 9, skip=12)),
         cart_rule(
             534,
             [
@@ -752,7 +634,9 @@ def tasks() -> list[dict[str, Any]]:
                 "Unpopular opinion on retro consoles",
             ],
         ),
-        oldest_listing_comment(539, bikes[2:16], "Beginner questions about bike commuting"),
+        oldest_listing_comment(
+            539, pick("bikes", 14, skip=2), "Beginner questions about bike commuting"
+        ),
         paired_rule(
             540,
             [

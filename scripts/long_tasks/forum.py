@@ -12,22 +12,44 @@ seed-0 data.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from envs.sites.common.accounts import TEST_ACCOUNT
+from envs.sites.common.web import site_date
 from envs.sites.forum.data import USERNAMES, generate_comments, generate_posts
-from scripts.long_tasks.script import Script, element, long_task
+from scripts.long_tasks.script import (
+    Script,
+    Start,
+    comment_action,
+    element,
+    long_task,
+    named,
+    one_of,
+    rule_checks,
+    search_action,
+    search_and_open,
+    sign_in,
+    unique_best,
+)
 
-SITE = ["forum"]
-START = "__FORUM__/"
-LOGIN = "__FORUM__/login"
+HOME = Start(["forum"], "__FORUM__/")
+"""Where the forum's reading tasks start: the home page."""
+SIGNED_IN = Start(["forum"], "__FORUM__/login", require_login=True)
+"""Where the forum's writing tasks start: the login page, to sign in with the test account."""
+LOG_IN_GOAL = (
+    f"Log in to the forum as '{TEST_ACCOUNT['username']}' with the password "
+    f"'{TEST_ACCOUNT['password']}'."
+)
+"""The first sentence of the goal of a task that writes to the forum."""
+UPVOTE = f"click {element('button', 'Upvote')}"
+"""The action upvoting the post whose page is open."""
 _POSTS = generate_posts(0)
 _COMMENTS = generate_comments(_POSTS, 0)
 _COUNTS = Counter(comment["post_id"] for comment in _COMMENTS)
 POSTS = {
     post["title"]: {**post, "id": i, "comments": _COUNTS[i]} for i, post in enumerate(_POSTS, 1)
 }
+"""The forum's posts by title (unique across forums), with their id and comment count."""
 KARMA = {
     name: sum(p["score"] for p in _POSTS if p["author"] == name)
     + sum(c["score"] for c in _COMMENTS if c["author"] == name)
@@ -60,8 +82,7 @@ def counted(title: str) -> str:
 
 def posted(title: str) -> str:
     """The post's date as its page shows it, e.g. `Mar 28, 2024`."""
-    day = POSTS[title]["created"]
-    return f"{day:%b} {day.day}, {day.year}"
+    return site_date(POSTS[title]["created"].isoformat())
 
 
 def karma(name: str) -> str:
@@ -77,8 +98,7 @@ def post_url(title: str) -> str:
 def open_post(script: Script, title: str, note: str | None = None) -> None:
     """Search for `title` and open its post (two actions); `note`, about the page the search
     is typed on, goes with the first."""
-    script.act(f"type [textbox 'Search'] [{title}] [1]", note=note)
-    script.act(f"click {element('link', title)}")
+    search_and_open(script, title, element("link", title), note)
 
 
 def open_user(script: Script, name: str, note: str | None = None) -> None:
@@ -86,16 +106,21 @@ def open_user(script: Script, name: str, note: str | None = None) -> None:
     script.act(f"goto [__FORUM__/user/{name}]", note=note)
 
 
-def log_in(script: Script) -> None:
-    """Sign in with the test account on the login page (two actions; lands on the home page)."""
-    script.act(f"type [textbox 'Username'] [{TEST_ACCOUNT['username']}] [0]")
-    script.act(f"type [textbox 'Password'] [{TEST_ACCOUNT['password']}] [1]")
+def read_score(script: Script, title: str) -> str:
+    """Read the score on the post's page; the note `title: N points`."""
+    return f"{title}: {script.fact(score(title))}"
 
 
-def named(items: list[str]) -> str:
-    """'A', 'B' and 'C'."""
-    quoted = [f"'{item}'" for item in items]
-    return ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
+def read_comments(script: Script, title: str) -> str:
+    """Read the comment count on the post's page; the note `title: N comments`."""
+    script.fact(comments(title))
+    return f"{title}: {counted(title)}"
+
+
+def read_karma(script: Script, name: str) -> str:
+    """Read the karma on the page of user `name`; the note `name karma: N`."""
+    script.fact(karma(name))
+    return f"{name} karma: {KARMA[name]}"
 
 
 def listed(titles: list[str], column: str) -> str:
@@ -118,18 +143,6 @@ def distinct_authors(titles: list[str], count: int) -> list[str]:
     return kept[:count]
 
 
-def best(items: list[str], key: Callable[[str], Any], highest: bool = True) -> str:
-    """The item of `items` with the highest (or lowest) `key`.
-
-    Raises:
-        ValueError: another item shares that value (the task would have two answers).
-    """
-    winner = (max if highest else min)(items, key=key)
-    if [key(item) for item in items].count(key(winner)) > 1:
-        raise ValueError(f"{winner!r} ties with another item")
-    return winner
-
-
 def post_check(title: str, contents: dict[str, Any], locator: str) -> dict[str, Any]:
     """A `program_html` check of what `locator` reads on the post's page."""
     return {"url": post_url(title), "locator": locator, "required_contents": contents}
@@ -148,13 +161,9 @@ def score_check(title: str, value: int) -> dict[str, Any]:
 
 def most_karma(task_id: int, names: list[str]) -> dict[str, Any]:
     """The user of `names` with the most karma, each user's page opened in turn."""
-    script, noted = Script(), None
-    for name in names:
-        open_user(script, name, note=noted)
-        script.fact(karma(name))
-        noted = f"{name} karma: {KARMA[name]}"
-    top = best(names, KARMA.get)
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(names, open_user, read_karma, "go_back")
+    top = unique_best(names, KARMA.get)
     script.stop(f"{top} karma: {KARMA[top]}")
     intent = (
         f"Open the user page of each of these forum users and note their karma: "
@@ -162,23 +171,19 @@ def most_karma(task_id: int, names: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [top], "must_exclude": [n for n in names if n != top]},
+        one_of(top, names),
         f"Karma: {', '.join(f'{n} {KARMA[n]}' for n in names)}.",
     )
 
 
 def total_points(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The sum of the scores of `titles`."""
-    script, noted = Script(), None
-    for title in titles:
-        open_post(script, title, note=noted)
-        noted = f"{title}: {script.fact(score(title))}"
+    script = Script()
+    script.read_each(titles, open_post, read_score, "go_back")
     amount = sum(POSTS[t]["score"] for t in titles)
-    script.act("go_back", note=noted)
     script.stop(str(amount))
     intent = (
         f"Open each of these forum posts and read its points: {named(titles)}. Answer with "
@@ -186,8 +191,7 @@ def total_points(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [str(amount)]},
@@ -197,13 +201,9 @@ def total_points(task_id: int, titles: list[str]) -> dict[str, Any]:
 
 def most_comments(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The post of `titles` with the most comments (replies included, as the heading counts)."""
-    script, noted = Script(), None
-    for title in titles:
-        open_post(script, title, note=noted)
-        script.fact(comments(title))
-        noted = f"{title}: {counted(title)}"
-    top = best(titles, lambda t: POSTS[t]["comments"])
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(titles, open_post, read_comments, "go_back")
+    top = unique_best(titles, lambda t: POSTS[t]["comments"])
     script.stop(top)
     intent = (
         f"Open each of these forum posts and count its comments: {named(titles)}. Answer with "
@@ -211,11 +211,10 @@ def most_comments(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [top], "must_exclude": [t for t in titles if t != top]},
+        one_of(top, titles),
         f"Comments: {listed(titles, 'comments')}.",
     )
 
@@ -223,40 +222,42 @@ def most_comments(task_id: int, titles: list[str]) -> dict[str, Any]:
 def author_of_top(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Who wrote the highest-scored of `titles`: every score, then the winner's author, which
     was shown on its page several posts earlier."""
-    script, noted = Script(), None
-    top = best(titles, lambda t: POSTS[t]["score"])
-    for title in titles:
-        open_post(script, title, note=noted)
-        noted = f"{title}: {script.fact(score(title))}"
+    top = unique_best(titles, lambda t: POSTS[t]["score"])
+
+    def read(script: Script, title: str) -> str:
+        noted = read_score(script, title)
         if title == top:
             noted += f", by {script.fact(POSTS[title]['author'])}"
-    script.act("go_back", note=noted)
+        return noted
+
+    script = Script()
+    script.read_each(titles, open_post, read, "go_back")
     author = POSTS[top]["author"]
     script.stop(author)
     intent = (
         f"Of these forum posts, find the one with the most points: {named(titles)}. Answer "
         "with the username of its author."
     )
-    others = sorted({POSTS[t]["author"] for t in titles} - {author})
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [author], "must_exclude": others},
+        one_of(author, sorted({POSTS[t]["author"] for t in titles})),
         f"Most points: {top} ({POSTS[top]['score']}), written by {author}.",
     )
 
 
 def earliest(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The post of `titles` posted first (dates differ by at least a day)."""
-    script, noted = Script(), None
-    for title in titles:
-        open_post(script, title, note=noted)
-        noted = f"{title}: posted {script.fact(posted(title))}"
-    first = best(titles, lambda t: POSTS[t]["created"].date(), highest=False)
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(
+        titles,
+        open_post,
+        lambda script, title: f"{title}: posted {script.fact(posted(title))}",
+        "go_back",
+    )
+    first = unique_best(titles, lambda t: POSTS[t]["created"].date(), highest=False)
     script.stop(first)
     intent = (
         f"Which of these forum posts was posted first: {named(titles)}? Open each one, read "
@@ -264,11 +265,10 @@ def earliest(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [first], "must_exclude": [t for t in titles if t != first]},
+        one_of(first, titles),
         f"Posted: {', '.join(f'{t} {posted(t)}' for t in titles)}.",
     )
 
@@ -279,14 +279,19 @@ def richest_author(task_id: int, titles: list[str]) -> dict[str, Any]:
     authors = [POSTS[t]["author"] for t in titles]
     if len(set(authors)) < len(authors):
         raise ValueError("two posts have the same author")
-    top = best(authors, KARMA.get)
-    script, noted = Script(), None
-    for title, author in zip(titles, authors, strict=True):
-        open_post(script, title, note=noted)
-        script.act(f"click {element('link', author)}")
-        script.fact(karma(author))
-        noted = f"{author} karma: {KARMA[author]}"
-    script.act("go_back", note=noted)
+    top = unique_best(authors, KARMA.get)
+
+    def open_author(script: Script, title: str, note: str | None) -> None:
+        open_post(script, title, note=note)
+        script.act(f"click {element('link', POSTS[title]['author'])}")
+
+    script = Script()
+    script.read_each(
+        titles,
+        open_author,
+        lambda script, title: read_karma(script, POSTS[title]["author"]),
+        "go_back",
+    )
     script.stop(f"{top} karma: {KARMA[top]}")
     intent = (
         f"For each of these forum posts, open the post and then its author's user page: "
@@ -295,11 +300,10 @@ def richest_author(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [top], "must_exclude": [a for a in authors if a != top]},
+        one_of(top, authors),
         f"Authors' karma: {', '.join(f'{a} {KARMA[a]}' for a in authors)}.",
     )
 
@@ -308,55 +312,51 @@ def fact_then_comments(task_id: int, first: str, titles: list[str], text: str) -
     """Sign in, read `first`'s author, post `text` on each of `titles`, then answer with that
     author: a fact read at the start and needed after many write actions."""
     script = Script()
-    log_in(script)
+    sign_in(script)
     open_post(script, first)
     author = script.fact(POSTS[first]["author"])
     noted = f"{first} author: {author}"
     for title in titles:
         open_post(script, title, note=noted)
         noted = None
-        script.act(f"type [textbox 'Comment'] [{text}] [1]")
+        script.act(comment_action(text))
     script.stop(f"{first} author: {author}")
     intent = (
-        f"Log in to the forum as '{TEST_ACCOUNT['username']}' with the password "
-        f"'{TEST_ACCOUNT['password']}'. First find out who wrote the post '{first}'. Then post "
-        f"the comment '{text}' on each of these posts: {named(titles)}. When done, answer with "
-        f"the username of the author of '{first}'."
+        f"{LOG_IN_GOAL} First find out who wrote the post '{first}'. Then post the comment "
+        f"'{text}' on each of these posts: {named(titles)}. When done, answer with the "
+        f"username of the author of '{first}'."
     )
     checks = [
         comments_check(title, {"must_include": [TEST_ACCOUNT["username"], text]})
         for title in (titles[0], titles[-1])
     ]
-    others = sorted({POSTS[t]["author"] for t in titles} - {author})
     return long_task(
         task_id,
-        SITE,
-        LOGIN,
+        SIGNED_IN,
         intent,
         script,
-        {"must_include": [author], "must_exclude": others},
+        one_of(author, sorted({POSTS[t]["author"] for t in titles})),
         f"{first} was written by {author}; the comment goes on {len(titles)} posts.",
         program_html=checks,
-        require_login=True,
     )
 
 
 def rule_once_vote(task_id: int, titles: list[str], least: int) -> dict[str, Any]:
     """A rule given once decides every later action: upvote only the posts with at least
     `least` comments; answer with how many were upvoted."""
-    script, chosen = Script(), []
-    log_in(script)
-    for title in titles:
-        open_post(script, title)
-        shown = script.fact(comments(title))
-        script.use(shown)
-        if POSTS[title]["comments"] >= least:
-            chosen.append(title)
-            script.act(f"click {element('button', 'Upvote')}", note=f"{counted(title)}, upvote")
+    chosen = [t for t in titles if POSTS[t]["comments"] >= least]
+    script = Script()
+    sign_in(script)
+    script.follow_rule(
+        titles,
+        open_post,
+        comments,
+        chosen,
+        lambda script, title, _: script.act(UPVOTE, note=f"{counted(title)}, upvote"),
+    )
     script.stop(str(len(chosen)))
     intent = (
-        f"Log in to the forum as '{TEST_ACCOUNT['username']}' with the password "
-        f"'{TEST_ACCOUNT['password']}'. Then visit each of these posts in turn: {named(titles)}. "
+        f"{LOG_IN_GOAL} Then visit each of these posts in turn: {named(titles)}. "
         f"Upvote only the posts that have at least {least} comments; leave the others alone. "
         "Answer with how many posts you upvoted."
     )
@@ -367,85 +367,70 @@ def rule_once_vote(task_id: int, titles: list[str], least: int) -> dict[str, Any
     ]
     return long_task(
         task_id,
-        SITE,
-        LOGIN,
+        SIGNED_IN,
         intent,
         script,
         {"must_include": [str(len(chosen))]},
         f"At least {least} comments: {', '.join(chosen)}.",
         program_html=checks,
-        require_login=True,
     )
 
 
 def rule_once_comment(task_id: int, titles: list[str], above: int, text: str) -> dict[str, Any]:
     """A rule given once decides every later action: comment `text` only on the posts with
     more than `above` points; answer with how many comments were posted."""
-    script, chosen = Script(), []
-    log_in(script)
-    for title in titles:
-        open_post(script, title)
-        shown = script.fact(score(title))
-        script.use(shown)
-        if POSTS[title]["score"] > above:
-            chosen.append(title)
-            script.act(f"type [textbox 'Comment'] [{text}] [1]", note=f"{shown}, comment")
+    chosen = [t for t in titles if POSTS[t]["score"] > above]
+    script = Script()
+    sign_in(script)
+    script.follow_rule(
+        titles,
+        open_post,
+        score,
+        chosen,
+        lambda script, _, shown: script.act(comment_action(text), note=f"{shown}, comment"),
+    )
     script.stop(str(len(chosen)))
     intent = (
-        f"Log in to the forum as '{TEST_ACCOUNT['username']}' with the password "
-        f"'{TEST_ACCOUNT['password']}'. Then visit each of these posts in turn: {named(titles)}. "
+        f"{LOG_IN_GOAL} Then visit each of these posts in turn: {named(titles)}. "
         f"Only on the posts with more than {above} points, post the comment '{text}'; leave "
         "the others alone. Answer with how many comments you posted."
     )
     skipped = [t for t in titles if t not in chosen]
-    checks = [
-        comments_check(chosen[-1], {"must_include": [text]}),
-        comments_check(skipped[-1], {"must_exclude": [text]}),
-    ]
     return long_task(
         task_id,
-        SITE,
-        LOGIN,
+        SIGNED_IN,
         intent,
         script,
         {"must_include": [str(len(chosen))]},
         f"More than {above} points: {', '.join(chosen)}.",
-        program_html=checks,
-        require_login=True,
+        program_html=rule_checks(comments_check, chosen, skipped, text),
     )
 
 
 def upvote_most_commented(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Sign in, find the post of `titles` with the most comments, go back to it and upvote it;
     answer with its title: the winner, read several posts earlier, decides the write action."""
-    script, noted = Script(), None
-    log_in(script)
-    for title in titles:
-        open_post(script, title, note=noted)
-        script.fact(comments(title))
-        noted = f"{title}: {counted(title)}"
-    top = best(titles, lambda t: POSTS[t]["comments"])
-    script.act(f"type [textbox 'Search'] [{top}] [1]", note=noted)
+    top = unique_best(titles, lambda t: POSTS[t]["comments"])
+    script = Script()
+    sign_in(script)
+    script.read_each(titles, open_post, read_comments, search_action(top))
     script.use(comments(top))
     script.act(f"click {element('link', top)}")
-    script.act(f"click {element('button', 'Upvote')}")
+    script.act(UPVOTE)
     script.stop(top)
     intent = (
-        f"Log in to the forum as '{TEST_ACCOUNT['username']}' with the password "
-        f"'{TEST_ACCOUNT['password']}'. Of these posts, find the one with the most comments: "
+        f"{LOG_IN_GOAL} Of these posts, find the one with the most comments: "
         f"{named(titles)}. Upvote that post (only that one), and answer with its title."
     )
     return long_task(
         task_id,
-        SITE,
-        LOGIN,
+        SIGNED_IN,
         intent,
         script,
-        {"must_include": [top], "must_exclude": [t for t in titles if t != top]},
+        one_of(top, titles),
         f"Comments: {listed(titles, 'comments')}; {top} is "
         f"upvoted from {POSTS[top]['score']} to {POSTS[top]['score'] + 1} points.",
         program_html=[score_check(top, POSTS[top]["score"] + 1)],
-        require_login=True,
     )
 
 

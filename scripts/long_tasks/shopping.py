@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from envs.sites.common.accounts import TEST_ACCOUNT
 from envs.sites.common.web import money_cents, site_date
 from envs.sites.shopping.data import (
     build_template_db,
@@ -25,10 +23,27 @@ from envs.sites.shopping.data import (
     generate_products,
     generate_reviews,
 )
-from scripts.long_tasks.script import Script, element, long_task
+from scripts.long_tasks.script import (
+    Script,
+    Start,
+    element,
+    long_task,
+    named,
+    one_of,
+    search_action,
+    sign_in,
+    unique_best,
+)
 
-SITE = ["shopping"]
-START = "__SHOPPING__/"
+HOME = Start(["shopping"], "__SHOPPING__/")
+"""Where the shop's reading tasks start: the home page."""
+SIGNED_IN = Start(["shopping"], "__SHOPPING__/login?next=/", require_login=True)
+"""Where the cart's tasks start: the login page, to sign in and go on to the home page."""
+ORDER_HISTORY = Start(["shopping"], "__SHOPPING__/login?next=/orders", require_login=True)
+"""Where the order history's tasks start: the login page, to sign in and go on to the
+orders."""
+ADD_TO_CART = f"click {element('button', 'Add to cart')}"
+"""The action adding the product whose page is open to the cart."""
 _ROWS = generate_products(0)
 _REVIEWS = generate_reviews(len(_ROWS), 0)
 PRODUCTS = {
@@ -41,9 +56,10 @@ PRODUCTS = {
     }
     for i, row in enumerate(_ROWS, 1)
 }
+"""The shop's products by title, with their id and their reviews (newest first)."""
 TITLES = {row["id"]: title for title, row in PRODUCTS.items()}
 ORDERS = {order["id"]: order for order in generate_orders(_ROWS, 0) if order["user_id"] == 1}
-"""The test account's past orders by number (items: [(product id, quantity)])."""
+"""The test account's past orders by number, oldest first (items: [(product id, quantity)])."""
 
 
 def _initial_cart() -> dict[str, int]:
@@ -58,6 +74,7 @@ def _initial_cart() -> dict[str, int]:
 
 
 CART = _initial_cart()
+"""The test account's cart at the start of a task: title -> quantity."""
 
 
 def price(title: str) -> str:
@@ -103,22 +120,25 @@ def dollars(cents: int) -> str:
     return shown if shown == plain else f"{shown} |OR| {plain}"
 
 
-def sign_in(script: Script) -> None:
-    """Type the test account into the sign-in form (two actions, as tasks 109-122 do)."""
-    script.act(f"type [textbox 'Username'] [{TEST_ACCOUNT['username']}] [0]")
-    script.act(f"type [textbox 'Password'] [{TEST_ACCOUNT['password']}] [1]")
+def product_link(title: str) -> str:
+    """The product's link in search results, e.g. `[link 'Trail bottle - $18.95']`."""
+    return element("link", f"{title} - {price(title)}")
 
 
 def open_product(script: Script, title: str, note: str | None = None) -> None:
     """Search for `title` and open its page (two actions); `note` goes with the second."""
-    script.act(f"type [textbox 'Search'] [{title}] [1]")
-    script.act(f"click {element('link', f'{title} - {price(title)}')}", note=note)
+    script.act(search_action(title))
+    script.act(f"click {product_link(title)}", note=note)
 
 
-def named(titles: list[str]) -> str:
-    """'A', 'B' and 'C'."""
-    quoted = [f"'{title}'" for title in titles]
-    return ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
+def read_price(script: Script, title: str) -> str:
+    """Read the price on the product's page; the note `title: $price`."""
+    return f"{title}: {script.fact(price(title))}"
+
+
+def read_stars(script: Script, title: str) -> str:
+    """Read the rating on the product's page; the note `title: N out of 5 stars`."""
+    return f"{title}: {script.fact(stars(title))}"
 
 
 def pick(category: str | None = None, count: int = 10, skip: int = 0) -> list[str]:
@@ -128,18 +148,6 @@ def pick(category: str | None = None, count: int = 10, skip: int = 0) -> list[st
         t for t, row in PRODUCTS.items() if category in (None, row["category"]) and t not in CART
     ]
     return titles[skip : skip + count]
-
-
-def only(titles: list[str], key: Callable[[str], Any], largest: bool) -> str:
-    """The one title of `titles` with the largest (or smallest) `key`.
-
-    Raises:
-        ValueError: two titles tie for it (the answer would not be unique).
-    """
-    best = (max if largest else min)(titles, key=key)
-    if sum(key(t) == key(best) for t in titles) > 1:
-        raise ValueError(f"a tie for {best!r} among {titles}")
-    return best
 
 
 def cart_check(include: list[str], exclude: list[str] | None = None) -> dict[str, Any]:
@@ -157,12 +165,9 @@ def cart_check(include: list[str], exclude: list[str] | None = None) -> dict[str
 def compare(task_id: int, titles: list[str], cheapest: bool) -> dict[str, Any]:
     """The cheapest (or most expensive) of `titles`, each looked up in turn; the answer is the
     title and the facts are every price."""
-    script, noted = Script(), None
-    for title in titles:
-        open_product(script, title, note=noted)
-        noted = f"{title}: {script.fact(price(title))}"
-    best = only(titles, lambda t: PRODUCTS[t]["price"], largest=not cheapest)
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(titles, open_product, read_price, "go_back")
+    best = unique_best(titles, lambda t: PRODUCTS[t]["price"], highest=not cheapest)
     script.stop(f"{best}: {price(best)}")
     word = "cheapest" if cheapest else "most expensive"
     intent = (
@@ -171,23 +176,24 @@ def compare(task_id: int, titles: list[str], cheapest: bool) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in titles if t != best]},
+        one_of(best, titles),
         f"Prices: {', '.join(f'{t} {price(t)}' for t in titles)}.",
     )
 
 
 def most_reviews(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Which of `titles` has the most reviews; the facts are every review count."""
-    script, noted = Script(), None
-    for title in titles:
-        open_product(script, title, note=noted)
-        noted = f"{title}: {script.fact(review_count(title))}"
-    best = only(titles, lambda t: len(PRODUCTS[t]["reviews"]), largest=True)
-    script.act("go_back", note=noted)
+    script = Script()
+    script.read_each(
+        titles,
+        open_product,
+        lambda script, title: f"{title}: {script.fact(review_count(title))}",
+        "go_back",
+    )
+    best = unique_best(titles, lambda t: len(PRODUCTS[t]["reviews"]))
     script.stop(f"{best}: {review_count(best)}")
     intent = (
         f"Open the page of each of these products and read how many reviews it has: "
@@ -195,23 +201,19 @@ def most_reviews(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in titles if t != best]},
+        one_of(best, titles),
         f"Reviews: {', '.join(f'{t} {review_count(t)}' for t in titles)}.",
     )
 
 
 def total(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The price of one each of `titles`."""
-    script, noted = Script(), None
-    for title in titles:
-        open_product(script, title, note=noted)
-        noted = f"{title}: {script.fact(price(title))}"
+    script = Script()
+    script.read_each(titles, open_product, read_price, "go_back")
     amount = sum(PRODUCTS[t]["price"] for t in titles)
-    script.act("go_back", note=noted)
     script.stop(money_cents(amount))
     intent = (
         f"I want to buy one of each of these products: {named(titles)}. Look up each one and "
@@ -219,8 +221,7 @@ def total(task_id: int, titles: list[str]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [dollars(amount)]},
@@ -230,12 +231,9 @@ def total(task_id: int, titles: list[str]) -> dict[str, Any]:
 
 def count_rated(task_id: int, titles: list[str], at_least: float) -> dict[str, Any]:
     """How many of `titles` are rated at least `at_least` stars (no reviews: not rated)."""
-    script, noted = Script(), None
-    for title in titles:
-        open_product(script, title, note=noted)
-        noted = f"{title}: {script.fact(stars(title))}"
+    script = Script()
+    script.read_each(titles, open_product, read_stars, "go_back")
     hits = [t for t in titles if (rating(t) or 0) >= at_least]
-    script.act("go_back", note=noted)
     script.stop(str(len(hits)))
     intent = (
         f"Open each of these products and read its rating: {named(titles)}. Answer with how "
@@ -243,8 +241,7 @@ def count_rated(task_id: int, titles: list[str], at_least: float) -> dict[str, A
     )
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [str(len(hits))]},
@@ -254,29 +251,29 @@ def count_rated(task_id: int, titles: list[str], at_least: float) -> dict[str, A
 
 def reviews_by(task_id: int, titles: list[str], author: str) -> dict[str, Any]:
     """How many reviews `author` wrote across `titles`: every review line of theirs is a fact."""
-    script, noted, count = Script(), None, 0
-    for title in titles:
-        open_product(script, title, note=noted)
-        theirs = [r for r in PRODUCTS[title]["reviews"] if r["author"] == author]
-        for review in theirs:
+    theirs = {t: [r for r in PRODUCTS[t]["reviews"] if r["author"] == author] for t in titles}
+
+    def read(script: Script, title: str) -> str:
+        for review in theirs[title]:
             script.fact(review_line(review))
-        count += len(theirs)
-        noted = f"{title}: {len(theirs)} by {author}, {count} so far"
-    script.act("go_back", note=noted)
+        so_far = sum(len(theirs[t]) for t in titles[: titles.index(title) + 1])
+        return f"{title}: {len(theirs[title])} by {author}, {so_far} so far"
+
+    script = Script()
+    script.read_each(titles, open_product, read, "go_back")
+    count = sum(len(reviews) for reviews in theirs.values())
     script.stop(str(count))
     intent = (
         f"Read the reviews of each of these products: {named(titles)}. Answer with how many "
         f"reviews the reviewer {author} wrote on them in all."
     )
-    per = [f"{t} {sum(r['author'] == author for r in PRODUCTS[t]['reviews'])}" for t in titles]
     return long_task(
         task_id,
-        SITE,
-        START,
+        HOME,
         intent,
         script,
         {"must_include": [str(count)]},
-        f"Reviews by {author}: {', '.join(per)}.",
+        f"Reviews by {author}: {', '.join(f'{t} {len(theirs[t])}' for t in titles)}.",
     )
 
 
@@ -291,7 +288,7 @@ def fact_then_cart(task_id: int, first: str, titles: list[str]) -> dict[str, Any
     for title in titles:
         open_product(script, title, note=noted)
         noted = None
-        script.act("click [button 'Add to cart']")
+        script.act(ADD_TO_CART)
     script.stop(f"{first}: {shown}")
     intent = (
         f"First find out the price of '{first}'. Then add one of each of these products to "
@@ -300,32 +297,27 @@ def fact_then_cart(task_id: int, first: str, titles: list[str]) -> dict[str, Any
     others = sorted({price(t)[1:] for t in titles} - {shown[1:]})
     return long_task(
         task_id,
-        SITE,
-        "__SHOPPING__/login?next=/",
+        SIGNED_IN,
         intent,
         script,
         {"must_include": [dollars(PRODUCTS[first]["price"])], "must_exclude": others},
         f"{first} costs {shown}; {len(titles)} products go into the cart.",
         program_html=[cart_check([titles[0], titles[-1]], [first])],
-        require_login=True,
     )
 
 
 def rule_cart(task_id: int, titles: list[str], at_least: float) -> dict[str, Any]:
     """A rule given once decides every later action: add to the cart only the products of
     `titles` rated at least `at_least` stars; answer with how many were added."""
-    script, chosen = Script(), []
+    chosen = [t for t in titles if (rating(t) or 0) >= at_least]
+
+    def add(script: Script, title: str, shown: str) -> None:
+        added = chosen.index(title) + 1
+        script.act(ADD_TO_CART, note=f"{title}: {shown}, add it, {added} added so far")
+
+    script = Script()
     sign_in(script)
-    for title in titles:
-        open_product(script, title)
-        shown = script.fact(stars(title))
-        script.use(shown)
-        if (rating(title) or 0) >= at_least:
-            chosen.append(title)
-            script.act(
-                "click [button 'Add to cart']",
-                note=f"{title}: {shown}, add it, {len(chosen)} added so far",
-            )
+    script.follow_rule(titles, open_product, stars, chosen, add)
     script.stop(str(len(chosen)))
     intent = (
         f"Visit each of these products in turn: {named(titles)}. Add to your cart only those "
@@ -335,14 +327,12 @@ def rule_cart(task_id: int, titles: list[str], at_least: float) -> dict[str, Any
     skipped = [t for t in titles if t not in chosen]
     return long_task(
         task_id,
-        SITE,
-        "__SHOPPING__/login?next=/",
+        SIGNED_IN,
         intent,
         script,
         {"must_include": [str(len(chosen))]},
         f"Rated at least {at_least:.1f}: {', '.join(chosen)}.",
         program_html=[cart_check([chosen[0], chosen[-1]], [skipped[0], skipped[-1]])],
-        require_login=True,
     )
 
 
@@ -351,18 +341,18 @@ def quantity_rule(task_id: int, titles: list[str], under: int) -> dict[str, Any]
     `under` cents, one of each other; answer with the total the checkout page shows (the
     initial cart included; the cart page itself runs past the truncation with this many
     lines)."""
-    script, quantities = Script(), {}
-    sign_in(script)
-    for title in titles:
-        open_product(script, title)
-        shown = script.fact(price(title))
-        script.use(shown)
-        quantities[title] = 2 if PRODUCTS[title]["price"] < under else 1
+    quantities = {t: 2 if PRODUCTS[t]["price"] < under else 1 for t in titles}
+
+    def add(script: Script, title: str, shown: str) -> None:
         if quantities[title] == 2:
             script.act("type [spinbutton 'Quantity'] [2] [0]", note=f"{title}: {shown}, take 2")
-            script.act("click [button 'Add to cart']")
+            script.act(ADD_TO_CART)
         else:
-            script.act("click [button 'Add to cart']", note=f"{title}: {shown}, take 1")
+            script.act(ADD_TO_CART, note=f"{title}: {shown}, take 1")
+
+    script = Script()
+    sign_in(script)
+    script.follow_rule(titles, open_product, price, titles, add)
     cart = {**CART, **quantities}
     amount = sum(PRODUCTS[t]["price"] * qty for t, qty in cart.items())
     script.act("click [link 'Proceed to checkout']")
@@ -378,8 +368,7 @@ def quantity_rule(task_id: int, titles: list[str], under: int) -> dict[str, Any]
     once = [t for t in titles if quantities[t] == 1]
     return long_task(
         task_id,
-        SITE,
-        "__SHOPPING__/login?next=/",
+        SIGNED_IN,
         intent,
         script,
         {"must_include": [dollars(amount)]},
@@ -395,7 +384,6 @@ def quantity_rule(task_id: int, titles: list[str], under: int) -> dict[str, Any]
                 ]
             )
         ],
-        require_login=True,
     )
 
 
@@ -415,10 +403,10 @@ def best_ordered(task_id: int, numbers: list[int]) -> dict[str, Any]:
             if j:
                 script.act("go_back", note=noted)
             script.act(f"click {element('link', TITLES[pid])}")
-            noted = f"{TITLES[pid]}: {script.fact(stars(TITLES[pid]))}"
+            noted = read_stars(script, TITLES[pid])
         script.act("go_back", note=noted)
         noted = None
-    best = only(titles, lambda t: rating(t) or 0, largest=True)
+    best = unique_best(titles, lambda t: rating(t) or 0)
     script.stop(f"{best}: {stars(best)}")
     listed = ", ".join(f"#{n}" for n in numbers[:-1]) + f" and #{numbers[-1]}"
     intent = (
@@ -427,13 +415,11 @@ def best_ordered(task_id: int, numbers: list[int]) -> dict[str, Any]:
     )
     return long_task(
         task_id,
-        SITE,
-        "__SHOPPING__/login?next=/orders",
+        ORDER_HISTORY,
         intent,
         script,
-        {"must_include": [best], "must_exclude": [t for t in titles if t != best]},
+        one_of(best, titles),
         f"Ratings: {', '.join(f'{t} {stars(t)}' for t in titles)}.",
-        require_login=True,
     )
 
 
@@ -445,7 +431,7 @@ def reorder_largest(task_id: int, city: str) -> dict[str, Any]:
     sign_in(script)
     numbers = sorted(ORDERS, reverse=True)
     to_city = [n for n in numbers if ORDERS[n]["ship_city"] == city]
-    best = only(to_city, order_total, largest=True)
+    best = unique_best(to_city, order_total)
     numbers = [n for n in numbers if n != best] + [best]
     shown = []
     for i, number in enumerate(numbers):
@@ -465,7 +451,7 @@ def reorder_largest(task_id: int, city: str) -> dict[str, Any]:
         if j:
             script.act(f"goto [__SHOPPING__/orders/{best}]")
         script.act(f"click {element('link', TITLES[pid])}", note=noted if not j else None)
-        script.act("click [button 'Add to cart']")
+        script.act(ADD_TO_CART)
     script.stop(f"Order #{best}")
     intent = (
         f"Of your orders shipped to {city}, find the one with the largest total. Add one of "
@@ -475,8 +461,7 @@ def reorder_largest(task_id: int, city: str) -> dict[str, Any]:
     items = [TITLES[pid] for pid, _ in ORDERS[best]["items"]]
     return long_task(
         task_id,
-        SITE,
-        "__SHOPPING__/login?next=/orders",
+        ORDER_HISTORY,
         intent,
         script,
         {"must_include": [str(best)], "must_exclude": others},
@@ -484,7 +469,6 @@ def reorder_largest(task_id: int, city: str) -> dict[str, Any]:
         + ", ".join(f"#{n} {ORDERS[n]['ship_city']} {money_cents(order_total(n))}" for n in numbers)
         + ".",
         program_html=[cart_check([items[0], items[-1]])],
-        require_login=True,
     )
 
 
