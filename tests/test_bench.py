@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from helpers import with_old_names
@@ -512,7 +513,14 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
     assert full["evicted_tokens"] == 0 and full["kv_live_reduction_vs_full"] == 1.0
     assert conf_kv["budget"] == 160 and conf_kv["evicted_tokens"] > 0
     assert conf_kv["peak_kv_live_bytes"] < full["peak_kv_live_bytes"]
-    assert conf_kv["history_tokens"] == full["history_tokens"]  # the same scripted tokens
+    # the same scripted pages; their token counts differ by the few tokens of the element
+    # ids, which are Chromium's node ids and change from one episode to the next
+    pages = [
+        [urlsplit(page["url"]).path for page in json.loads(path.read_text())["pages"]]
+        for path in (Path(r["trace_dir"]) / "recall.json" for r in (full, conf_kv))
+    ]
+    assert pages[0] == pages[1] and len(pages[0]) == 2
+    assert abs(conf_kv["history_tokens"] - full["history_tokens"]) <= 8
     bench.write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
