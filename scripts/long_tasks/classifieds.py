@@ -23,6 +23,7 @@ from scripts.long_tasks.script import (
     one_of,
     rule_checks,
     search_and_open,
+    unique_best,
 )
 
 HOME = Start(["classifieds"], "__CLASSIFIEDS__/")
@@ -83,7 +84,7 @@ def compare(task_id: int, titles: list[str], cheapest: bool) -> dict[str, Any]:
     title and the facts are every price."""
     script = Script()
     script.read_each(titles, open_listing, read_price, "go_back")
-    best = (min if cheapest else max)(titles, key=lambda t: LISTINGS[t]["price"])
+    best = unique_best(titles, lambda t: LISTINGS[t]["price"], highest=not cheapest)
     script.stop(f"{best}: {price(best)}")
     word = "cheapest" if cheapest else "most expensive"
     intent = (
@@ -123,7 +124,7 @@ def total(task_id: int, titles: list[str]) -> dict[str, Any]:
 def seller_of_most_expensive(task_id: int, titles: list[str]) -> dict[str, Any]:
     """Who sells the most expensive of `titles`: every price, then the winner's seller, which
     was shown on its page several listings earlier."""
-    best = max(titles, key=lambda t: LISTINGS[t]["price"])
+    best = unique_best(titles, lambda t: LISTINGS[t]["price"])
 
     def read(script: Script, title: str) -> str:
         noted = read_price(script, title)
@@ -178,7 +179,7 @@ def earliest(task_id: int, titles: list[str]) -> dict[str, Any]:
     """The listing of `titles` posted first."""
     script = Script()
     script.read_each(titles, open_listing, read_posted, "go_back")
-    first = min(titles, key=lambda t: LISTINGS[t]["posted"])
+    first = unique_best(titles, lambda t: LISTINGS[t]["posted"], highest=False)
     script.stop(f"{first}, posted {posted(first)}")
     intent = (
         f"Which of these listings was posted first: {named(titles)}? Open each one, read the "
