@@ -885,11 +885,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ours = [float(bool(r.get("success"))) for r in common]
         theirs = [float(bool(full[r["task_id"]].get("success"))) for r in common]
         is_full = policy == "full"
-        relative = None
-        if common:
-            base = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
-            if base:
-                relative = _mean(float(bool(r.get("success"))) for r in common) / base
+        full_rate = _mean(theirs)  # None without common tasks
+        relative = _mean(ours) / full_rate if full_rate else None
         peaks = [
             (full[r["task_id"]]["peak_kv_allocated_bytes"], r["peak_kv_allocated_bytes"])
             for r in common
@@ -908,9 +905,6 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         compared = sum(r.get("steps_compared") or 0 for r in group)
         agreed = sum((r.get("agreement") or 0) * (r.get("steps_compared") or 0) for r in group)
         kl = sum((r.get("mean_kl") or 0) * (r.get("steps_compared") or 0) for r in group)
-        full_rate = None
-        if common:
-            full_rate = _mean(float(bool(full[r["task_id"]].get("success"))) for r in common)
         peak = _mean(
             r["peak_kv_allocated_bytes"] for r in group if r.get("peak_kv_allocated_bytes")
         )
@@ -929,8 +923,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     sum(bool(r.get("success")) for r in group), len(group)
                 ),
                 "success_minus_full": None
-                if is_full or not common
-                else _mean(ours) - _mean(theirs),
+                if is_full or full_rate is None
+                else _mean(ours) - full_rate,
                 "success_minus_full_ci95": None
                 if is_full
                 else paired_difference_interval(ours, theirs),
