@@ -13,9 +13,13 @@ from envs.tasks import TaskError, load_suite, load_task, load_tasks, suite_names
 WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
 BUNDLED = [(suite, task) for suite in suite_names() for task in load_suite(suite)]
 """(suite, task) of every bundled task, replayed below."""
-LONG_QUICK = {506, 531}
-"""The long-horizon tasks the default run replays (one that writes to a site, one across two
-sites); the others, 15-60 actions each, replay under `slow`."""
+LONG_QUICK = {531, 546}
+"""The long-horizon tasks the default run replays (one comparing facts across two sites, one
+carrying a fact through comments on another site); the others, 15-60 actions each, replay
+under `slow`."""
+CARRIED = range(541, 561)
+"""The long-horizon tasks that carry one fact through pages that never show it again
+(`scripts/long_tasks/carry.py`)."""
 
 
 def replayed(suite: str, task):
@@ -246,6 +250,12 @@ def test_the_long_horizon_suite_is_long_by_its_work():
     assert sum(len(task.sites) == 2 and len(task.start_urls) == 2 for task in tasks) >= 8
     assert sum("program_html" in task.eval.eval_types for task in tasks) >= 6  # write actions
     assert max(fact.tokens for task in tasks for fact in task.facts) >= 16_000
+    carried = [task for task in tasks if task.task_id in CARRIED]
+    assert len(carried) == 20
+    for task in carried:
+        (fact,) = task.facts
+        assert fact.steps >= 15 and fact.tokens >= 15_000, task.task_id
+        assert len(task.sites) == 2 and "program_html" in task.eval.eval_types
 
 
 def test_a_fact_outside_the_reference_pages_is_refused(tmp_path):
@@ -277,6 +287,8 @@ def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
         for fact in task.facts:
             if fact.page == number:
                 assert fact.text in observation["text"], f"fact {fact.text!r} on page {number}"
+            elif task.task_id in CARRIED and fact.page < number <= fact.used_on:
+                assert fact.text not in observation["text"], f"{fact.text!r} again on {number}"
         result = env.step(action)
         observation = result.observation
         assert result.observation["error"] is None, f"step {number} {action}"

@@ -37,7 +37,7 @@ from envs.evaluators import evaluate
 from envs.server import SiteServers
 from envs.tasks import TASKS_DIR, Task
 
-FAMILIES = ("classifieds", "forum", "shopping", "cross")
+FAMILIES = ("classifieds", "forum", "shopping", "cross", "carry")
 """The modules of this package whose `tasks()` return the suite's task objects."""
 SUITE_DIR = TASKS_DIR / "long"
 STEPS = (15, 60)
