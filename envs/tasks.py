@@ -149,7 +149,14 @@ class Fact(BaseModel):
 
 
 class Task(BaseModel):
-    """One web task (VisualWebArena config fields plus `reference_actions` and `horizon`)."""
+    """One web task (VisualWebArena config fields plus `reference_actions` and `horizon`).
+
+    The long-horizon suite's fields (tasks/README.md): `facts` and `history_tokens` as
+    measured by its build, and `answer_prefix`: the start of the answer that a scripted run
+    (`agent_kv.harness.recall`) forces after `stop [`, so that what the model decodes is the
+    fact itself (e.g. `Black wool sweater location:`); empty, only `stop [` is forced. The
+    reference answer must begin with it.
+    """
 
     model_config = ConfigDict(extra="forbid")
     task_id: int
@@ -173,6 +180,7 @@ class Task(BaseModel):
     horizon: int = Field(default=0, ge=0)
     facts: list[Fact] = []
     history_tokens: int | None = Field(default=None, ge=1)
+    answer_prefix: str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Task":
@@ -204,6 +212,14 @@ class Task(BaseModel):
                 ) from None
             if (action.kind == "stop") != (i == len(self.reference_actions) - 1):
                 raise ValueError("reference_actions must end with stop [...] and stop only there")
+        if self.answer_prefix and not (
+            self.reference_actions
+            and self.reference_actions[-1].startswith(f"stop [{self.answer_prefix}")
+        ):
+            raise ValueError(
+                f"answer_prefix {self.answer_prefix!r}: the last reference action must be "
+                "stop [...] beginning with it"
+            )
         pages = len(self.reference_actions)
         for i, fact in enumerate(self.facts):
             if not fact.page <= fact.used_on <= pages:

@@ -16,11 +16,13 @@ from agent_kv.harness.recall import (
     SUITE,
     TRACE_JSON,
     Decoded,
+    forced_stop,
     run_recall,
     run_recall_task,
 )
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
@@ -155,6 +157,22 @@ def test_the_decoder_is_a_parameter_and_the_agent_format_drops_the_notes(smollm,
     trace = json.loads((tmp_path / "task414" / TRACE_JSON).read_text())
     assert re.fullmatch(r"click \[\d+\]", trace["pages"][0]["action"])
     assert trace["pages"][1]["observation"].startswith("Tab 0 (current): Grocery | One Stop Shop")
+
+
+@pytest.mark.model
+def test_the_answer_prefix_is_forced_after_stop_and_begins_the_answer(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    chat = Conversation(engine)
+    chat.add("user", "Note: Blue road bike location: Erie, PA. Where is the Blue road bike?")
+    chat.prefill()
+    before = chat.sequence.store.seen_tokens
+    decoded = forced_stop(max_new_tokens=4, prefix="Blue road bike location:")(chat)
+    forced = "stop [Blue road bike location:"
+    assert chat.messages[-1] == {"role": "assistant", "content": forced}
+    assert decoded.reply.startswith(forced) and len(decoded.reply) > len(forced)
+    assert decoded.answer == (decoded.reply[len("stop [") :]).split("]")[0].strip()
+    fed = len(smollm.tokenizer(forced, add_special_tokens=False)["input_ids"])
+    assert chat.sequence.store.seen_tokens > before + fed  # the prefix, then decoded tokens
 
 
 @pytest.mark.browser

@@ -266,6 +266,15 @@ def test_a_fact_outside_the_reference_pages_is_refused(tmp_path):
     assert load_task(write(tmp_path, task)).facts[0].steps == 0
 
 
+def test_an_answer_prefix_must_begin_the_reference_answer(tmp_path):
+    task = {**valid_task(), "answer_prefix": "Blue road bike price:"}
+    assert "the last reference action must be stop [...] beginning with it" in error_of(
+        write(tmp_path, task)
+    )
+    task["reference_actions"] = ["stop [Blue road bike price: $120]"]
+    assert load_task(write(tmp_path, task)).answer_prefix == "Blue road bike price:"
+
+
 def test_task_1_is_a_one_step_answer_on_the_start_page():
     task = load_task(1)
     assert task.reference_actions == ["stop [$120]"]

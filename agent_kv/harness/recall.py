@@ -176,15 +176,18 @@ Decoder = Callable[[Conversation], Decoded]
 and the assistant header are in the cache)."""
 
 
-def forced_stop(max_new_tokens: int = 32) -> Decoder:
-    """A decoder that teacher-forces `stop [` and decodes the answer greedily until `]`, a
-    newline or `max_new_tokens` tokens (the answer is then what was decoded, stripped)."""
+def forced_stop(max_new_tokens: int = 32, prefix: str = "") -> Decoder:
+    """A decoder that teacher-forces `stop [` and `prefix` (a task's `answer_prefix`, e.g.
+    `Black wool sweater location:`) and decodes the rest of the answer greedily until `]`, a
+    newline or `max_new_tokens` tokens; the answer is `prefix` and what was decoded,
+    stripped."""
     params = SamplingParams(max_new_tokens=max_new_tokens, stop=["]", "\n"])
+    forced = STOP_PREFIX + prefix
 
     def decode(chat: Conversation) -> Decoded:
-        chat.force_reply(STOP_PREFIX)
+        chat.force_reply(forced)
         generation = chat.engine.generate(chat.sequence, [], params)
-        return Decoded(STOP_PREFIX + generation.raw_text, generation.text.strip())
+        return Decoded(forced + generation.raw_text, (prefix + generation.text).strip())
 
     return decode
 
@@ -265,10 +268,11 @@ def run_recall_task(
     on_page: Callable[[int, int], None] | None = None,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
-    answer with `decode` (default `forced_stop()`), score it, and write the trace
-    `trace_dir/recall.json` (each page as shown with its forced action and whether it was the
-    greedy choice, the final prompt's length, the reply and the record). `on_page(n, pages)`,
-    if given, is called as page n of the task's `pages` enters the conversation (progress).
+    answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
+    and write the trace `trace_dir/recall.json` (each page as shown with its forced action
+    and whether it was the greedy choice, the final prompt's length, the reply and the
+    record). `on_page(n, pages)`, if given, is called as page n of the task's `pages` enters
+    the conversation (progress).
 
     Raises:
         envs.browser_env.ActionError: a scripted action names no element of its page or
@@ -276,7 +280,7 @@ def run_recall_task(
             step and the action.
         playwright Error: the browser failed.
     """
-    decode = decode or forced_stop()
+    decode = decode or forced_stop(prefix=task.answer_prefix)
     started = time.perf_counter()
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
@@ -375,7 +379,8 @@ def run_recall(
             appended to `out_dir/results.jsonl` as it is done.
         model_name: the model's name for the records.
         fmt: what the agent sees of each page (`FORMATS`).
-        decode: how the final reply is decoded (default `forced_stop()`).
+        decode: how the final reply is decoded (default `forced_stop` with each task's
+            `answer_prefix`).
         on_record: called with each record as it is done (progress output).
 
     Returns:

@@ -6,7 +6,9 @@ reads one fact there (a listing's location or seller, a forum post's author, a p
 price), writes it down, and sends the first tab home, so that no later page shows the fact
 again (not even the tab's title). Then, in the second tab, it writes on item after item (an
 "Add to cart" on each of 6 shop products, or the same comment on each of 6 forum posts) and
-finally answers with the fact, some 15-20K tokens after it read it.
+finally answers with the fact, some 15-20K tokens after it read it. The scripted run forces
+the note's key after `stop [` (the task's `answer_prefix`, e.g. `Black wool sweater
+location:`), so what the model decodes is the fact alone.
 
 The pages in between never show a fact of the same kind: the shop's pages name no city, no
 seller and no forum username; the forum's pages show no dollar price and no listing's seller.
@@ -149,7 +151,7 @@ def carry_to_cart(task_id: int, carried: Carried, first_site: str, products: lis
         f"{named(products)}. When done, answer with {carried.answer_goal}."
     )
     start = {"classifieds": CLASSIFIEDS, "forum": FORUM}[first_site]
-    return long_task(
+    task = long_task(
         task_id,
         tabs(start, SHOPPING, require_login=True),
         intent,
@@ -158,6 +160,7 @@ def carry_to_cart(task_id: int, carried: Carried, first_site: str, products: lis
         f"{carried.key}: {carried.value}; then {len(products)} products added to the cart.",
         program_html=[cart_check([products[0], products[-1]])],
     )
+    return {**task, "answer_prefix": f"{carried.key}:"}
 
 
 def carry_to_comments(
@@ -178,7 +181,7 @@ def carry_to_comments(
         f"{named(posts)}. When done, answer with {carried.answer_goal}."
     )
     start = {"classifieds": CLASSIFIEDS, "shopping": SHOPPING}[first_site]
-    return long_task(
+    task = long_task(
         task_id,
         tabs(start, FORUM, require_login=True),
         intent,
@@ -189,6 +192,7 @@ def carry_to_comments(
             comments_check(post, {"must_include": [text]}) for post in (posts[0], posts[-1])
         ],
     )
+    return {**task, "answer_prefix": f"{carried.key}:"}
 
 
 COMMENTS = (
