@@ -2,7 +2,7 @@
 write actions on another, and asked for at the end.
 
 Each task opens two sites in two tabs. The agent first opens one item on the first site and
-reads one fact there (a listing's location or seller, a forum post's author, a product's
+reads one fact there (a listing's location or seller, a forum post's points, a product's
 price), writes it down, and sends the first tab home, so that no later page shows the fact
 again (not even the tab's title). Then, in the second tab, it writes on item after item (an
 "Add to cart" on each of 6 shop products, or the same comment on each of 6 forum posts) and
@@ -11,7 +11,7 @@ the note's key after `stop [` (the task's `answer_prefix`, e.g. `Black wool swea
 location:`), so what the model decodes is the fact alone.
 
 The pages in between never show a fact of the same kind: the shop's pages name no city, no
-seller and no forum username; the forum's pages show no dollar price and no listing's seller.
+seller and no forum points; the forum's pages show no dollar price and no listing's seller.
 That is what fits these tasks to the default model: it recalls a fact many pages back when
 nothing in between competes with it, while a seller read before ten more listings, each with
 its own seller, is lost to the last one (tasks/README.md, "The long-horizon suite";
@@ -24,12 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from envs.sites.forum.data import USERNAMES
 from scripts.long_tasks.classifieds import HOME as CLASSIFIEDS
 from scripts.long_tasks.classifieds import LISTINGS, open_listing
 from scripts.long_tasks.cross import tabs
 from scripts.long_tasks.forum import HOME as FORUM
-from scripts.long_tasks.forum import POSTS, comments_check, open_post
+from scripts.long_tasks.forum import POSTS, comments_check, open_post, score
 from scripts.long_tasks.forum import pick as pick_posts
 from scripts.long_tasks.script import Script, comment_action, long_task, named, one_of
 from scripts.long_tasks.shopping import ADD_TO_CART, PRODUCTS, cart_check, dollars, open_product
@@ -97,15 +96,15 @@ def listing_seller(title: str) -> Carried:
     )
 
 
-def post_author(title: str) -> Carried:
-    """Who wrote a forum post."""
-    author = POSTS[title]["author"]
+def post_points(title: str) -> Carried:
+    """How many points a forum post has (not who wrote it: every shop page names the
+    signed-in account, `Signed in as Avery Agent`, and the author was lost to it)."""
     return Carried(
-        f"First find out who wrote the forum post '{title}'.",
-        f"the author of '{title}'",
-        f"{title} author",
-        author,
-        one_of(author, sorted(USERNAMES)),
+        f"First find out how many points the forum post '{title}' has.",
+        f"the points of '{title}'",
+        f"{title} points",
+        score(title),
+        {"must_include": [str(POSTS[title]["score"])]},
         open_post,
         title,
         "__FORUM__/",
@@ -195,6 +194,12 @@ def carry_to_comments(
     return {**task, "answer_prefix": f"{carried.key}:"}
 
 
+def scored(forum: str) -> str:
+    """The first post of /f/`forum` after its first six with at least 10 points (two digits
+    at least: an answer of 0 or -1 is too easy to hit by chance)."""
+    return next(title for title in pick_posts(forum, 30, skip=6) if POSTS[title]["score"] >= 10)
+
+
 COMMENTS = (
     "Thanks, this was useful.",
     "Bookmarked for later.",
@@ -206,7 +211,7 @@ COMMENTS = (
 
 
 def tasks() -> list[dict[str, Any]]:
-    """Tasks 541-560: five of each pairing (a listing's location or a post's author carried
+    """Tasks 541-560: five of each pairing (a listing's location or a post's points carried
     to the cart, a listing's seller or a product's price carried to forum comments)."""
     listings = list(LISTINGS)
     products = pick_products(count=100)
@@ -233,7 +238,7 @@ def tasks() -> list[dict[str, Any]]:
         built.append(
             carry_to_cart(
                 551 + n,
-                post_author(pick_posts(forums[(n + 2) % 5], 1, skip=12)[0]),
+                post_points(scored(forums[(n + 2) % 5])),
                 "forum",
                 products[40 + 6 * n : 40 + 6 * n + 6],
             )
