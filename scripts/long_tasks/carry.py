@@ -30,7 +30,7 @@ from scripts.long_tasks.cross import tabs
 from scripts.long_tasks.forum import HOME as FORUM
 from scripts.long_tasks.forum import POSTS, comments_check, open_post, score
 from scripts.long_tasks.forum import pick as pick_posts
-from scripts.long_tasks.script import Script, comment_action, long_task, named, one_of
+from scripts.long_tasks.script import Script, Start, comment_action, long_task, named, one_of
 from scripts.long_tasks.shopping import ADD_TO_CART, PRODUCTS, cart_check, dollars, open_product
 from scripts.long_tasks.shopping import HOME as SHOPPING
 from scripts.long_tasks.shopping import pick as pick_products
@@ -52,7 +52,8 @@ class Carried:
         open_item: opens the item on the first site (`open_listing`, `open_post`,
             `open_product`).
         item: the item's title.
-        home: the `goto` target that sends the first tab home.
+        site: where the first site starts (its home page, where the first tab is sent back).
+        site_name: how the goal names the first site, e.g. "The classifieds site".
     """
 
     site_goal: str
@@ -62,7 +63,8 @@ class Carried:
     reference: dict[str, list[str]]
     open_item: Callable[[Script, str, str | None], None]
     item: str
-    home: str
+    site: Start
+    site_name: str
 
 
 def listing_location(title: str) -> Carried:
@@ -77,7 +79,8 @@ def listing_location(title: str) -> Carried:
         one_of(location.split(",")[0], cities),
         open_listing,
         title,
-        "__CLASSIFIEDS__/",
+        CLASSIFIEDS,
+        "The classifieds site",
     )
 
 
@@ -92,7 +95,8 @@ def listing_seller(title: str) -> Carried:
         one_of(seller, sorted({row["seller"] for row in LISTINGS.values()})),
         open_listing,
         title,
-        "__CLASSIFIEDS__/",
+        CLASSIFIEDS,
+        "The classifieds site",
     )
 
 
@@ -107,7 +111,8 @@ def post_points(title: str) -> Carried:
         {"must_include": [str(POSTS[title]["score"])]},
         open_post,
         title,
-        "__FORUM__/",
+        FORUM,
+        "The forum",
     )
 
 
@@ -119,9 +124,10 @@ def product_price(title: str) -> Carried:
         f"{title} price",
         shop_price(title),
         {"must_include": [dollars(PRODUCTS[title]["price"])]},
-        lambda script, item, note: open_product(script, item, note),
+        open_product,
         title,
-        "__SHOPPING__/",
+        SHOPPING,
+        "The shop",
     )
 
 
@@ -130,68 +136,76 @@ def read_and_leave(script: Script, carried: Carried) -> None:
     and switch to the second tab (four actions)."""
     carried.open_item(script, carried.item, None)
     script.fact(carried.value)
-    script.act(f"goto [{carried.home}]", note=f"{carried.key}: {carried.value}")
+    script.act(f"goto [{carried.site.url}]", note=f"{carried.key}: {carried.value}")
     script.act("tab_focus [1]")
 
 
-def carry_to_cart(task_id: int, carried: Carried, first_site: str, products: list[str]) -> dict:
+def carry_task(
+    task_id: int,
+    carried: Carried,
+    second: tuple[Start, str],
+    work: tuple[str, Callable[[Script, str], None], list[str], str],
+    checks: list[dict[str, Any]],
+) -> dict:
+    """Read `carried` on the first site, then do the work on each item of the second site,
+    then answer with the fact (`answer_prefix`: the note's key).
+
+    Args:
+        second: where the second site starts and how the goal names it ("the shop").
+        work: the goal's sentence for the work ("add one of each of these products to your
+            cart"), the actions on one item (`act(script, item)`), the items, and what the
+            task's comment calls them done ("products added to the cart").
+        checks: the `program_html` checks of the work.
+    """
+    (start, name), (goal, act, items, done) = second, work
+    script = Script()
+    read_and_leave(script, carried)
+    for item in items:
+        act(script, item)
+    script.stop(f"{carried.key}: {carried.value}")
+    intent = (
+        f"{carried.site_name} is open in the first tab and {name} in the second. "
+        f"{carried.site_goal} Then, {goal}: {named(items)}. "
+        f"When done, answer with {carried.answer_goal}."
+    )
+    task = long_task(
+        task_id,
+        tabs(carried.site, start, require_login=True),
+        intent,
+        script,
+        carried.reference,
+        f"{carried.key}: {carried.value}; then {len(items)} {done}.",
+        program_html=checks,
+    )
+    return {**task, "answer_prefix": f"{carried.key}:"}
+
+
+def carry_to_cart(task_id: int, carried: Carried, products: list[str]) -> dict:
     """Read `carried` on the first site, then add one of each of `products` to the shop's
     cart (three actions each), then answer with the fact."""
-    script = Script()
-    read_and_leave(script, carried)
-    for product in products:
+
+    def add(script: Script, product: str) -> None:
         open_product(script, product)
         script.act(ADD_TO_CART)
-    script.stop(f"{carried.key}: {carried.value}")
-    first = {"classifieds": "The classifieds site", "forum": "The forum"}[first_site]
-    intent = (
-        f"{first} is open in the first tab and the shop in the second. {carried.site_goal} "
-        f"Then, in the shop, add one of each of these products to your cart: "
-        f"{named(products)}. When done, answer with {carried.answer_goal}."
-    )
-    start = {"classifieds": CLASSIFIEDS, "forum": FORUM}[first_site]
-    task = long_task(
-        task_id,
-        tabs(start, SHOPPING, require_login=True),
-        intent,
-        script,
-        carried.reference,
-        f"{carried.key}: {carried.value}; then {len(products)} products added to the cart.",
-        program_html=[cart_check([products[0], products[-1]])],
-    )
-    return {**task, "answer_prefix": f"{carried.key}:"}
+
+    goal = "in the shop, add one of each of these products to your cart"
+    checks = [cart_check([products[0], products[-1]])]
+    work = (goal, add, products, "products added to the cart")
+    return carry_task(task_id, carried, (SHOPPING, "the shop"), work, checks)
 
 
-def carry_to_comments(
-    task_id: int, carried: Carried, first_site: str, posts: list[str], text: str
-) -> dict:
+def carry_to_comments(task_id: int, carried: Carried, posts: list[str], text: str) -> dict:
     """Read `carried` on the first site, then post the comment `text` on each forum post of
     `posts` (three actions each), then answer with the fact."""
-    script = Script()
-    read_and_leave(script, carried)
-    for post in posts:
+
+    def comment(script: Script, post: str) -> None:
         open_post(script, post)
         script.act(comment_action(text))
-    script.stop(f"{carried.key}: {carried.value}")
-    first = {"classifieds": "The classifieds site", "shopping": "The shop"}[first_site]
-    intent = (
-        f"{first} is open in the first tab and the forum in the second. {carried.site_goal} "
-        f"Then, on the forum, post the comment '{text}' on each of these posts: "
-        f"{named(posts)}. When done, answer with {carried.answer_goal}."
-    )
-    start = {"classifieds": CLASSIFIEDS, "shopping": SHOPPING}[first_site]
-    task = long_task(
-        task_id,
-        tabs(start, FORUM, require_login=True),
-        intent,
-        script,
-        carried.reference,
-        f"{carried.key}: {carried.value}; then {len(posts)} comments on the forum.",
-        program_html=[
-            comments_check(post, {"must_include": [text]}) for post in (posts[0], posts[-1])
-        ],
-    )
-    return {**task, "answer_prefix": f"{carried.key}:"}
+
+    goal = f"on the forum, post the comment '{text}' on each of these posts"
+    checks = [comments_check(post, {"must_include": [text]}) for post in (posts[0], posts[-1])]
+    work = (goal, comment, posts, "comments on the forum")
+    return carry_task(task_id, carried, (FORUM, "the forum"), work, checks)
 
 
 def scored(forum: str) -> str:
@@ -222,7 +236,6 @@ def tasks() -> list[dict[str, Any]]:
             carry_to_cart(
                 541 + n,
                 listing_location(listings[7 + 11 * n]),
-                "classifieds",
                 products[6 * n : 6 * n + 6],
             )
         )
@@ -230,7 +243,6 @@ def tasks() -> list[dict[str, Any]]:
             carry_to_comments(
                 546 + n,
                 listing_seller(listings[3 + 13 * n]),
-                "classifieds",
                 pick_posts(forums[n], 6, skip=2),
                 COMMENTS[n],
             )
@@ -239,7 +251,6 @@ def tasks() -> list[dict[str, Any]]:
             carry_to_cart(
                 551 + n,
                 post_points(scored(forums[(n + 2) % 5])),
-                "forum",
                 products[40 + 6 * n : 40 + 6 * n + 6],
             )
         )
@@ -247,7 +258,6 @@ def tasks() -> list[dict[str, Any]]:
             carry_to_comments(
                 556 + n,
                 product_price(products[95 - n]),
-                "shopping",
                 pick_posts(forums[(n + 1) % 5], 6, skip=3),
                 COMMENTS[(n + 3) % 5],
             )
