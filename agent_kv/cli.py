@@ -174,6 +174,14 @@ ConstrainOption = Annotated[
         "so every reply parses; --no-constrain decodes freely, to compare.",
     ),
 ]
+PinRepliesOption = Annotated[
+    bool,
+    typer.Option(
+        "--pin-replies/--no-pin-replies",
+        help="Pin the agent's own replies (its actions, and its notes in scripted mode): "
+        "short, and they carry the facts it gathered, so no policy evicts them.",
+    ),
+]
 ObservationOption = Annotated[
     str,
     typer.Option(
@@ -211,6 +219,7 @@ def run_episode_command(
     observation: ObservationOption = "accessibility_tree",
     constrain: ConstrainOption = True,
     agent: AgentOption = "text",
+    pin_replies: PinRepliesOption = False,
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
@@ -243,7 +252,11 @@ def run_episode_command(
         from agent_kv.harness.agent import AgentConfig
 
         config = AgentConfig(
-            max_steps=max_steps, max_obs_tokens=max_obs_tokens, constrain=constrain, agent=agent
+            max_steps=max_steps,
+            max_obs_tokens=max_obs_tokens,
+            constrain=constrain,
+            agent=agent,
+            pin_replies=pin_replies,
         )
         summary = _run(
             task_obj, mode, spec, model, weights, config, prefill_chunk, observation, out, compile
@@ -347,9 +360,7 @@ def _run(
         compile = _compile_default(compile, loaded.model, serving=False)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk, compile)
         if mode == "scripted":
-            return scripted_episode(
-                task, engine, env, trace_dir, loaded.name, config.max_obs_tokens, _print_page
-            )
+            return scripted_episode(task, engine, env, trace_dir, loaded.name, config, _print_page)
         result = run_episode(task, engine, env, trace_dir, loaded.name, config, _print_step)
     return result.summary()
 
@@ -424,6 +435,7 @@ def bench_command(
     ] = "text",
     mode: ModeOption = "free",
     positions: PositionsOption = "original",
+    pin_replies: PinRepliesOption = False,
     agreement: Annotated[
         bool,
         typer.Option(
@@ -490,6 +502,7 @@ def bench_command(
         positions,
         episodes_per_engine,
         weights,
+        pin_replies,
     )
     actors = bench.RayActors(workers, ray_address)
     try:  # a missing model or broken Chromium fails as the actors start, once

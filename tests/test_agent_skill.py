@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_kv.harness.agent import AgentConfig
 from agent_kv.harness.recall import (
     FORMATS,
     NOTE,
@@ -124,7 +125,7 @@ def test_make_run_episode_evicts_holds_less_than_full_kv_and_answers(default_mod
         spec, default_model.model, default_model.tokenizer, settings["prefill_chunk"], False
     )
     task = load_task(settings["task"])
-    summary = scripted_episode(task, engine, env, tmp_path, default_model.name, 1200)
+    summary = scripted_episode(task, engine, env, tmp_path, default_model.name, AgentConfig())
     assert summary["success"] and summary["answer"] == "pixel_pilot karma: 417"
     assert summary["end_reason"] == "stop" and summary["error"] is None
     assert 3000 < summary["history_tokens"] < 3500

@@ -60,6 +60,36 @@ def test_pins_follow_messages(smollm):
         chat.unpin_message(99)
 
 
+def test_pinned_replies_outlive_a_window_that_evicts_unpinned_ones(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=24), 16)
+    chat = Conversation(engine)
+    chat.add("user", "Say a colour.")
+    decoded = chat.reply(SamplingParams(max_new_tokens=6), pin=True)
+    decoded_span = chat.spans[1]
+    chat.add("user", "Note it.")
+    chat.force_reply("note [Blue road bike: $120]", pin=True)
+    noted_span = chat.spans[3]
+    chat.add("user", "Go on.")
+    chat.force_reply("click [12]")
+    unpinned_span = chat.spans[5]
+    for _ in range(3):
+        chat.add("user", "Filler text about nothing in particular. " * 4)
+        chat.reply(SamplingParams(max_new_tokens=4))
+    store = chat.sequence.store
+    kept = set(kept_positions(store, 0))
+    # the decoded reply is pinned exactly: its tokens, not the positions past it it reserved
+    fed = [t for t in decoded.token_ids if t not in engine.eos_ids]
+    assert decoded_span[1] - decoded_span[0] == len(fed) > 0
+    assert set(range(*decoded_span)) <= kept and set(range(*noted_span)) <= kept
+    pinned = store.pins.positions()
+    assert pinned[decoded_span[0] : decoded_span[1]].all()
+    assert not pinned[decoded_span[1] : noted_span[0]].any()
+    assert not set(range(*unpinned_span)) & kept
+    assert store.pins.tokens() == (decoded_span[1] - decoded_span[0]) + (
+        noted_span[1] - noted_span[0]
+    )
+
+
 def test_bad_sampling_parameters_leave_the_queued_turn_intact(smollm):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     chat = Conversation(engine)

@@ -175,6 +175,27 @@ def test_the_answer_prefix_is_forced_after_stop_and_begins_the_answer(smollm):
     assert chat.sequence.store.seen_tokens > before + fed  # the prefix, then decoded tokens
 
 
+@pytest.mark.model
+@pytest.mark.browser
+def test_the_trace_says_how_much_of_the_note_each_layer_kept_and_pinning_keeps_it_all(
+    smollm, env, tmp_path
+):
+    """Task 401 (k = 1): its note, forced at step 1, against an 8-token window (4 sinks, 4
+    recent tokens) that evicts it as the action after it is forced, unless the replies are
+    pinned; the trace has the share after each page."""
+    kept = {}
+    for pin in (False, True):
+        engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=8), 64)
+        record = run_recall_task(
+            load_task(401), engine, env, tmp_path / f"pin-{pin}", "smollm", pin_replies=pin
+        )
+        assert record.pin_replies is pin and record.error is None
+        trace = json.loads((tmp_path / f"pin-{pin}" / TRACE_JSON).read_text())
+        kept[pin] = (trace["pages"][0]["notes_kept"], record.notes_kept)
+    assert kept[True] == ({"1": 1.0}, {"1": 1.0})
+    assert kept[False] == ({"1": 0.0}, {"1": 0.0})
+
+
 @pytest.mark.browser
 def test_a_task_that_does_not_replay_names_its_step(smollm, env, tmp_path):
     task = load_task(414).model_copy(

@@ -51,6 +51,8 @@ class AgentConfig:
             its page's calls); False decodes freely.
         agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
             per action; `agent_kv.harness.action_formats`).
+        pin_replies: pin every reply of the agent (its actions, and its notes in the
+            scripted runner's format): short, and they carry what the agent gathered.
     """
 
     max_steps: int = 6
@@ -60,6 +62,7 @@ class AgentConfig:
     )
     constrain: bool = True
     agent: str = "text"
+    pin_replies: bool = False
 
     @property
     def action_format(self) -> ActionFormat:
@@ -244,7 +247,7 @@ def run_episode(
             decoding = fmt.decoding(
                 engine, config.sampling, text, len(observation["tabs"]), config.constrain
             )
-            reply = chat.reply(decoding.params)
+            reply = chat.reply(decoding.params, pin=config.pin_replies)
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
             result = _act(env, fmt, reply.text)

@@ -184,6 +184,7 @@ class BenchSettings:
             tokens/s, seconds per step) are per episode while the model is shared, so it is
             recorded with the sweep like the other settings.
         weights: the model's weight format (`agent_kv.runtime.weight_formats`).
+        pin_replies: pin the agent's replies (`AgentConfig.pin_replies`), in both modes.
     """
 
     max_steps: int = 6
@@ -198,6 +199,7 @@ class BenchSettings:
     positions: str = "original"
     episodes_per_engine: int = 1
     weights: str = DEFAULT_WEIGHTS
+    pin_replies: bool = False
 
     def __post_init__(self) -> None:
         self.model = self.model or bundled_models.DEFAULT_MODEL  # recorded by name
@@ -1265,12 +1267,11 @@ def write_report(out: Path) -> str:
 # --- the real runner --------------------------------------------------------------------
 
 
-def reference_replay(
-    task: Task, engine, env, max_obs_tokens: int = 1200, agent: str = "text"
-) -> dict[str, Any]:
+def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
     """Teacher-forced reference-action accuracy of `engine` (its model and policy) on `task`
-    (method: the module docstring), each action written as the agent `agent` writes it
-    (`action_formats`: the action text, or the call that makes it).
+    (method: the module docstring), each action written as the agent `config.agent` writes
+    it (`action_formats`: the action text, or the call that makes it), pages truncated to
+    `config.max_obs_tokens`, replies pinned as `config.pin_replies` says (an `AgentConfig`).
 
     Returns:
         `reference_steps` (actions replayed), `reference_hits` (steps whose action was the
@@ -1284,14 +1285,8 @@ def reference_replay(
         model's context; envs.browser_env.ActionError: a reference names no element of the
         page it is replayed on.
     """
-    from agent_kv.harness.agent import (
-        AgentConfig,
-        add_observation,
-        observation_role,
-        open_conversation,
-    )
+    from agent_kv.harness.agent import add_observation, observation_role, open_conversation
 
-    config = AgentConfig(max_obs_tokens=max_obs_tokens, agent=agent)
     fmt = config.action_format
     chat = open_conversation(engine, task.intent, fmt)
     matches: list[bool] = []
@@ -1303,7 +1298,7 @@ def reference_replay(
         add_observation(chat, observation["text"], task.intent, config, previous, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        forced = chat.force_reply(fmt.reply(concrete))
+        forced = chat.force_reply(fmt.reply(concrete), pin=config.pin_replies)
         matches.append(forced.greedy)
         logprobs += forced.logprobs
         result = env.step(concrete)
@@ -1544,14 +1539,15 @@ class EpisodeRunner:
         env = browser.open(self._servers, self._observation)
         engine = self._engine(spec)
         model_name = self._loaded.name
-        if self.settings.mode == "scripted":
-            return self._recall(task, engine, browser, trace_dir, model_name, on_step)
         config = AgentConfig(
             max_steps=self.settings.max_steps,
             max_obs_tokens=self.settings.max_obs_tokens,
             constrain=self.settings.constrain,
             agent=job.agent,
+            pin_replies=self.settings.pin_replies,
         )
+        if self.settings.mode == "scripted":
+            return self._recall(task, engine, browser, trace_dir, model_name, config, on_step)
         try:
             summary = run_episode(
                 task, engine, env, trace_dir, model_name, config, lambda r: on_step(r["step"])
@@ -1566,15 +1562,17 @@ class EpisodeRunner:
         if self.settings.reference_accuracy and task.reference_actions:
             try:
                 env = browser.open(self._servers, self._observation)
-                obs_tokens = self.settings.max_obs_tokens
-                summary.update(reference_replay(task, engine, env, obs_tokens, job.agent))
+                summary.update(reference_replay(task, engine, env, config))
             except Exception as err:  # noqa: BLE001 - recorded, the episode stands
                 summary["reference_error"] = traceback.format_exception_only(err)[-1].strip()
                 browser.drop()
         return summary
 
-    def _recall(self, task: Task, engine, browser: _Browser, trace_dir: Path, model: str, on_step):
-        """A recall task's record: scripted navigation, free answer (`scripted_episode`)."""
+    def _recall(
+        self, task: Task, engine, browser: _Browser, trace_dir: Path, model: str, config, on_step
+    ):
+        """A recall task's record: scripted navigation, free answer (`scripted_episode`
+        under `config`, an `AgentConfig`)."""
         from agent_kv.harness.recall import scripted_episode
 
         steps = self.settings.max_steps
@@ -1583,9 +1581,8 @@ class EpisodeRunner:
             on_step(math.ceil(number * steps / pages))
 
         env = browser.open(self._servers, self._observation)
-        obs_tokens = self.settings.max_obs_tokens
         try:
-            return scripted_episode(task, engine, env, trace_dir, model, obs_tokens, on_page)
+            return scripted_episode(task, engine, env, trace_dir, model, config, on_page)
         except BaseException:
             browser.drop()
             raise

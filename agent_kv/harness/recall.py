@@ -221,6 +221,10 @@ class RecallRecord:
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
         evicted_tokens: tokens the policy evicted (`StoreFigures.evicted_tokens`).
         policy: the policy's name; policy_params its settings.
+        pin_replies: whether the forced replies (notes and actions) were pinned.
+        notes_kept: per step (as a string) whose forced reply begins with a note, the share
+            of the note's tokens live when the answer is decoded, averaged over the layers
+            (`KVStore.kept_share`; the trace has it after every page).
         positions: "original" or "rerotate".
         model: the model's name.
         weights: its weight format (`--weights`).
@@ -248,6 +252,8 @@ class RecallRecord:
     evicted_tokens: int
     policy: str
     policy_params: dict[str, Any]
+    pin_replies: bool
+    notes_kept: dict[str, float]
     positions: str
     model: str
     weights: str
@@ -255,6 +261,15 @@ class RecallRecord:
     error: str | None
     wall_s: float
     trace_dir: str
+
+
+def _token_count(chat: Conversation, text: str) -> int:
+    return len(chat.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _notes_kept(store, notes: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Per step, the share of its note's tokens `store` holds now (`KVStore.kept_share`)."""
+    return {step: round(store.kept_share(*span), 3) for step, span in notes.items()}
 
 
 def run_recall_task(
@@ -266,13 +281,15 @@ def run_recall_task(
     fmt: RecallFormat = DEFAULT_FORMAT,
     decode: Decoder | None = None,
     on_page: Callable[[int, int], None] | None = None,
+    pin_replies: bool = False,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
     and write the trace `trace_dir/recall.json` (each page as shown with its forced action
     and whether it was the greedy choice, the final prompt's length, the reply and the
     record). `on_page(n, pages)`, if given, is called as page n of the task's `pages` enters
-    the conversation (progress).
+    the conversation (progress). With `pin_replies`, each forced reply is pinned
+    (`AgentConfig.pin_replies`).
 
     Raises:
         envs.browser_env.ActionError: a scripted action names no element of its page or
@@ -287,6 +304,7 @@ def run_recall_task(
     chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
     store = chat.sequence.store
     pages: list[dict[str, Any]] = []
+    notes: dict[str, tuple[int, int]] = {}  # step -> the note's token positions
     decoded, error, hits, history = Decoded("", None), None, 0, 0
     observation = env.reset(task)
     previous: int | None = None
@@ -308,9 +326,18 @@ def run_recall_task(
             except ActionError as error:
                 raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
             reply = fmt.reply(action, concrete)
-            forced = chat.force_reply(reply)
+            forced = chat.force_reply(reply, pin=pin_replies)
             hits += forced.greedy
-            page.update(action=reply, greedy=forced.greedy, tokens_seen=store.seen_tokens)
+            note = NOTE.match(reply)
+            if note:
+                start = chat.spans[len(chat.messages) - 1][0]
+                notes[str(number)] = (start, start + _token_count(chat, note[0].rstrip()))
+            page.update(
+                action=reply,
+                greedy=forced.greedy,
+                tokens_seen=store.seen_tokens,
+                notes_kept=_notes_kept(store, notes),
+            )
             observation = env.step(concrete).observation
             if observation["error"] is not None:
                 raise ActionError(
@@ -318,9 +345,11 @@ def run_recall_task(
                 )
         chat.prefill()
         history = store.seen_tokens
+        notes_kept = _notes_kept(store, notes)
         decoded = decode(chat)
     except ContextOverflowError as err:
         error, history = str(err), store.seen_tokens
+        notes_kept = _notes_kept(store, notes)
     if error is None:
         verdict = evaluate(task, decoded.answer, env.url, env.servers, env.read_page)
         score = verdict.score
@@ -345,6 +374,8 @@ def run_recall_task(
         evicted_tokens=store.figures.evicted_tokens,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
+        pin_replies=pin_replies,
+        notes_kept=notes_kept,
         positions=store.positions_mode,
         model=model_name,
         weights=weight_format(engine.model),
@@ -410,14 +441,18 @@ def scripted_episode(
     env: BrowserEnv,
     trace_dir: Path,
     model_name: str,
-    max_obs_tokens: int,
+    config: AgentConfig,
     on_page: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """One recall task as an episode of `run-episode --mode scripted` and of a scripted
-    sweep: `run_recall_task` in the default format with pages truncated to `max_obs_tokens`,
-    returned as `episode_summary` of its record. Raises what `run_recall_task` raises."""
-    fmt = replace(DEFAULT_FORMAT, max_obs_tokens=max_obs_tokens)
-    record = run_recall_task(task, engine, env, trace_dir, model_name, fmt, on_page=on_page)
+    sweep: `run_recall_task` in the default format with pages truncated to
+    `config.max_obs_tokens` and the replies pinned as `config.pin_replies` says, returned as
+    `episode_summary` of its record. Raises what `run_recall_task` raises."""
+    fmt = replace(DEFAULT_FORMAT, max_obs_tokens=config.max_obs_tokens)
+    record = run_recall_task(
+        task, engine, env, trace_dir, model_name, fmt, on_page=on_page,
+        pin_replies=config.pin_replies,
+    )  # fmt: skip
     return episode_summary(record)
 
 

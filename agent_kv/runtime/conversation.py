@@ -139,11 +139,13 @@ class Conversation:
         twin._pending = list(self._pending)
         return twin
 
-    def reply(self, params: SamplingParams) -> Generation:
+    def reply(self, params: SamplingParams, pin: bool = False) -> Generation:
         """Prefill the queued messages and the assistant header, then generate the reply.
 
         The reply is appended to the conversation as an assistant message (its full generated
-        text, stop strings included, which is what the cache holds).
+        text, stop strings included, which is what the cache holds). With `pin`, its tokens
+        are pinned from the first one decoded (the next `params.max_new_tokens` positions
+        are pinned ahead, and those the reply did not reach are released after it).
 
         Raises:
             ConfigError: invalid sampling parameters (checked before anything is prefilled,
@@ -153,13 +155,19 @@ class Conversation:
         prompt = self._take_prompt()
         store = self.sequence.store
         reply_start = store.seen_tokens + len(prompt)
+        if pin:
+            store.pins.pin(reply_start, reply_start + params.max_new_tokens)
         generation = self.engine.generate(self.sequence, prompt, params)
+        if pin:
+            store.pins.unpin(store.seen_tokens, reply_start + params.max_new_tokens)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
         self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
         self._rendered += generation.raw_text
         return generation
 
-    def force_reply(self, text: str, keep_distributions: bool = False) -> ForcedReply:
+    def force_reply(
+        self, text: str, keep_distributions: bool = False, pin: bool = False
+    ) -> ForcedReply:
         """Teacher-force `text` as the next assistant reply: whether greedy decoding would
         have produced it, and how likely the model found it.
 
@@ -172,6 +180,7 @@ class Conversation:
         Args:
             text: the reply (e.g. a reference action, "click [12]").
             keep_distributions: also return each step's next-token log-probabilities.
+            pin: pin the reply's tokens (from before the first is fed).
 
         Returns:
             Per token of `text`: whether it was the most likely next token, and its log
@@ -186,10 +195,13 @@ class Conversation:
         prompt = self._take_prompt()
         store = self.sequence.store
         reply_start = store.seen_tokens + len(prompt)
+        tokens = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if pin:
+            store.pins.pin(reply_start, reply_start + len(tokens))
         logits = self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
         forced = ForcedReply([], [])
         distributions = []
-        for token in self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]:
+        for token in tokens:
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             forced.hits.append(int(logits.argmax()) == token)
             forced.logprobs.append(float(log_probs[token]))

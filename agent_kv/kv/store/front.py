@@ -219,6 +219,21 @@ class KVStore:
         """`[length]` original positions of the row's live tokens in one layer, logical order."""
         return self.segments.live_positions(layer, row)
 
+    def kept_share(self, start: int, end: int, row: int = 0) -> float:
+        """The share of positions `[start, end)` of a row that are live, averaged over the
+        layers (1.0: every layer holds every one; 0.0: all evicted; a span must be seen).
+
+        Raises:
+            ValueError: an empty span.
+        """
+        if end <= start:
+            raise ValueError(f"empty position span [{start}, {end})")
+        kept = 0
+        for layer in range(self.num_layers):
+            positions = self.live_positions(layer, row)
+            kept += int(((positions >= start) & (positions < end)).sum())
+        return kept / ((end - start) * self.num_layers)
+
     def live_meta(self, name: str, layer: int, row: int = 0) -> torch.Tensor:
         """A statistic over the row's live tokens in one layer, logical order
         (`Segments.live_meta`)."""
