@@ -192,6 +192,13 @@ def test_the_trace_says_how_much_of_the_note_each_layer_kept_and_pinning_keeps_i
         assert record.pin_replies is pin and record.error is None
         trace = json.loads((tmp_path / f"pin-{pin}" / TRACE_JSON).read_text())
         kept[pin] = (trace["pages"][0]["notes_kept"], record.notes_kept)
+        first, last = trace["pages"]
+        # at the answer: the latest page whole (pinned), the first one (~400 tokens) all but gone
+        assert last["kept_at_answer"] == 1.0 and first["kept_at_answer"] < 0.05
+        # the unpinned reply keeps at most its last tokens, the window's 4 recent ones
+        assert (
+            (first["reply_kept_at_answer"] == 1.0) if pin else first["reply_kept_at_answer"] < 0.5
+        )
     assert kept[True] == ({"1": 1.0}, {"1": 1.0})
     assert kept[False] == ({"1": 0.0}, {"1": 0.0})
 

@@ -286,10 +286,11 @@ def run_recall_task(
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
     and write the trace `trace_dir/recall.json` (each page as shown with its forced action
-    and whether it was the greedy choice, the final prompt's length, the reply and the
-    record). `on_page(n, pages)`, if given, is called as page n of the task's `pages` enters
-    the conversation (progress). With `pin_replies`, each forced reply is pinned
-    (`AgentConfig.pin_replies`).
+    and whether it was the greedy choice, the share of each note's tokens live after each page,
+    the share of each page's and reply's tokens live when the answer is decoded, the final
+    prompt's length, the reply and the record). `on_page(n, pages)`, if given, is called as
+    page n of the task's `pages` enters the conversation (progress). With `pin_replies`, each
+    forced reply is pinned (`AgentConfig.pin_replies`).
 
     Raises:
         envs.browser_env.ActionError: a scripted action names no element of its page or
@@ -305,6 +306,7 @@ def run_recall_task(
     store = chat.sequence.store
     pages: list[dict[str, Any]] = []
     notes: dict[str, tuple[int, int]] = {}  # step -> the note's token positions
+    page_messages: list[int] = []  # each page's message index
     decoded, error, hits, history = Decoded("", None), None, 0, 0
     observation = env.reset(task)
     previous: int | None = None
@@ -317,6 +319,7 @@ def run_recall_task(
                 chat, fmt.page_text(observation["text"]), task.intent, config, previous
             )
             previous = len(chat.messages) - 1
+            page_messages.append(previous)
             page = {"step": number, "url": observation["url"], "observation": shown}
             pages.append(page)
             if action is None:
@@ -346,6 +349,10 @@ def run_recall_task(
         chat.prefill()
         history = store.seen_tokens
         notes_kept = _notes_kept(store, notes)
+        for page, message in zip(pages, page_messages, strict=True):
+            page["kept_at_answer"] = round(store.kept_share(*chat.spans[message]), 3)
+            if message + 1 in chat.spans:
+                page["reply_kept_at_answer"] = round(store.kept_share(*chat.spans[message + 1]), 3)
         decoded = decode(chat)
     except ContextOverflowError as err:
         error, history = str(err), store.seen_tokens
