@@ -175,11 +175,10 @@ ConstrainOption = Annotated[
     ),
 ]
 PinRepliesOption = Annotated[
-    bool,
+    str,
     typer.Option(
-        "--pin-replies/--no-pin-replies",
-        help="Pin the agent's own replies (its actions, and its notes in scripted mode): "
-        "short, and they carry the facts it gathered, so no policy evicts them.",
+        help="Which of the agent's own replies no policy evicts: none, notes (the note a "
+        "scripted reply begins with, `note [fact]`) or all (every reply, actions and notes).",
     ),
 ]
 ObservationOption = Annotated[
@@ -219,7 +218,7 @@ def run_episode_command(
     observation: ObservationOption = "accessibility_tree",
     constrain: ConstrainOption = True,
     agent: AgentOption = "text",
-    pin_replies: PinRepliesOption = False,
+    pin_replies: PinRepliesOption = "none",
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
@@ -227,6 +226,7 @@ def run_episode_command(
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
+    from agent_kv.harness.agent import check_pin_replies
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError, load_task
 
@@ -240,6 +240,7 @@ def run_episode_command(
         bundled_models.locate(model)
         check_weight_format(weights)
         check_observation_mode(observation)
+        check_pin_replies(pin_replies)
         find_chromium()
         spec = PolicySpec.parse(
             policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions, param,
@@ -435,7 +436,7 @@ def bench_command(
     ] = "text",
     mode: ModeOption = "free",
     positions: PositionsOption = "original",
-    pin_replies: PinRepliesOption = False,
+    pin_replies: PinRepliesOption = "none",
     agreement: Annotated[
         bool,
         typer.Option(
@@ -456,6 +457,7 @@ def bench_command(
     at --ray-address); write results.jsonl, summary.md and success_vs_memory.png under --out
     and print the summary table."""
     from agent_kv.harness import bench
+    from agent_kv.harness.agent import check_pin_replies
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
@@ -485,6 +487,7 @@ def bench_command(
             PolicySpec.parse(
                 job.policy, job.budget, None, int8=job.precision == "int8", positions=positions
             )
+        check_pin_replies(pin_replies)
         find_chromium()
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:

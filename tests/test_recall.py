@@ -181,26 +181,28 @@ def test_the_trace_says_how_much_of_the_note_each_layer_kept_and_pinning_keeps_i
     smollm, env, tmp_path
 ):
     """Task 401 (k = 1): its note, forced at step 1, against an 8-token window (4 sinks, 4
-    recent tokens) that evicts it as the action after it is forced, unless the replies are
-    pinned; the trace has the share after each page."""
-    kept = {}
-    for pin in (False, True):
+    recent tokens) that evicts it as the action after it is forced, unless the notes or the
+    whole replies are pinned; the trace has the share after each page."""
+    kept, reply_kept = {}, {}
+    for pin in ("none", "notes", "all"):
         engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=8), 64)
         record = run_recall_task(
-            load_task(401), engine, env, tmp_path / f"pin-{pin}", "smollm", pin_replies=pin
+            load_task(401), engine, env, tmp_path / pin, "smollm", pin_replies=pin
         )
-        assert record.pin_replies is pin and record.error is None
-        trace = json.loads((tmp_path / f"pin-{pin}" / TRACE_JSON).read_text())
-        kept[pin] = (trace["pages"][0]["notes_kept"], record.notes_kept)
+        assert record.pin_replies == pin and record.error is None
+        trace = json.loads((tmp_path / pin / TRACE_JSON).read_text())
         first, last = trace["pages"]
+        kept[pin] = (first["notes_kept"], record.notes_kept)
+        reply_kept[pin] = first["reply_kept_at_answer"]
         # at the answer: the latest page whole (pinned), the first one (~400 tokens) all but gone
         assert last["kept_at_answer"] == 1.0 and first["kept_at_answer"] < 0.05
-        # the unpinned reply keeps at most its last tokens, the window's 4 recent ones
-        assert (
-            (first["reply_kept_at_answer"] == 1.0) if pin else first["reply_kept_at_answer"] < 0.5
-        )
-    assert kept[True] == ({"1": 1.0}, {"1": 1.0})
-    assert kept[False] == ({"1": 0.0}, {"1": 0.0})
+    assert kept == {
+        "none": ({"1": 0.0}, {"1": 0.0}),
+        "notes": ({"1": 1.0}, {"1": 1.0}),
+        "all": ({"1": 1.0}, {"1": 1.0}),
+    }
+    # unpinned, the reply keeps at most the window's 4 recent tokens; "notes" the note too
+    assert reply_kept["none"] < 0.5 < reply_kept["notes"] < reply_kept["all"] == 1.0
 
 
 @pytest.mark.browser

@@ -20,7 +20,7 @@ from typing import Any
 
 from playwright.sync_api import Error as PlaywrightError
 
-from agent_kv.errors import ContextOverflowError
+from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
@@ -34,6 +34,16 @@ from envs.tasks import Task
 
 OBSERVATION_TEMPLATE = "Page:\n{observation}\nGoal: {intent}"
 TRUNCATION_NOTE = "\n[observation truncated]"
+
+
+PIN_REPLIES = ("none", "notes", "all")
+"""What `AgentConfig.pin_replies` can pin of the agent's replies."""
+
+
+def check_pin_replies(value: str) -> None:
+    """Raises ConfigError for a `pin_replies` setting outside `PIN_REPLIES`."""
+    if value not in PIN_REPLIES:
+        raise ConfigError(f"pin_replies must be one of {', '.join(PIN_REPLIES)}, got {value!r}")
 
 
 @dataclass
@@ -51,8 +61,10 @@ class AgentConfig:
             its page's calls); False decodes freely.
         agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
             per action; `agent_kv.harness.action_formats`).
-        pin_replies: pin every reply of the agent (its actions, and its notes in the
-            scripted runner's format): short, and they carry what the agent gathered.
+        pin_replies: which of the agent's replies to pin (`PIN_REPLIES`): "none", "notes"
+            (the note a reply begins with, `note [fact]`, in the scripted runner's format;
+            a free agent writes none) or "all" (every reply, actions and notes: short, and
+            they carry what the agent gathered).
     """
 
     max_steps: int = 6
@@ -62,7 +74,10 @@ class AgentConfig:
     )
     constrain: bool = True
     agent: str = "text"
-    pin_replies: bool = False
+    pin_replies: str = "none"
+
+    def __post_init__(self) -> None:
+        check_pin_replies(self.pin_replies)
 
     @property
     def action_format(self) -> ActionFormat:
@@ -247,7 +262,7 @@ def run_episode(
             decoding = fmt.decoding(
                 engine, config.sampling, text, len(observation["tabs"]), config.constrain
             )
-            reply = chat.reply(decoding.params, pin=config.pin_replies)
+            reply = chat.reply(decoding.params, pin=config.pin_replies == "all")
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
             result = _act(env, fmt, reply.text)

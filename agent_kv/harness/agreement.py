@@ -142,7 +142,8 @@ def replay_agreement(
             if name == "policy":
                 decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)
                 own = _action_text(fmt, chat.fork().reply(decoding.params).text)
-            forced = chat.force_reply(step.action, keep_distributions=True, pin=config.pin_replies)
+            pin = config.pin_replies == "all"
+            forced = chat.force_reply(step.action, keep_distributions=True, pin=pin)
             distributions[name] = forced.distributions  # [tokens, vocab]
         previous = len(chats["policy"].messages) - 2  # the observation before the reply
         p, q = distributions["full"], distributions["policy"]

@@ -184,7 +184,7 @@ class BenchSettings:
             tokens/s, seconds per step) are per episode while the model is shared, so it is
             recorded with the sweep like the other settings.
         weights: the model's weight format (`agent_kv.runtime.weight_formats`).
-        pin_replies: pin the agent's replies (`AgentConfig.pin_replies`), in both modes.
+        pin_replies: which of the agent's replies to pin (`AgentConfig.pin_replies`).
     """
 
     max_steps: int = 6
@@ -199,11 +199,14 @@ class BenchSettings:
     positions: str = "original"
     episodes_per_engine: int = 1
     weights: str = DEFAULT_WEIGHTS
-    pin_replies: bool = False
+    pin_replies: str = "none"
 
     def __post_init__(self) -> None:
+        from agent_kv.harness.agent import check_pin_replies
+
         self.model = self.model or bundled_models.DEFAULT_MODEL  # recorded by name
         check_weight_format(self.weights)
+        check_pin_replies(self.pin_replies)
         if self.episodes_per_engine < 1:
             raise ValueError(f"episodes_per_engine must be >= 1, got {self.episodes_per_engine}")
 
@@ -1298,7 +1301,7 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
         add_observation(chat, observation["text"], task.intent, config, previous, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        forced = chat.force_reply(fmt.reply(concrete), pin=config.pin_replies)
+        forced = chat.force_reply(fmt.reply(concrete), pin=config.pin_replies == "all")
         matches.append(forced.greedy)
         logprobs += forced.logprobs
         result = env.step(concrete)

@@ -221,7 +221,7 @@ class RecallRecord:
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
         evicted_tokens: tokens the policy evicted (`StoreFigures.evicted_tokens`).
         policy: the policy's name; policy_params its settings.
-        pin_replies: whether the forced replies (notes and actions) were pinned.
+        pin_replies: which forced replies were pinned (`AgentConfig.pin_replies`).
         notes_kept: per step (as a string) whose forced reply begins with a note, the share
             of the note's tokens live when the answer is decoded, averaged over the layers
             (`KVStore.kept_share`; the trace has it after every page).
@@ -252,7 +252,7 @@ class RecallRecord:
     evicted_tokens: int
     policy: str
     policy_params: dict[str, Any]
-    pin_replies: bool
+    pin_replies: str
     notes_kept: dict[str, float]
     positions: str
     model: str
@@ -281,7 +281,7 @@ def run_recall_task(
     fmt: RecallFormat = DEFAULT_FORMAT,
     decode: Decoder | None = None,
     on_page: Callable[[int, int], None] | None = None,
-    pin_replies: bool = False,
+    pin_replies: str = "none",
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
@@ -289,8 +289,8 @@ def run_recall_task(
     and whether it was the greedy choice, the share of each note's tokens live after each page,
     the share of each page's and reply's tokens live when the answer is decoded, the final
     prompt's length, the reply and the record). `on_page(n, pages)`, if given, is called as
-    page n of the task's `pages` enters the conversation (progress). With `pin_replies`, each
-    forced reply is pinned (`AgentConfig.pin_replies`).
+    page n of the task's `pages` enters the conversation (progress). `pin_replies` says which
+    forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`).
 
     Raises:
         envs.browser_env.ActionError: a scripted action names no element of its page or
@@ -329,12 +329,14 @@ def run_recall_task(
             except ActionError as error:
                 raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
             reply = fmt.reply(action, concrete)
-            forced = chat.force_reply(reply, pin=pin_replies)
-            hits += forced.greedy
             note = NOTE.match(reply)
+            note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
+            pin = pin_replies == "all" or (pin_replies == "notes" and note_tokens)
+            forced = chat.force_reply(reply, pin=pin)
+            hits += forced.greedy
             if note:
                 start = chat.spans[len(chat.messages) - 1][0]
-                notes[str(number)] = (start, start + _token_count(chat, note[0].rstrip()))
+                notes[str(number)] = (start, start + note_tokens)
             page.update(
                 action=reply,
                 greedy=forced.greedy,

@@ -166,7 +166,7 @@ class Conversation:
         return generation
 
     def force_reply(
-        self, text: str, keep_distributions: bool = False, pin: bool = False
+        self, text: str, keep_distributions: bool = False, pin: bool | int = False
     ) -> ForcedReply:
         """Teacher-force `text` as the next assistant reply: whether greedy decoding would
         have produced it, and how likely the model found it.
@@ -180,7 +180,8 @@ class Conversation:
         Args:
             text: the reply (e.g. a reference action, "click [12]").
             keep_distributions: also return each step's next-token log-probabilities.
-            pin: pin the reply's tokens (from before the first is fed).
+            pin: pin the reply's tokens (True), or its first `pin` tokens (a count; e.g. a
+                note before the action), from before the first is fed.
 
         Returns:
             Per token of `text`: whether it was the most likely next token, and its log
@@ -196,8 +197,9 @@ class Conversation:
         store = self.sequence.store
         reply_start = store.seen_tokens + len(prompt)
         tokens = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if pin:
-            store.pins.pin(reply_start, reply_start + len(tokens))
+        pinned = len(tokens) if pin is True else min(int(pin), len(tokens))
+        if pinned:
+            store.pins.pin(reply_start, reply_start + pinned)
         logits = self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
         forced = ForcedReply([], [])
         distributions = []
