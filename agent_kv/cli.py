@@ -226,7 +226,7 @@ def run_episode_command(
     out: Annotated[Path, typer.Option(help="Directory for the episode's trace.")] = Path("runs"),
 ) -> None:
     """Run one web task in headless Chromium and print a JSON summary."""
-    from agent_kv.harness.agent import check_pin_replies
+    from agent_kv.harness.reply_pins import check_pin_replies
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError, load_task
 
@@ -457,7 +457,7 @@ def bench_command(
     at --ray-address); write results.jsonl, summary.md and success_vs_memory.png under --out
     and print the summary table."""
     from agent_kv.harness import bench
-    from agent_kv.harness.agent import check_pin_replies
+    from agent_kv.harness.reply_pins import check_pin_replies
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
@@ -475,6 +475,7 @@ def bench_command(
                 f"--budgets must be comma-separated integers, got {budgets!r}"
             ) from None
         _check_mode(mode)
+        check_pin_replies(pin_replies)
         agent_list = bench.parse_list(agents, "--agents")
         for agent in agent_list:
             _check_agent(agent, "--agents")
@@ -487,7 +488,6 @@ def bench_command(
             PolicySpec.parse(
                 job.policy, job.budget, None, int8=job.precision == "int8", positions=positions
             )
-        check_pin_replies(pin_replies)
         find_chromium()
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:

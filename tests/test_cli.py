@@ -247,6 +247,14 @@ whether torch was imported."""
             ["run-episode", "--task", "401", "--mode", "scripted", "--agent", "tools"],
             "takes --agent text only",
         ),
+        (
+            ["run-episode", "--task", "401", "--mode", "scripted", "--pin-replies", "some"],
+            "pin_replies must be one of none, notes, all, got 'some'",
+        ),
+        (
+            ["bench", "--tasks", "541", "--out", "unused", "--pin-replies", "notes,all"],
+            "pin_replies must be one of none, notes, all",
+        ),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
         (["serve", "--session-bytes", "60XB"], "60XB"),
         (["sites", "--sites", "bank"], "unknown site 'bank'"),

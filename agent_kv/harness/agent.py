@@ -20,8 +20,9 @@ from typing import Any
 
 from playwright.sync_api import Error as PlaywrightError
 
-from agent_kv.errors import ConfigError, ContextOverflowError
+from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
+from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
@@ -34,16 +35,6 @@ from envs.tasks import Task
 
 OBSERVATION_TEMPLATE = "Page:\n{observation}\nGoal: {intent}"
 TRUNCATION_NOTE = "\n[observation truncated]"
-
-
-PIN_REPLIES = ("none", "notes", "all")
-"""What `AgentConfig.pin_replies` can pin of the agent's replies."""
-
-
-def check_pin_replies(value: str) -> None:
-    """Raises ConfigError for a `pin_replies` setting outside `PIN_REPLIES`."""
-    if value not in PIN_REPLIES:
-        raise ConfigError(f"pin_replies must be one of {', '.join(PIN_REPLIES)}, got {value!r}")
 
 
 @dataclass
@@ -61,7 +52,7 @@ class AgentConfig:
             its page's calls); False decodes freely.
         agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
             per action; `agent_kv.harness.action_formats`).
-        pin_replies: which of the agent's replies to pin (`PIN_REPLIES`): "none", "notes"
+        pin_replies: which of the agent's replies to pin (`reply_pins.PIN_REPLIES`): "none", "notes"
             (the note a reply begins with, `note [fact]`, in the scripted runner's format;
             a free agent writes none) or "all" (every reply, actions and notes: short, and
             they carry what the agent gathered).

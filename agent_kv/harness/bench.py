@@ -82,6 +82,7 @@ from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.harness.intervals import paired_difference_interval, success_interval
+from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.kv.policy_names import check_policy_name, split_recall
 from agent_kv.renamed_fields import current_names
 from agent_kv.runtime import bundled_models
@@ -202,8 +203,6 @@ class BenchSettings:
     pin_replies: str = "none"
 
     def __post_init__(self) -> None:
-        from agent_kv.harness.agent import check_pin_replies
-
         self.model = self.model or bundled_models.DEFAULT_MODEL  # recorded by name
         check_weight_format(self.weights)
         check_pin_replies(self.pin_replies)
