@@ -16,7 +16,10 @@ directory, float32) in one of three ways, each ending in a greedy answer:
   (the first 4 positions), the pinned tokens (system turn and examples, the latest page, the
   notes) and the newest `--budget` other tokens: the window policy with `--pin-replies notes`;
 - `posthoc`: every token fed with nothing evicted, then the same eviction once, just before
-  the question.
+  the question;
+- `reencode`: as `incremental`, then the tokens the window kept are encoded again, alone, at
+  their original positions, in a fresh cache before the question (what a policy that
+  re-encodes its kept tokens would read).
 
     .venv/bin/python -m scripts.long_tasks.kept_context_probe TRACE --mode subset --keep note
 
@@ -168,14 +171,22 @@ def subset(probe: Probe, parts: list[Part], keep: set[str], renumber: bool) -> i
     return fed[-1] + 1
 
 
-def evicting(probe: Probe, parts: list[Part], budget: int, once: bool) -> int:
+def evicting(
+    probe: Probe, parts: list[Part], budget: int, once: bool, reencode: bool = False
+) -> int:
     """Feed every token in the runner's order, evicting after each call (`incremental`) or
-    once before the question (`posthoc`); returns the next position."""
+    once before the question (`posthoc`), and with `reencode` encode the kept tokens again
+    in a fresh cache; returns the next position."""
     pinned: set[int] = set()
     latest: range | None = None
     for part in parts:
         if part.kind == "question":
             probe.evict(pinned, budget)
+            if reencode:
+                kept = probe.live.tolist()
+                ids = [token for part in parts for token in part.ids]
+                probe.cache, probe.live = DynamicCache(), torch.zeros(0, dtype=torch.long)
+                probe.feed([ids[p] for p in kept], kept)
             probe.feed(part.ids, list(part.positions))
             return part.positions.stop
         if part.kind == "system":
@@ -198,7 +209,9 @@ def evicting(probe: Probe, parts: list[Part], budget: int, once: bool) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path, help="a scripted episode's recall.json")
-    parser.add_argument("--mode", choices=("subset", "incremental", "posthoc"), required=True)
+    parser.add_argument(
+        "--mode", choices=("subset", "incremental", "posthoc", "reencode"), required=True
+    )
     parser.add_argument("--keep", default="", help="subset: note,replies,fact-page,recent")
     parser.add_argument("--renumber", action="store_true", help="subset: positions from 0")
     parser.add_argument("--budget", type=int, default=256, help="the window's unpinned tokens")
@@ -215,7 +228,8 @@ def main() -> None:
         keep = {name for name in args.keep.split(",") if name}
         following = subset(probe, parts, keep, args.renumber)
     else:
-        following = evicting(probe, parts, args.budget, once=args.mode == "posthoc")
+        once, reencode = args.mode == "posthoc", args.mode == "reencode"
+        following = evicting(probe, parts, args.budget, once, reencode)
     answer = task.answer_prefix + probe.answer(following)
     print(
         json.dumps(
