@@ -8,7 +8,8 @@ directory, float32) in one of three ways, each ending in a greedy answer:
 
 - `subset`: only some tokens, encoded without the rest of the history, at their original
   positions (or renumbered from 0 with `--renumber`): the system turn and examples, the latest
-  page and the question always, plus `--keep` parts (`note`: the reply that carries the note;
+  page and the question always, plus `--keep` parts (`note`: the reply that carries the note,
+  its turn's template tokens included; `note-tokens`: the note's own tokens alone;
   `replies`: every reply; `fact-page`: the page the note was written on; `recent`: the 256
   tokens before the latest page);
 - `incremental`: every token fed in the runner's order (pages in 512-token chunks, replies one
@@ -61,7 +62,7 @@ class Part:
     kind: str  # "system", "page", "reply" or "question"
     start: int
     ids: list[int]
-    note_tokens: int = 0  # a reply's tokens that carry its note
+    note: range = range(0)  # a reply's positions that carry its note (after the turn's header)
 
     @property
     def positions(self) -> range:
@@ -86,19 +87,24 @@ def rebuild(trace: dict, tokenizer, answer_prefix: str) -> list[Part]:
             kinds.append("reply")
     parts, rendered, start = [], "", 0
 
-    def add(kind: str, text: str, note_tokens: int = 0) -> None:
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def add(kind: str, text: str, note: range = range(0)) -> None:
         nonlocal start
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        parts.append(Part(kind, start, ids, note_tokens))
+        parts.append(Part(kind, start, ids, note))
         start += len(ids)
 
     for i, kind in enumerate(kinds):
         text = render_chat(tokenizer, messages[: i + 1], (), False)
-        note = NOTE.match(messages[i]["content"]) if kind == "reply" else None
-        note_tokens = (
-            len(tokenizer(note[0].rstrip(), add_special_tokens=False)["input_ids"]) if note else 0
-        )
-        add(kind, text[len(rendered) :], note_tokens)
+        delta, content = text[len(rendered) :], messages[i]["content"]
+        note = NOTE.match(content) if kind == "reply" else None
+        span = range(0)
+        if note:
+            first = start + count(delta[: delta.index(content)])  # after the turn's header
+            span = range(first, first + count(note[0].rstrip()))
+        add(kind, delta, span)
         rendered = text
     question = render_chat(tokenizer, messages, (), True)[len(rendered) :]
     add("question", question + STOP_PREFIX + answer_prefix)
@@ -154,11 +160,13 @@ class Probe:
 def subset(probe: Probe, parts: list[Part], keep: set[str], renumber: bool) -> int:
     """Feed only the kept parts (`--mode subset`); returns the next position."""
     latest = max(i for i, part in enumerate(parts) if part.kind == "page")
-    noted = [i for i, part in enumerate(parts) if part.note_tokens]
+    noted = [i for i, part in enumerate(parts) if part.note]
     positions: set[int] = set()
     for i, part in enumerate(parts):
         always = part.kind in ("system", "question") or i == latest
         note = "note" in keep and i in noted
+        if "note-tokens" in keep and i in noted:
+            positions.update(part.note)
         fact_page = "fact-page" in keep and noted and i == noted[0] - 1
         if always or note or fact_page or ("replies" in keep and part.kind == "reply"):
             positions.update(part.positions)
@@ -196,7 +204,7 @@ def evicting(
                 pinned.difference_update(latest)
             latest = part.positions
             pinned.update(latest)
-        pinned.update(range(part.start, part.start + part.note_tokens))
+        pinned.update(part.note)
         step = CHUNK if part.kind != "reply" else 1
         for offset in range(0, len(part.ids), step):
             piece = part.ids[offset : offset + step]
@@ -212,7 +220,9 @@ def main() -> None:
     parser.add_argument(
         "--mode", choices=("subset", "incremental", "posthoc", "reencode"), required=True
     )
-    parser.add_argument("--keep", default="", help="subset: note,replies,fact-page,recent")
+    parser.add_argument(
+        "--keep", default="", help="subset: note,note-tokens,replies,fact-page,recent"
+    )
     parser.add_argument("--renumber", action="store_true", help="subset: positions from 0")
     parser.add_argument("--budget", type=int, default=256, help="the window's unpinned tokens")
     parser.add_argument("--threads", type=int, default=1)
