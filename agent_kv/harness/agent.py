@@ -22,7 +22,7 @@ from playwright.sync_api import Error as PlaywrightError
 
 from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
-from agent_kv.harness.reply_pins import check_pin_replies
+from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
@@ -253,7 +253,7 @@ def run_episode(
             decoding = fmt.decoding(
                 engine, config.sampling, text, len(observation["tabs"]), config.constrain
             )
-            reply = chat.reply(decoding.params, pin=config.pin_replies == "all")
+            reply = chat.reply(decoding.params, pin=bool(reply_pin(config.pin_replies)))
             ttfts.append(reply.ttft_s)
             rates.append(reply.decode_tokens_per_s)
             result = _act(env, fmt, reply.text)

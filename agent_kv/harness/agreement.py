@@ -28,6 +28,7 @@ import torch
 
 from agent_kv.harness.action_formats import ActionFormat
 from agent_kv.harness.agent import AgentConfig, add_observation, observation_role, open_conversation
+from agent_kv.harness.reply_pins import reply_pin
 from agent_kv.runtime.engine import Engine
 from envs.actions import ActionParseError, parse_action
 
@@ -142,7 +143,7 @@ def replay_agreement(
             if name == "policy":
                 decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)
                 own = _action_text(fmt, chat.fork().reply(decoding.params).text)
-            pin = config.pin_replies == "all"
+            pin = reply_pin(config.pin_replies)
             forced = chat.force_reply(step.action, keep_distributions=True, pin=pin)
             distributions[name] = forced.distributions  # [tokens, vocab]
         previous = len(chats["policy"].messages) - 2  # the observation before the reply

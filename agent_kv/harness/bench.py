@@ -82,7 +82,7 @@ from typing import Any, Protocol
 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.harness.intervals import paired_difference_interval, success_interval
-from agent_kv.harness.reply_pins import check_pin_replies
+from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.kv.policy_names import check_policy_name, split_recall
 from agent_kv.renamed_fields import current_names
 from agent_kv.runtime import bundled_models
@@ -1300,7 +1300,7 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
         add_observation(chat, observation["text"], task.intent, config, previous, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        forced = chat.force_reply(fmt.reply(concrete), pin=config.pin_replies == "all")
+        forced = chat.force_reply(fmt.reply(concrete), pin=reply_pin(config.pin_replies))
         matches.append(forced.greedy)
         logprobs += forced.logprobs
         result = env.step(concrete)

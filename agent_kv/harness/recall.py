@@ -42,6 +42,7 @@ from agent_kv.harness.agent import (
     kv_reductions,
     open_conversation,
 )
+from agent_kv.harness.reply_pins import reply_pin
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
@@ -267,9 +268,15 @@ def _token_count(chat: Conversation, text: str) -> int:
     return len(chat.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _kept(store, span: tuple[int, int]) -> float:
+    """The share of the positions `span` that `store` holds now (`KVStore.kept_share`),
+    rounded for the trace."""
+    return round(store.kept_share(*span), 3)
+
+
 def _notes_kept(store, notes: dict[str, tuple[int, int]]) -> dict[str, float]:
-    """Per step, the share of its note's tokens `store` holds now (`KVStore.kept_share`)."""
-    return {step: round(store.kept_share(*span), 3) for step, span in notes.items()}
+    """Per step, the share of its note's tokens `store` holds now."""
+    return {step: _kept(store, span) for step, span in notes.items()}
 
 
 def run_recall_task(
@@ -331,8 +338,7 @@ def run_recall_task(
             reply = fmt.reply(action, concrete)
             note = NOTE.match(reply)
             note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
-            pin = pin_replies == "all" or (pin_replies == "notes" and note_tokens)
-            forced = chat.force_reply(reply, pin=pin)
+            forced = chat.force_reply(reply, pin=reply_pin(pin_replies, note_tokens))
             hits += forced.greedy
             if note:
                 start = chat.spans[len(chat.messages) - 1][0]
@@ -352,9 +358,9 @@ def run_recall_task(
         history = store.seen_tokens
         notes_kept = _notes_kept(store, notes)
         for page, message in zip(pages, page_messages, strict=True):
-            page["kept_at_answer"] = round(store.kept_share(*chat.spans[message]), 3)
+            page["kept_at_answer"] = _kept(store, chat.spans[message])
             if message + 1 in chat.spans:
-                page["reply_kept_at_answer"] = round(store.kept_share(*chat.spans[message + 1]), 3)
+                page["reply_kept_at_answer"] = _kept(store, chat.spans[message + 1])
         decoded = decode(chat)
     except ContextOverflowError as err:
         error, history = str(err), store.seen_tokens

@@ -14,3 +14,12 @@ def check_pin_replies(value: str) -> None:
     """Raises ConfigError for a `pin_replies` setting outside `PIN_REPLIES`."""
     if value not in PIN_REPLIES:
         raise ConfigError(f"pin_replies must be one of {', '.join(PIN_REPLIES)}, got {value!r}")
+
+
+def reply_pin(setting: str, note_tokens: int = 0) -> bool | int:
+    """What to pin of one reply under `setting` (`Conversation.force_reply`'s and `reply`'s
+    `pin`): True for the whole reply ("all"), the count of its first tokens that hold its
+    note ("notes"; `note_tokens`, 0 for a reply without one), else nothing."""
+    if setting == "all":
+        return True
+    return note_tokens if setting == "notes" else 0
