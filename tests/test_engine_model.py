@@ -236,3 +236,48 @@ def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
     windowed = window.new_sequence()
     assert window.score(windowed, prompt_ids, chunk=8).mean() < scored.mean() - 0.5
     assert max(windowed.store.lengths()) <= 16
+
+
+def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(smollm, prompt_ids):
+    """After eviction, a new message on a `reencode` engine reads the kept tokens as if only
+    they had been fed, at their original positions: its logits equal transformers' forward
+    over the kept tokens alone with those position ids, where the engine without re-encoding
+    (its kept keys computed with the evicted history) differs."""
+
+    def run(reencode: bool):
+        policy = make_policy("window", budget=40, evict_slack=0)
+        engine = Engine(smollm.model, smollm.tokenizer, policy, 64, reencode=reencode)
+        session = engine.new_sequence()
+        engine.feed(session, prompt_ids[:200])
+        kept = session.store.live_positions(0).tolist()
+        before = (session.store.figures.evicted_tokens, session.store.figures.peak_allocated_bytes)
+        logits = engine.feed(session, prompt_ids[200:203])
+        return kept, before, logits, session
+
+    kept, (evicted, peak), logits, session = run(reencode=True)
+    assert kept == [0, 1, 2, 3, *range(164, 200)]  # 4 sinks and the newest 36
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm.source, attn_implementation="sdpa"
+    ).eval()
+    positions = [*kept, 200, 201, 202]
+    with torch.inference_mode():
+        out = reference(
+            input_ids=torch.tensor([[prompt_ids[p] for p in positions]]),
+            position_ids=torch.tensor([positions]),
+        )
+    expected = out.logits[0, -1].float()
+    assert (logits - expected).abs().max().item() < 1e-4
+    plain = run(reencode=False)[2]
+    assert (plain - expected).abs().max().item() > 1e-2
+    # the history, positions, pins and figures carry over the fresh cache
+    store = session.store
+    assert session.token_ids == prompt_ids[:203] and store.seen_tokens == 203
+    assert store.live_positions(0).tolist() == [0, 1, 2, 3, *range(167, 203)]
+    assert store.figures.evicted_tokens >= evicted and store.figures.peak_allocated_bytes >= peak
+    assert session.evicted_at_reencode == evicted  # nothing evicted while re-encoding
+    # not due again until the cache has evicted as many tokens as it holds
+    calls = []
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), reencode=True)
+    engine.reencode = lambda sequence: calls.append(sequence)
+    engine.feed(engine.new_sequence(), prompt_ids[:50])
+    assert calls == []  # full KV never evicts: never due

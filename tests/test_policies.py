@@ -375,3 +375,17 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     expected = probs[0, :, -observed:].sum(dim=1).view(2, 3, -1).sum(dim=1)  # [kv_heads, L]
     torch.testing.assert_close(store.fp["window_mass"][0, 0, :, : 30 + query_len], expected)
     assert store.observed_from == [30 + query_len - observed]
+
+
+def test_reencode_is_a_setting_of_the_engine_named_by_a_suffix():
+    spec = PolicySpec.parse("window+reencode", 64, None)
+    assert (spec.name, spec.reencode, spec.label) == ("window", True, "window+reencode")
+    assert not PolicySpec.parse("window", 64, None).reencode
+    with pytest.raises(ConfigError, match="nothing to re-encode"):
+        PolicySpec.parse("full+reencode", None, None)
+    with pytest.raises(ConfigError, match="cold tier"):
+        PolicySpec.parse("h2o+recall+reencode", 64, None)
+    with pytest.raises(ConfigError, match="cold tier"):
+        PolicySpec.parse("h2o+reencode", 64, None, recall=True)
+    with pytest.raises(ConfigError, match="engine's setting"):
+        make_policy("window+reencode", budget=64)

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from agent_kv.errors import TurnCancelled
+from agent_kv.errors import ConfigError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.batch_scheduler import BatchScheduler
@@ -120,6 +120,8 @@ def test_scheduler_feed_refuses_as_engine_feed_and_stops_when_cancelled(smollm):
     logits = view.feed(sequence, list(range(100, 140)))
     assert logits.shape == (smollm.model.config.vocab_size,) and logits.dtype == torch.float32
     assert sequence.token_ids == list(range(100, 140)) and len(sequence.steps) == 2  # 2 chunks
+    with pytest.raises(ConfigError, match="plain engine"):
+        ScheduledEngine.from_spec(PolicySpec.parse("window+reencode", 64, None), scheduler)
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         view.feed(sequence, [5])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import POLICIES, make_policy
-from agent_kv.kv.policy_names import UNBUDGETED_NAMES, split_recall
+from agent_kv.kv.policy_names import UNBUDGETED_NAMES, base_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
@@ -166,7 +166,7 @@ def run(ctx: EvalContext) -> Report:
     if ctx.policies:
         rows = {k: v for k, v in rows.items() if v[0] == "full" or v[0] in ctx.policies}
         for name in ctx.policies:
-            budgets = [None] if not POLICIES[split_recall(name)[0]].takes_budget else sizes.budgets
+            budgets = [None] if not POLICIES[base_policy(name)].takes_budget else sizes.budgets
             rows |= {f"{name} {b}" if b else name: (name, b) for b in budgets}
     engines = {
         label: Engine(
@@ -174,8 +174,8 @@ def run(ctx: EvalContext) -> Report:
             loaded.tokenizer,
             make_policy(
                 name,
-                budget=budget if POLICIES[split_recall(name)[0]].takes_budget else None,
-                **POLICY_PARAMS.get(split_recall(name)[0], {}),
+                budget=budget if POLICIES[base_policy(name)].takes_budget else None,
+                **POLICY_PARAMS.get(base_policy(name), {}),
             ),
             prefill_chunk=PREFILL_CHUNK,
         )

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import make_policy
-from agent_kv.kv.policy_names import split_recall
+from agent_kv.kv.policy_names import base_policy, split_recall
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
@@ -128,7 +128,7 @@ def run(ctx: EvalContext) -> Report:
             make_policy(
                 name,
                 budget=None if name == "full" else size.budget,
-                **POLICY_PARAMS.get(split_recall(name)[0], {}),
+                **POLICY_PARAMS.get(base_policy(name), {}),
             ),
             prefill_chunk=size.prefill_chunk,
             rerotate=rerotate,

@@ -235,7 +235,6 @@ def run_episode(
     (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
     chat = open_conversation(engine, task.intent, fmt)
-    store = chat.sequence.store
     answer, end_reason, steps, error = None, "max_steps", 0, None
     ttfts: list[float] = []
     rates: list[float] = []
@@ -244,7 +243,7 @@ def run_episode(
     try:
         observation = env.reset(task)
         for step in range(1, config.max_steps + 1):
-            step_started, first_token = time.perf_counter(), store.seen_tokens
+            step_started, first_token = time.perf_counter(), chat.sequence.store.seen_tokens
             role = observation_role(fmt, previous_observation)
             text = add_observation(
                 chat, observation["text"], task.intent, config, previous_observation, role
@@ -265,7 +264,7 @@ def run_episode(
                 observation,
                 reply.text,
                 result,
-                store,
+                chat.sequence.store,
                 decoding.record(),
                 step_times[-1],
                 step_cache_fields(chat, first_token, previous_observation),
@@ -285,6 +284,7 @@ def run_episode(
         error = str(err)
         end_reason, score, details = "error", 0.0, {"error": error}
     _write_kv_steps(trace_dir, chat.sequence.steps)
+    store = chat.sequence.store  # as the episode ends (`Engine.reencode` replaces it)
     episode = EpisodeResult(
         task_id=task.task_id,
         agent=config.agent,

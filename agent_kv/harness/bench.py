@@ -83,7 +83,7 @@ from typing import Any, Protocol
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.harness.intervals import paired_difference_interval, success_interval
 from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
-from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.kv.policy_names import base_policy, check_policy_name
 from agent_kv.renamed_fields import current_names
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
@@ -347,7 +347,7 @@ def make_jobs(
     jobs = []
     for task in tasks:
         for policy in dict.fromkeys(policies):
-            cls = POLICIES[split_recall(policy)[0]]
+            cls = POLICIES[base_policy(policy)]
             if cls.manages_precision:
                 precision = cls.quantized
             else:
@@ -956,7 +956,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows.sort(
         key=lambda r: (
             r["policy"] != "full",
-            order.get(split_recall(r["policy"])[0], len(order)),
+            order.get(base_policy(r["policy"]), len(order)),
             r["policy"],
             r["budget"] or 0,
             r["precision"],

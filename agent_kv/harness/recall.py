@@ -310,7 +310,6 @@ def run_recall_task(
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
     chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
-    store = chat.sequence.store
     pages: list[dict[str, Any]] = []
     notes: dict[str, tuple[int, int]] = {}  # step -> the note's token positions
     page_messages: list[int] = []  # each page's message index
@@ -346,8 +345,8 @@ def run_recall_task(
             page.update(
                 action=reply,
                 greedy=forced.greedy,
-                tokens_seen=store.seen_tokens,
-                notes_kept=_notes_kept(store, notes),
+                tokens_seen=chat.sequence.store.seen_tokens,
+                notes_kept=_notes_kept(chat.sequence.store, notes),
             )
             observation = env.step(concrete).observation
             if observation["error"] is not None:
@@ -355,21 +354,22 @@ def run_recall_task(
                     f"task {task.task_id} step {number} {action}: {observation['error']}"
                 )
         chat.prefill()
-        history = store.seen_tokens
-        notes_kept = _notes_kept(store, notes)
+        history = chat.sequence.store.seen_tokens
+        notes_kept = _notes_kept(chat.sequence.store, notes)
         for page, message in zip(pages, page_messages, strict=True):
-            page["kept_at_answer"] = _kept(store, chat.spans[message])
+            page["kept_at_answer"] = _kept(chat.sequence.store, chat.spans[message])
             if message + 1 in chat.spans:
-                page["reply_kept_at_answer"] = _kept(store, chat.spans[message + 1])
+                page["reply_kept_at_answer"] = _kept(chat.sequence.store, chat.spans[message + 1])
         decoded = decode(chat)
     except ContextOverflowError as err:
-        error, history = str(err), store.seen_tokens
-        notes_kept = _notes_kept(store, notes)
+        error, history = str(err), chat.sequence.store.seen_tokens
+        notes_kept = _notes_kept(chat.sequence.store, notes)
     if error is None:
         verdict = evaluate(task, decoded.answer, env.url, env.servers, env.read_page)
         score = verdict.score
     else:
         score = 0.0
+    store = chat.sequence.store  # as the episode ends (`Engine.reencode` replaces it)
     record = RecallRecord(
         task_id=task.task_id,
         sites=task.sites,

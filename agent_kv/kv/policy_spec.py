@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agent_kv.errors import ConfigError
-from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.kv.policy_names import (
+    REENCODE_SUFFIX,
+    check_policy_name,
+    split_recall,
+    split_reencode,
+)
 
 if TYPE_CHECKING:  # the store imports torch: this module must not, so options fail fast
     from agent_kv.kv.cold_tier import ColdConfig
@@ -25,7 +30,8 @@ UNCHECKED_BUDGET = 2**40
 class PolicySpec:
     """A policy and its store options as the command line gives them; a byte budget needs
     the model to become tokens. `name` is the policy's own name (a `+recall` suffix becomes
-    `recall`); `label` names the whole setting."""
+    `recall`, a `+reencode` suffix `reencode`: the engine's `Engine.reencode` before new
+    messages); `label` names the whole setting."""
 
     name: str
     budget: int | None
@@ -34,11 +40,14 @@ class PolicySpec:
     int8: Int8Config | None
     rerotate: bool
     recall: ColdConfig | None = None
+    reencode: bool = False
 
     @property
     def label(self) -> str:
-        """The policy's name, with `+recall` when the cold tier is on (`h2o+recall`)."""
-        return self.name + ("+recall" if self.recall is not None else "")
+        """The policy's name, with `+recall` when the cold tier is on (`h2o+recall`) and
+        `+reencode` when the engine re-encodes (`window+reencode`)."""
+        recall = "+recall" if self.recall is not None else ""
+        return self.name + recall + (REENCODE_SUFFIX if self.reencode else "")
 
     @classmethod
     def parse(
@@ -65,8 +74,8 @@ class PolicySpec:
             ConfigError: both budgets given, an unreadable size, unknown positions mode,
                 `fp_window` without `int8`, a malformed `--param`, an unknown policy (these
                 before torch is imported), invalid policy, INT8 or recall settings, recall
-                parameters without recall, or `int8` with a policy that quantizes by its own
-                rule.
+                parameters without recall, `int8` with a policy that quantizes by its own
+                rule, or a `+reencode` name with recall.
         """
         from agent_kv.kv.budgets import parse_bytes
 
@@ -79,7 +88,13 @@ class PolicySpec:
         if fp_window is not None and not int8:
             raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
         check_policy_name(name)
+        name, reencode = split_reencode(name)
         name, named_recall = split_recall(name)
+        if reencode and recall:
+            raise ConfigError(
+                f"{REENCODE_SUFFIX} starts a fresh cache without the cold tier that --recall "
+                "reads; choose one of the two"
+            )
         recall_items = parse_params(recall_params or [], "--recall-param")
         if recall_items and not (recall or named_recall):
             raise ConfigError("--recall-param sets the cold tier: it needs --recall")
@@ -95,7 +110,7 @@ class PolicySpec:
         if int8:
             int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
             int8_config.validate()
-        spec = cls(name, budget, size, params, int8_config, positions == "rerotate", cold)
+        spec = cls(name, budget, size, params, int8_config, positions == "rerotate", cold, reencode)
         # a byte budget becomes tokens only once the model is known: check the rest now with
         # a budget no conversion can exceed, the real one again in `build`
         placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget

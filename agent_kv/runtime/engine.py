@@ -25,7 +25,7 @@ from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
-from agent_kv.kv.policies import Policy, check_policy_precision
+from agent_kv.kv.policies import ColdRecall, Policy, check_policy_precision
 from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.prefix_cache import PrefixCache
@@ -60,10 +60,15 @@ class Engine:
             blocks shared by every sequence of this engine (`agent_kv.kv.prefix_cache`,
             `share_prefix`); not with rerotate or sliding-window layers, where keys are not a
             function of their position and history alone or pins do not last.
+        reencode: before feeding a prompt of more than one token (a new message, not a
+            decoded token), encode the kept tokens again without the evicted history
+            (`reencode`) once the cache has evicted, since the last time, as many tokens as
+            it holds (summed over layers): its kept keys and values were then computed with a
+            history more than half of which it no longer holds.
 
     Raises:
-        ConfigError: `prefill_chunk` < 1, invalid `int8` settings, or `rerotate` on a model
-            without rotary embeddings.
+        ConfigError: `prefill_chunk` < 1, invalid `int8` settings, `rerotate` on a model
+            without rotary embeddings, or `reencode` with a policy that keeps a cold tier.
     """
 
     def __init__(
@@ -77,10 +82,15 @@ class Engine:
         rerotate: bool = False,
         compile: bool = False,
         share_prefixes: bool = False,
+        reencode: bool = False,
     ):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         check_store_options(model, policy, int8, rerotate)
+        if reencode and isinstance(policy, ColdRecall):
+            raise ConfigError(
+                "re-encoding starts a fresh cache without the cold tier that recall reads"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -89,6 +99,8 @@ class Engine:
         self.decode_graph = DecodeGraph(model) if compile else None
         self.prefix_cache = _prefix_cache(model, rerotate) if share_prefixes else None
         """The shared prefix blocks of this engine's sequences (`share_prefixes`), or None."""
+        self.reencodes = reencode
+        """Whether new messages are preceded by `reencode` when due (the `reencode` arg)."""
         self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
         generation_config = getattr(model, "generation_config", None)
         candidates = [
@@ -121,8 +133,8 @@ class Engine:
         share_prefixes: bool = False,
     ) -> Engine:
         """An engine for `model` with the policy and store options of `spec` (a byte budget
-        becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost);
-        `compile` and `share_prefixes` as in `Engine`.
+        becomes tokens at this model's FP cost per token and, with INT8, its INT8 cost; a
+        `+reencode` spec sets `reencode`); `compile` and `share_prefixes` as in `Engine`.
 
         Raises:
             ConfigError: the budget holds no token, or invalid policy or engine settings.
@@ -136,6 +148,7 @@ class Engine:
             rerotate=spec.rerotate,
             compile=compile,
             share_prefixes=share_prefixes,
+            reencode=spec.reencode,
         )
 
     @torch.no_grad()
@@ -236,6 +249,9 @@ class Engine:
         Returns:
             `[vocab]` float32 logits after the last token (also kept as `sequence.last_logits`).
 
+        With `reencode` on, a prompt of more than one token is preceded by `reencode` when
+        it is due (the `Engine` argument).
+
         Raises:
             ValueError: `token_ids` is empty.
             ContextOverflowError: the tokens would pass the model's trained context (checked
@@ -246,6 +262,8 @@ class Engine:
         """
         if not token_ids:
             raise ValueError("feed needs at least one token")
+        if self.reencodes and len(token_ids) > 1 and _reencode_due(sequence):
+            self.reencode(sequence)
         store = sequence.store
         if store.positions_mode == "original":
             store.check_context(store.seen_tokens + len(token_ids))
@@ -260,6 +278,51 @@ class Engine:
         self._prefill_row(sequence.cache, 0, token_ids[shared:], sequence.steps, fed, cancel)
         self.publish_prefix(sequence)
         return sequence.last_logits
+
+    @torch.no_grad()
+    def reencode(self, sequence: Sequence) -> int:
+        """Encode the tokens the sequence's cache keeps again, alone, in a fresh cache: every
+        position that some layer still holds (the union over layers), fed in order at its
+        original position (rerotate: renumbered in order, as that mode places kept tokens),
+        so that their keys and values no longer carry the history that was evicted. The
+        policy then steps after each call as in any prefill (a layer that held fewer tokens
+        is evicted down to its budget again); pins, token ids, step records and figures carry
+        over (peaks the larger, counters summed), and the old cache is let go first. Returns
+        the tokens encoded again.
+
+        Why: on a long agent history a cache that keeps an agent's note (pinned) and the
+        latest page still answers from the latest page, while the same tokens encoded
+        without the evicted pages answer from the note (docs/results/long-horizon/README.md,
+        "Pinning the agent's notes does not bring the fact back").
+
+        Raises:
+            ValueError: a store of more than one row, or an empty sequence.
+            ConfigError: the policy keeps a cold tier (a fresh cache would drop it).
+        """
+        old = sequence.store
+        if old.batch != 1 or not sequence.token_ids:
+            raise ValueError("reencode needs a one-row sequence that has seen tokens")
+        if old.recall.tier is not None:
+            raise ConfigError("re-encoding would drop the cold tier that recall reads")
+        kept = torch.cat([old.live_positions(layer) for layer in range(old.num_layers)])
+        kept = kept.unique(sorted=True).tolist()
+        seen, pins, figures = old.seen_tokens, old.pins.flags.clone(), old.figures
+        token_ids, steps = sequence.token_ids, sequence.steps
+        del old
+        sequence.restart(self.new_sequence)
+        store = sequence.store
+        store.pins.load(pins)
+        store.figures.carry(figures)
+        sequence.steps = steps
+        for start, end in _runs(kept):
+            store.skip(start - store.seen_tokens)
+            sequence.last_logits = self._prefill_row(
+                sequence.cache, 0, token_ids[start:end], sequence.steps
+            )
+        store.skip(seen - store.seen_tokens)
+        sequence.token_ids = token_ids
+        sequence.evicted_at_reencode = store.figures.evicted_tokens
+        return len(kept)
 
     def _prefill_row(
         self,
@@ -653,6 +716,26 @@ def _prefix_cache(model: torch.nn.Module, rerotate: bool) -> PrefixCache | None:
         f"{name}|{weights}|{store.dtype}|{store.num_layers}x{store.kv_heads}x{store.head_dim}"
     )
     return PrefixCache(BLOCK_TOKENS, identity.encode())
+
+
+def _reencode_due(sequence: Sequence) -> bool:
+    """Whether the sequence's cache has evicted, since its kept tokens were last encoded again
+    (or since it began), at least as many tokens as it holds now, both summed over layers."""
+    store = sequence.store
+    evicted = store.figures.evicted_tokens - sequence.evicted_at_reencode
+    return evicted > 0 and evicted >= sum(store.lengths())
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """`[start, end)` spans of consecutive positions in sorted `positions`:
+    `[0, 1, 2, 7, 8]` -> `[(0, 3), (7, 9)]`."""
+    runs: list[tuple[int, int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return runs
 
 
 def _last_digest(store: KVStore) -> bytes:

@@ -24,6 +24,7 @@ from functools import cached_property
 
 import torch
 
+from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import Int8Config
@@ -74,8 +75,14 @@ class ScheduledEngine:
         per token and, with INT8, its INT8 cost).
 
         Raises:
-            ConfigError: the budget holds no token, or invalid policy or store settings.
+            ConfigError: the budget holds no token, invalid policy or store settings, or a
+                `+reencode` spec (re-encoding runs on a plain `Engine` only).
         """
+        if spec.reencode:
+            raise ConfigError(
+                f"{spec.label}: re-encoding the kept tokens runs on a plain engine, not over "
+                "the batch scheduler (run one episode per engine)"
+            )
         policy = policy_from_spec(spec, scheduler.engine.model)
         return cls(scheduler, policy, spec.int8, rerotate=spec.rerotate)
 

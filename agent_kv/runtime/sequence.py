@@ -70,6 +70,8 @@ class Sequence:
         token_ids: every token fed to the model so far, in order.
         last_logits: `[vocab]` logits after the last fed token (None before the first call).
         steps: one record per forward call.
+        evicted_at_reencode: the store's evicted tokens (`StoreFigures.evicted_tokens`) when
+            its kept tokens were last encoded again (`Engine.reencode`); 0 before.
     """
 
     store: KVStore
@@ -77,6 +79,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None
     steps: list[StepRecord] = field(default_factory=list)
+    evicted_at_reencode: int = 0
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, **store_kwargs) -> Sequence:

@@ -19,7 +19,12 @@ from agent_kv.kv.policies.kvzip import KVzip
 from agent_kv.kv.policies.random_eviction import RandomEviction
 from agent_kv.kv.policies.snapkv import SnapKV
 from agent_kv.kv.policies.window import SlidingWindow
-from agent_kv.kv.policy_names import check_policy_name, split_recall
+from agent_kv.kv.policy_names import (
+    REENCODE_SUFFIX,
+    check_policy_name,
+    split_recall,
+    split_reencode,
+)
 from agent_kv.kv.store import Int8Config, KVStore
 
 POLICIES: dict[str, type[Policy]] = {
@@ -53,9 +58,15 @@ def make_policy(
 
     Raises:
         ConfigError: unknown name, unknown parameter, or invalid values (`+recall` on a
-            policy that evicts nothing).
+            policy that evicts nothing); a `+reencode` name (an engine setting:
+            `PolicySpec.parse` and `Engine(reencode=True)`).
     """
     check_policy_name(name)
+    if split_reencode(name)[1]:
+        raise ConfigError(
+            f"{REENCODE_SUFFIX} is the engine's setting, not the policy's: build {name!r} with "
+            "PolicySpec.parse, or pass reencode=True to the Engine"
+        )
     name, with_recall = split_recall(name)
     if with_recall or recall is not None:
         return ColdRecall(make_policy(name, budget, **params), recall or ColdConfig())

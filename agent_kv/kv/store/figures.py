@@ -35,6 +35,20 @@ class StoreFigures:
         self.quantized_tokens = 0
         self.window_dropped = 0
 
+    def carry(self, earlier: StoreFigures) -> None:
+        """Take over the figures of the store this one replaces (`Engine.reencode`): the
+        peaks are the larger of the two, the counters the sum, so a sequence's figures span
+        every store it had."""
+        self.peak_bytes = max(self.peak_bytes, earlier.peak_bytes)
+        self.row_peak_bytes = [
+            max(mine, theirs)
+            for mine, theirs in zip(self.row_peak_bytes, earlier.row_peak_bytes, strict=True)
+        ]
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, earlier.peak_allocated_bytes)
+        self.evicted_tokens += earlier.evicted_tokens
+        self.quantized_tokens += earlier.quantized_tokens
+        self.window_dropped += earlier.window_dropped
+
     def note_allocated(self, allocated: int) -> None:
         """Take `allocated` (bytes the buffers hold now) into the peaks."""
         self.call_allocated_bytes = max(self.call_allocated_bytes, allocated)

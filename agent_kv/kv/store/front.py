@@ -318,6 +318,20 @@ class KVStore:
         seg.note_peak(rows)
         self.trim_windows(rows)
 
+    def skip(self, n: int, row: int = 0) -> None:
+        """Move a row's next original position on by `n` positions it will never hold (the
+        gaps of a cache encoded again from the tokens it kept, `Engine.reencode`): the next
+        token appended takes position `seen + n`. The cache is exact from here only
+        (`Segments.changed_at`).
+
+        Raises:
+            ValueError: `n < 0`, or a row outside the store.
+        """
+        if n < 0 or not 0 <= row < self.batch:
+            raise ValueError(f"cannot skip {n} positions of row {row} ({self.batch} rows)")
+        self.segments.appended[row] += n
+        self.segments.mark_changed(row)
+
     # -- sliding-window layers ---------------------------------------------------------------
 
     def window_hold(self) -> int:
