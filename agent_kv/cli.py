@@ -685,6 +685,7 @@ def serve_command(
     `DELETE /sessions/{id}`. Says on stderr when the model starts loading and when the server
     is ready."""
     from agent_kv.kv.budgets import parse_bytes
+    from agent_kv.kv.policy_names import split_reencode
     from api.access import loopback_hosts
 
     hosts = loopback_hosts(host)
@@ -697,6 +698,11 @@ def serve_command(
         bundled_models.locate(model)
         check_weight_format(weights)
         cap = None if session_bytes is None else parse_bytes(session_bytes)
+        if split_reencode(policy)[1]:
+            fail(
+                f"{policy}: the server batches its sessions' forward calls, and re-encoding "
+                "the kept tokens runs on a plain engine only (run-episode, bench)"
+            )
         spec = PolicySpec.parse(
             policy,
             budget,

@@ -256,6 +256,8 @@ whether torch was imported."""
             "pin_replies must be one of none, notes, all",
         ),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
+        (["serve", "--policy", "window+reencode"], "runs on a plain engine only"),
+        (["run-episode", "--task", "1", "--policy", "full+reencode"], "nothing to re-encode"),
         (["serve", "--session-bytes", "60XB"], "60XB"),
         (["sites", "--sites", "bank"], "unknown site 'bank'"),
         (["run-episode", "--task", "1", "--model", "nope"], "qwen2.5-coder-0.5b"),
