@@ -60,8 +60,10 @@ def test_pins_follow_messages(smollm):
         chat.unpin_message(99)
 
 
-def test_pinned_replies_outlive_a_window_that_evicts_unpinned_ones(smollm):
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=24), 16)
+@pytest.mark.parametrize("reencode", [False, True])
+def test_pinned_replies_outlive_a_window_that_evicts_unpinned_ones(smollm, reencode):
+    policy = make_policy("window", budget=24)
+    engine = Engine(smollm.model, smollm.tokenizer, policy, 16, reencode=reencode)
     chat = Conversation(engine)
     chat.add("user", "Say a colour.")
     decoded = chat.reply(SamplingParams(max_new_tokens=6), pin=True)
@@ -88,6 +90,11 @@ def test_pinned_replies_outlive_a_window_that_evicts_unpinned_ones(smollm):
     assert store.pins.tokens() == (decoded_span[1] - decoded_span[0]) + (
         noted_span[1] - noted_span[0]
     )
+    # re-encoding replaced the cache midway; the spans and pins followed it
+    assert (chat.sequence.evicted_at_reencode > 0) == reencode
+    spans = [chat.spans[i] for i in sorted(chat.spans)]
+    assert all(a[1] <= b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] == store.seen_tokens == len(chat.sequence.token_ids)
 
 
 def test_bad_sampling_parameters_leave_the_queued_turn_intact(smollm):

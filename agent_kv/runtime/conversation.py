@@ -158,6 +158,7 @@ class Conversation:
         if pin:
             store.pins.pin(reply_start, reply_start + params.max_new_tokens)
         generation = self.engine.generate(self.sequence, prompt, params)
+        store = self.sequence.store  # a re-encoding engine replaced it (`Engine.reencode`)
         if pin:
             store.pins.unpin(store.seen_tokens, reply_start + params.max_new_tokens)
         self.messages.append({"role": "assistant", "content": generation.raw_text})
@@ -213,7 +214,7 @@ class Conversation:
         if keep_distributions:
             forced.distributions = torch.stack(distributions)
         self.messages.append({"role": "assistant", "content": text})
-        self.spans[len(self.messages) - 1] = (reply_start, store.seen_tokens)
+        self.spans[len(self.messages) - 1] = (reply_start, self.sequence.store.seen_tokens)
         self._rendered += text
         return forced
 
