@@ -275,6 +275,7 @@ def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(smol
     assert store.live_positions(0).tolist() == [0, 1, 2, 3, *range(167, 203)]
     assert store.figures.evicted_tokens >= evicted and store.figures.peak_allocated_bytes >= peak
     assert session.evicted_at_reencode == evicted  # nothing evicted while re-encoding
+    assert store.figures.reencoded_tokens == len(kept)
     # not due again until the cache has evicted as many tokens as it holds
     calls = []
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), reencode=True)

@@ -104,6 +104,8 @@ class EpisodeResult:
             apart from the figures above; 0 without prefix sharing).
         peak_cold_kv_bytes: the most bytes the cold tier held (evicted tokens kept for
             recall, `ColdTier.peak_bytes`; 0 without one), apart from the hot figures above.
+        reencoded_tokens: tokens the engine encoded again (`StoreFigures.reencoded_tokens`;
+            0 without `+reencode`).
     """
 
     task_id: int
@@ -126,6 +128,7 @@ class EpisodeResult:
     full_kv_live_bytes: int
     kv_shared_bytes: int
     evicted_tokens: int
+    reencoded_tokens: int
     int8: dict | None
     quantized_tokens: int
     positions: str
@@ -307,6 +310,7 @@ def run_episode(
         kv_shared_bytes=store.prefix.nbytes(),
         peak_cold_kv_bytes=store.recall.peak_bytes,
         evicted_tokens=store.figures.evicted_tokens,
+        reencoded_tokens=store.figures.reencoded_tokens,
         int8=None if store.int8 is None else asdict(store.int8),
         quantized_tokens=store.figures.quantized_tokens,
         positions=store.positions_mode,

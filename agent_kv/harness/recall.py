@@ -221,6 +221,8 @@ class RecallRecord:
             above; 0 without prefix sharing).
         peak_cold_kv_bytes: the most bytes the cold tier held (0 without one).
         evicted_tokens: tokens the policy evicted (`StoreFigures.evicted_tokens`).
+        reencoded_tokens: tokens the engine encoded again (`StoreFigures.reencoded_tokens`;
+            0 without `+reencode`).
         policy: the policy's name; policy_params its settings.
         pin_replies: which forced replies were pinned (`AgentConfig.pin_replies`).
         notes_kept: per step (as a string) whose forced reply begins with a note, the share
@@ -251,6 +253,7 @@ class RecallRecord:
     kv_shared_bytes: int
     peak_cold_kv_bytes: int
     evicted_tokens: int
+    reencoded_tokens: int
     policy: str
     policy_params: dict[str, Any]
     pin_replies: str
@@ -387,6 +390,7 @@ def run_recall_task(
         kv_shared_bytes=store.prefix.nbytes(),
         peak_cold_kv_bytes=store.recall.peak_bytes,
         evicted_tokens=store.figures.evicted_tokens,
+        reencoded_tokens=store.figures.reencoded_tokens,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         pin_replies=pin_replies,

@@ -322,6 +322,7 @@ class Engine:
         store.skip(seen - store.seen_tokens)
         sequence.token_ids = token_ids
         sequence.evicted_at_reencode = store.figures.evicted_tokens
+        store.figures.reencoded_tokens += len(kept)
         return len(kept)
 
     def _prefill_row(

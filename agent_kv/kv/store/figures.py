@@ -24,6 +24,7 @@ class StoreFigures:
         quantized_tokens: tokens moved to the quantized segment, summed over layers and rows.
         window_dropped: tokens dropped from sliding-window layers as they left the window (not
             evictions).
+        reencoded_tokens: tokens fed again by `Engine.reencode`, summed over its runs.
     """
 
     def __init__(self, batch: int):
@@ -34,6 +35,7 @@ class StoreFigures:
         self.evicted_tokens = 0
         self.quantized_tokens = 0
         self.window_dropped = 0
+        self.reencoded_tokens = 0
 
     def carry(self, earlier: StoreFigures) -> None:
         """Take over the figures of the store this one replaces (`Engine.reencode`): the
@@ -48,6 +50,7 @@ class StoreFigures:
         self.evicted_tokens += earlier.evicted_tokens
         self.quantized_tokens += earlier.quantized_tokens
         self.window_dropped += earlier.window_dropped
+        self.reencoded_tokens += earlier.reencoded_tokens
 
     def note_allocated(self, allocated: int) -> None:
         """Take `allocated` (bytes the buffers hold now) into the peaks."""

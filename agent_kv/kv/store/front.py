@@ -530,6 +530,7 @@ class KVStore:
                 figures.quantized_tokens,
                 figures.peak_allocated_bytes,
                 figures.window_dropped,
+                figures.reencoded_tokens,
             ],
             "row_counters": [figures.row_peak_bytes, seg.changed_at],
             "profile": self.profile,
@@ -569,6 +570,7 @@ class KVStore:
         figures.peak_bytes, figures.evicted_tokens, figures.quantized_tokens = counters[:3]
         figures.peak_allocated_bytes = max(counters[3], store.allocated_nbytes())
         figures.window_dropped = counters[4] if len(counters) > 4 else 0
+        figures.reencoded_tokens = counters[5] if len(counters) > 5 else 0
         row_peaks, changed_at = state["row_counters"]
         figures.row_peak_bytes = list(row_peaks)
         store.segments.changed_at = list(changed_at)
