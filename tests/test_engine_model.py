@@ -7,6 +7,7 @@ import torch
 from helpers import kept_positions
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy, make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
@@ -282,3 +283,9 @@ def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(smol
     engine.reencode = lambda sequence: calls.append(sequence)
     engine.feed(engine.new_sequence(), prompt_ids[:50])
     assert calls == []  # full KV never evicts: never due
+    with pytest.raises(ConfigError, match="shared prefix"):
+        window = make_policy("window", budget=40)
+        Engine(smollm.model, smollm.tokenizer, window, reencode=True, share_prefixes=True)
+    recalling = make_policy("window+recall", budget=40)
+    with pytest.raises(ConfigError, match="cold tier"):
+        Engine(smollm.model, smollm.tokenizer, recalling, reencode=True)

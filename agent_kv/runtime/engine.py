@@ -68,7 +68,8 @@ class Engine:
 
     Raises:
         ConfigError: `prefill_chunk` < 1, invalid `int8` settings, `rerotate` on a model
-            without rotary embeddings, or `reencode` with a policy that keeps a cold tier.
+            without rotary embeddings, or `reencode` with a policy that keeps a cold tier or
+            with `share_prefixes`.
     """
 
     def __init__(
@@ -91,6 +92,8 @@ class Engine:
             raise ConfigError(
                 "re-encoding starts a fresh cache without the cold tier that recall reads"
             )
+        if reencode and share_prefixes:
+            raise ConfigError("re-encoding starts a fresh cache that reads no shared prefix")
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
