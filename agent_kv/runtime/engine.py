@@ -31,6 +31,7 @@ from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.prefix_cache import PrefixCache
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
+from agent_kv.kv.store.pins import flag_runs
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.model_call import run_call
@@ -307,9 +308,10 @@ class Engine:
             raise ValueError("reencode needs a one-row sequence that has seen tokens")
         if old.recall.tier is not None:
             raise ConfigError("re-encoding would drop the cold tier that recall reads")
-        kept = torch.cat([old.live_positions(layer) for layer in range(old.num_layers)])
-        kept = kept.unique(sorted=True).tolist()
         seen, pins, figures = old.seen_tokens, old.pins.flags.clone(), old.figures
+        kept = torch.zeros(seen, dtype=torch.bool)  # [seen]: held by some layer
+        for layer in range(old.num_layers):
+            kept[old.live_positions(layer).cpu()] = True
         token_ids, steps = sequence.token_ids, sequence.steps
         del old
         sequence.restart(self.new_sequence)
@@ -317,7 +319,7 @@ class Engine:
         store.pins.load(pins)
         store.figures.carry(figures)
         sequence.steps = steps
-        for start, end in _runs(kept):
+        for start, end in flag_runs(kept.tolist()):
             store.skip(start - store.seen_tokens)
             sequence.last_logits = self._prefill_row(
                 sequence.cache, 0, token_ids[start:end], sequence.steps
@@ -325,8 +327,9 @@ class Engine:
         store.skip(seen - store.seen_tokens)
         sequence.token_ids = token_ids
         sequence.evicted_at_reencode = store.figures.evicted_tokens
-        store.figures.reencoded_tokens += len(kept)
-        return len(kept)
+        count = int(kept.sum())
+        store.figures.reencoded_tokens += count
+        return count
 
     def _prefill_row(
         self,
@@ -728,18 +731,6 @@ def _reencode_due(sequence: Sequence) -> bool:
     store = sequence.store
     evicted = store.figures.evicted_tokens - sequence.evicted_at_reencode
     return evicted > 0 and evicted >= sum(store.lengths())
-
-
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    """`[start, end)` spans of consecutive positions in sorted `positions`:
-    `[0, 1, 2, 7, 8]` -> `[(0, 3), (7, 9)]`."""
-    runs: list[tuple[int, int]] = []
-    for position in positions:
-        if runs and runs[-1][1] == position:
-            runs[-1] = (runs[-1][0], position + 1)
-        else:
-            runs.append((position, position + 1))
-    return runs
 
 
 def _last_digest(store: KVStore) -> bytes:

@@ -31,6 +31,7 @@ import re2
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
+from agent_kv.kv.store.pins import flag_runs
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN, Tool
 from agent_kv.valid_text import check_unicode
@@ -221,7 +222,7 @@ def protected_spans(
         first = bisect.bisect_right(token_ends, start)
         last = bisect.bisect_left(token_starts, end)
         pinned[first:last] = [True] * max(last - first, 0)
-    return _runs(pinned)
+    return flag_runs(pinned)
 
 
 def _tools_preamble(tokenizer, text: str, tools: Sequence[Tool]) -> list[tuple[int, int]]:
@@ -243,15 +244,3 @@ def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> No
     store.pins.unpin(0, max([store.seen(row), *(end for _, end in spans)]), row)
     for start, end in spans:
         store.pins.pin(start, end, row)
-
-
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    """`[start, end)` runs of True in `flags`."""
-    runs, start = [], None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs

@@ -9,6 +9,19 @@ import torch
 from agent_kv.kv.store.segments import Segments
 
 
+def flag_runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """`[start, end)` runs of True in `flags` (positions: pinned, kept):
+    `[True, True, False, True]` -> `[(0, 2), (3, 4)]`."""
+    runs, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 class Pins:
     """Which positions of each row are pinned.
 
