@@ -173,14 +173,41 @@ def test_history_is_matched_token_by_token(engine):
 
 
 def test_history_rebuilt_from_scratch_when_eviction_followed_the_change(smollm):
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=40))
+    """A window without attention sinks evicts the first tokens: no intact prefix is left."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=40, sinks=0))
     a, b, c = list(range(100, 160)), list(range(200, 260)), list(range(300, 310))
     session = engine.new_sequence()
     sync_history(engine, session, a + b)  # evictions happened after token 60
     assert session.store.segments.changed_at[0] > 60
+    assert session.store.intact_tokens() == 0
     assert sync_history(engine, session, a + c) == HistorySync(0, 70, "scratch")
     assert session.token_ids == a + c and session.store.seen_tokens == 70
     assert torch.equal(session.last_logits, fresh_logits(engine, a + c))
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_a_changed_history_keeps_its_intact_prefix_after_eviction(smollm, sinks):
+    """A client rewrote its last message after eviction ran (a browser-use step): the tokens no
+    policy evicted before the change (the pinned system turn, and the window's attention
+    sinks before it) stay cached, and the rest is prefilled as a fresh session would."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=40, sinks=sinks))
+    system, b, c = list(range(100, 130)), list(range(200, 260)), list(range(300, 360))
+    pins = [(0, 30)]
+    session = engine.new_sequence()
+    prepare_history(engine, session, system + b, pins)
+    engine.feed(session, system + b)  # 90 tokens under a 40-token window: evictions
+    assert session.store.figures.evicted_tokens > 0
+    assert session.store.segments.changed_at[0] > 30
+    assert session.store.intact_tokens() == 30
+    sync = prepare_history(engine, session, system + c, pins)
+    assert sync == HistorySync(30, 60, "truncated")
+    engine.feed(session, c)
+    fresh = engine.new_sequence()
+    prepare_history(engine, fresh, system + c, pins)
+    engine.feed(fresh, system + c)
+    assert (session.last_logits - fresh.last_logits).abs().max() < 1e-4
+    assert kept_positions(session.store) == kept_positions(fresh.store)
+    assert fresh.store.figures.evicted_tokens > 0
 
 
 @pytest.mark.parametrize("pinned", [True, False])

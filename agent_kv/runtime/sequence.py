@@ -170,6 +170,8 @@ class SequenceOutline:
         changed_at: the tokens seen when eviction or quantization last changed its cache
             (`Segments.changed_at`, row 0).
         pinned_tokens: positions pinned.
+        intact_tokens: the length of its intact prefix (`KVStore.intact_tokens`, row 0; 0
+            for a file saved before it was recorded).
     """
 
     meta: dict
@@ -177,6 +179,7 @@ class SequenceOutline:
     token_ids: list[int]
     changed_at: int
     pinned_tokens: int
+    intact_tokens: int
 
     @classmethod
     def describe(cls, sequence: Sequence, meta: dict | None = None) -> SequenceOutline:
@@ -187,6 +190,7 @@ class SequenceOutline:
             token_ids=list(sequence.token_ids),
             changed_at=sequence.store.segments.changed_at[0],
             pinned_tokens=sequence.store.pins.tokens(),
+            intact_tokens=sequence.store.intact_tokens(),
         )
 
     @classmethod
@@ -206,6 +210,7 @@ class SequenceOutline:
                 token_ids=list(data["token_ids"]),
                 changed_at=int(state["row_counters"][1][0]),
                 pinned_tokens=int(state["pinned"][0].sum()),
+                intact_tokens=int(state.get("intact_tokens", [0])[0]),
             )
         except (KeyError, TypeError, IndexError, AttributeError) as err:
             raise AgentKVError(f"{path} is not a saved session: {err!r}") from None

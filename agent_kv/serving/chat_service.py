@@ -469,7 +469,9 @@ class ChatService:
         WINDOW_SLACK)` plus the chunk, `agent_kv.kv.layer_windows`); the store's growth rule
         then bounds its buffers (`StoreFootprint.allocation_bound`).
         """
-        sync = plan_history_sync(outline.token_ids, prompt_ids, outline.changed_at)
+        sync = plan_history_sync(
+            outline.token_ids, prompt_ids, outline.changed_at, outline.intact_tokens
+        )
         appended = sync.prefilled_tokens + max_new_tokens
         footprint = outline.footprint
         if sync.rebuild == "scratch":

@@ -50,9 +50,11 @@ class HistorySync:
         reused_tokens: tokens of the request the cache already held (not prefilled again).
         prefilled_tokens: tokens fed for this request.
         rebuild: "none" (the request extends the history), "truncated" (the client changed
-            earlier history: the cache was cut back to the divergence point) or "scratch"
-            (the cache could not be cut back exactly, because eviction or quantization since
-            the divergence point depended on what changed: rebuilt from the first token).
+            earlier history: the cache was cut back to the divergence point, or, when
+            eviction or quantization since then depended on what changed, to the longest
+            intact prefix before it, `KVStore.intact_tokens`: the pinned system turn at
+            least, when it comes first) or "scratch" (no token of the history could be kept:
+            rebuilt from the first token).
     """
 
     reused_tokens: int
@@ -77,7 +79,10 @@ def prepare_history(
     Raises:
         ValueError: `token_ids` is empty.
     """
-    sync = plan_history_sync(session.token_ids, token_ids, session.store.segments.changed_at[0])
+    store = session.store
+    sync = plan_history_sync(
+        session.token_ids, token_ids, store.segments.changed_at[0], store.intact_tokens()
+    )
     if sync.rebuild == "truncated":
         session.store.truncate(sync.reused_tokens)
         del session.token_ids[sync.reused_tokens :]
@@ -88,11 +93,15 @@ def prepare_history(
     return sync
 
 
-def plan_history_sync(history: list[int], token_ids: list[int], exact_from: int) -> HistorySync:
-    """How `prepare_history` meets `token_ids` in a session whose history is `history` and
-    whose cache is exact back to `exact_from` tokens (`Segments.changed_at`): extended, cut
+def plan_history_sync(
+    history: list[int], token_ids: list[int], exact_from: int, intact: int = 0
+) -> HistorySync:
+    """How `prepare_history` meets `token_ids` in a session whose history is `history`, whose
+    cache is exact back to `exact_from` tokens (`Segments.changed_at`) and holds its first
+    `intact` tokens as their prefill alone would (`KVStore.intact_tokens`): extended; cut
     back to where the two diverge (keeping at least one token to re-feed, whose logits the
-    reply needs), or rebuilt from scratch when the cut would pass `exact_from`.
+    reply needs) when the cut is at or past `exact_from`; else cut back to the intact prefix
+    when one is left; else rebuilt from scratch.
 
     Raises:
         ValueError: `token_ids` is empty.
@@ -103,7 +112,9 @@ def plan_history_sync(history: list[int], token_ids: list[int], exact_from: int)
     if common == len(history):
         return HistorySync(common, len(token_ids) - common, "none")
     cut = min(common, len(token_ids) - 1)
-    if cut > 0 and cut >= exact_from:
+    if cut < exact_from:
+        cut = min(cut, intact)
+    if cut > 0:
         return HistorySync(cut, len(token_ids) - cut, "truncated")
     return HistorySync(0, len(token_ids), "scratch")
 

@@ -435,26 +435,56 @@ class KVStore:
         joint[valid] = logical
         return self.compact_joint(joint, layers, rows)
 
+    def intact_tokens(self, row: int = 0) -> int:
+        """The length `n` of the row's intact prefix: every layer holds each of positions
+        `[0, n)` at full precision (read shared, or in its own FP segment in position order),
+        none evicted, quantized or dropped from a sliding window. Each of them was therefore
+        computed attending to every token before it, as a prefill of the first `n` tokens alone
+        would: a cache cut back to `n` or fewer tokens is that prefill's (`truncate`), whatever
+        eviction did later. 0 for a row with a cold tier (a recalled token is held again,
+        but the tokens fed while it was cold did not attend to it).
+
+        Raises:
+            ValueError: a row outside the store.
+        """
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is not in this store's {self.batch} rows")
+        if self.recall.tier is not None:
+            return 0
+        seg, start = self.segments, self.prefix.tokens
+        lengths = seg.fp.length_tensor(slice(None), slice(row, row + 1))[:, 0]  # [L]
+        positions = seg.fp["positions"][:, row]  # [L, C]
+        slots = torch.arange(positions.shape[-1], device=positions.device)
+        in_order = (positions == slots + start) & (slots < lengths[:, None])
+        held = in_order.to(torch.int32).cumprod(dim=-1).sum(dim=-1)  # [L] leading run
+        return start + int(held.min()) if held.numel() else start
+
     def truncate(self, end: int, row: int = 0) -> None:
         """Forget every token of the row at position `end` or later, so the next token takes
         position `end` again (a client rewrote history from there). Pins past `end` go too;
         shared blocks past it are no longer read, and the one it cuts is copied into the
-        row's own FP segment (copy on write).
+        row's own FP segment (copy on write). The cut is exact back to `changed_at[row]`
+        (nothing changed the cache since: it holds what feeding the first `end` tokens gave,
+        eviction and quantization included) and within the intact prefix (`intact_tokens`:
+        what a prefill of the first `end` tokens alone gives, before any eviction).
 
         Raises:
             ValueError: a row outside the store; `end` not a whole number, negative, past the
-                tokens seen, or before `changed_at[row]`
-                (eviction or quantization since then depended on the forgotten tokens); or
+                tokens seen, or both before `changed_at[row]` (eviction or quantization since
+                then depended on the forgotten tokens) and past the intact prefix; or
                 inside the shared prefix of a store of several rows.
         """
         seg = self.segments
         if not 0 <= row < self.batch:
             raise ValueError(f"row {row} is not in this store's {self.batch} rows")
-        if not isinstance(end, int) or not seg.changed_at[row] <= end <= self.seen(row):
+        exact = isinstance(end, int) and seg.changed_at[row] <= end <= self.seen(row)
+        if not exact and not (isinstance(end, int) and 0 <= end <= self.intact_tokens(row)):
             raise ValueError(
                 f"cannot truncate row {row} to {end!r} tokens: it has seen {self.seen(row)}, "
-                f"and its cache is exact only back to {seg.changed_at[row]}"
+                f"its cache is exact only back to {seg.changed_at[row]}, and intact only up "
+                f"to {self.intact_tokens(row)}"
             )
+        seg.changed_at[row] = min(seg.changed_at[row], end)
         if end < self.prefix.tokens and self.batch != 1:
             raise ValueError("the rows of a store of several rows read one shared prefix")
         rows = slice(row, row + 1)
@@ -533,6 +563,7 @@ class KVStore:
                 figures.reencoded_tokens,
             ],
             "row_counters": [figures.row_peak_bytes, seg.changed_at],
+            "intact_tokens": [self.intact_tokens(row) for row in range(self.batch)],
             "profile": self.profile,
             "observed_from": self.observed_from,
             "cold": None if self.recall.tier is None else self.recall.tier.state(),
