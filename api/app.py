@@ -175,6 +175,7 @@ def create_app(
     app = FastAPI(title="agent_kv", version="0.1.0", lifespan=lifespan)
     app.openapi = openapi_without_validation_422(app)
     engine = service.engine
+    vocab_size = engine.model.config.vocab_size
     metrics = ServerMetrics(service.sessions)
     routes = {
         "/v1/chat/completions", "/chat", "/tokenize", "/v1/models", "/health", "/metrics",
@@ -293,11 +294,11 @@ def create_app(
     ) -> ChatCompletion:
         """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
         _refuse_unsupported(request)
-        params = _sampling(request, request.max_completion_tokens)
-        check_tool_results(request.messages)
+        params = _sampling(request, vocab_size, request.max_completion_tokens)
+        check_tool_results(request.messages, ids_required=True)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars, params.stop)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
         session_id = _header_text(x_session_id) or request.user
         admission = _admit(service)
         turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
@@ -317,12 +318,12 @@ def create_app(
     )
     async def chat(request: NativeChatRequest, raw: Request) -> NativeChatResponse:
         """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
-        params = _sampling(request)
+        params = _sampling(request, vocab_size)
         check_tool_results(request.messages)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         policy = None if request.policy is None else _policy(request, service)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars, params.stop)
+        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
         admission = _admit(service)
         turn = await _run_watched(
             raw, admission, metrics, service, messages, params, session_id=request.session_id,
@@ -608,10 +609,16 @@ def _error_detail(err: Exception) -> ErrorDetail:
     return ErrorDetail(message=str(err), type="server_error", param=None, code=None)
 
 
-UNSUPPORTED_FIELDS = ("functions", "function_call", "logprobs", "top_logprobs")
-"""Request fields refused with a 400 unless empty or one of `NO_OP_VALUES` (`functions`
-and `function_call` are OpenAI's deprecated forms of `tools` and `tool_choice`)."""
-NO_OP_VALUES = {"function_call": ["none"]}
+UNSUPPORTED_FIELDS = (
+    "functions", "function_call", "logprobs", "top_logprobs", "audio", "modalities",
+    "prediction", "reasoning_effort", "verbosity", "web_search_options",
+)  # fmt: skip
+"""OpenAI request fields that change the reply and this server does not implement, refused
+with a 400 unless empty or one of `NO_OP_VALUES` (`functions` and `function_call` are
+OpenAI's deprecated forms of `tools` and `tool_choice`). OpenAI's fields that change nothing
+the model writes (`store`, `metadata`, `service_tier`, `prompt_cache_key`,
+`safety_identifier`) are accepted and have no effect."""
+NO_OP_VALUES = {"function_call": ["none"], "modalities": [["text"]], "verbosity": ["medium"]}
 """Values of unsupported fields that ask for nothing beyond plain text, so are accepted."""
 
 
@@ -643,8 +650,11 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
             )
 
 
-def _sampling(request: SamplingFields, max_tokens: int | None = None) -> SamplingParams:
-    """The request's sampling parameters; a 400 for invalid ones."""
+def _sampling(
+    request: SamplingFields, vocab_size: int, max_tokens: int | None = None
+) -> SamplingParams:
+    """The request's sampling parameters; a 400 for invalid ones (naming the field), a
+    `logit_bias` token outside the model's `vocab_size` included."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     params = SamplingParams(
         max_new_tokens=max_tokens or request.max_tokens or DEFAULT_MAX_TOKENS,
@@ -652,9 +662,14 @@ def _sampling(request: SamplingFields, max_tokens: int | None = None) -> Samplin
         top_p=request.top_p,
         seed=request.seed,
         stop=stop,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        logit_bias=dict(request.logit_bias or {}),
     )
     try:
-        params.validate()
+        params.validate(vocab_size)
     except ConfigError as err:
-        raise APIError(400, str(err), None, "invalid_value") from None
+        field = str(err).split(" ", 1)[0]
+        param = field if field in SamplingFields.model_fields else None
+        raise APIError(400, str(err), param, "invalid_value") from None
     return params

@@ -10,9 +10,7 @@ from api.errors import APIError
 from api.schemas import ChatMessage, ReplyFields
 
 
-def reply_spec(
-    request: ReplyFields, grammars: GrammarCompiler, stop: list[str] | None = None
-) -> ReplySpec:
+def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
     """The request's `ReplySpec`, each tool's schema and the reply format compiled on their
     own first (so an error names the part at fault), then the whole grammar, against the
     model's tokenizer: a schema llguidance cannot compile is refused before anything runs.
@@ -21,8 +19,7 @@ def reply_spec(
         APIError: 400 for a `tool_choice` naming no offered tool (or `required` without
             tools), tools offered twice, a tool's `parameters` that are not an object schema,
             too large or too deep (`json_schemas.check_schema`) or cannot be compiled (param
-            `tools.N.function.parameters`), the same of the `response_format` schema, or
-            `stop` strings with a reply that may hold calls or JSON (they would cut it).
+            `tools.N.function.parameters`), or the same of the `response_format` schema.
     """
     fields = request.model_dump(
         include={"tools", "tool_choice", "parallel_tool_calls", "response_format"},
@@ -45,10 +42,6 @@ def reply_spec(
                 grammars.matcher(grammar)
         except GrammarError as err:
             raise APIError(400, str(err), param, "invalid_value") from None
-    try:
-        spec.check_stop(stop or [])
-    except GrammarError as err:
-        raise APIError(400, str(err), "stop", "invalid_value") from None
     return spec
 
 
@@ -63,16 +56,34 @@ def _param_of(message: str, fields: dict) -> str:
     return "tools"
 
 
-def check_tool_results(messages: list[ChatMessage]) -> None:
-    """Every `tool_call_id` must name a call of an earlier assistant message.
+def check_tool_results(messages: list[ChatMessage], ids_required: bool = False) -> None:
+    """Every `tool_call_id` must name a call of an earlier assistant message, and no assistant
+    message may give two calls one id; with `ids_required` (OpenAI's route, where a tool
+    message answers a call), every tool message must name its call.
 
     Raises:
-        APIError: 400 naming the first tool message that answers no earlier call.
+        APIError: 400 naming the first message at fault.
     """
     called: set[str] = set()
     for i, message in enumerate(messages):
-        called.update(call.id for call in getattr(message, "tool_calls", None) or [])
+        ids = [call.id for call in getattr(message, "tool_calls", None) or []]
+        if len(set(ids)) != len(ids):
+            twice = next(call_id for call_id in ids if ids.count(call_id) > 1)
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls gives two calls the id {twice!r}",
+                f"messages.{i}.tool_calls",
+                "invalid_value",
+            )
+        called.update(ids)
         answers = getattr(message, "tool_call_id", None)
+        if answers is None and ids_required and message.role == "tool":
+            raise APIError(
+                400,
+                f"messages[{i}] is a tool message without the tool_call_id of the call it answers",
+                f"messages.{i}.tool_call_id",
+                "missing_required_parameter",
+            )
         if answers is not None and answers not in called:
             raise APIError(
                 400,

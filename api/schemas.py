@@ -76,6 +76,12 @@ PolicyName = Literal[
 """A policy by name, or a budgeted one with its cold tier and recall (`h2o+recall`)."""
 StopText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_valid_unicode)]
 """A stop string: non-empty."""
+MAX_STOP = 4
+"""Stop strings one request may give (OpenAI's limit)."""
+TokenId = Annotated[int, Ge(0)]
+"""A token id, as `logit_bias` keys it (JSON keys are text: `"1234"`)."""
+MAX_LOGIT_BIAS = 1024
+"""Tokens one request's `logit_bias` may name."""
 
 
 class TextPart(BaseModel):
@@ -317,8 +323,17 @@ class SamplingFields(BaseModel):
     max_tokens: PositiveCount | None = None
     temperature: Number = Field(default=0.0, ge=0.0, le=2.0)
     top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
-    stop: StopText | list[StopText] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    """At most `MAX_STOP` strings (OpenAI's limit); they end free text, never a tool call or
+    a JSON reply (`ReplySpec.scope_stop`)."""
     seed: Seed | None = None
+    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit once per time the reply has generated it."""
+    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted from the logit of every token the reply has generated."""
+    logit_bias: dict[TokenId, Number] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    """Token id (as a JSON key) -> value in [-100, 100] added to its logit; an id outside the
+    model's vocabulary is a 400."""
 
 
 Role = Literal["system", "user", "assistant", "tool"]

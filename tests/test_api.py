@@ -94,6 +94,44 @@ async def test_chat_completion_reports_usage_and_kv(client):
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, "stop"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 3},
+            "frequency_penalty",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -2.5},
+            "presence_penalty",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias.x"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}},
+            "logit_bias",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]},
+            "modalities",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"},
+            "reasoning_effort",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "web_search_options": {"x": 1}},
+            "web_search_options",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "prediction": {"type": "content", "content": "x"},
+            },
+            "prediction",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "r"}, {"role": "user", "content": "go"}]},
+            "messages.0.tool_call_id",
+        ),
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
@@ -221,3 +259,25 @@ async def test_a_prompt_too_long_for_a_stream_is_still_a_400(client):
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_logit_bias_and_penalties_change_the_reply(client):
+    """OpenAI's sampling fields act (they were once accepted and ignored): a -100 bias on the
+    greedy first token moves the reply off it, and a frequency penalty breaks a repetition."""
+
+    async def reply(content: str, **fields) -> str:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, **fields}
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    async def first_token(text: str) -> int:
+        return (await client.post("/tokenize", json={"content": text})).json()["tokens"][0]
+
+    blue = "Repeat the word Blue ten times."
+    plain = await reply(blue)
+    token = await first_token(plain)
+    assert await first_token(await reply(blue, logit_bias={str(token): -100})) != token
+    ones = "List the numbers 1 1 1 1 1 1 1 1 1 1 1 1 again."
+    assert set((await reply(ones)).split()) == {"1"}  # greedy, the model repeats itself
+    assert len(set((await reply(ones, frequency_penalty=2)).split())) > 1

@@ -224,7 +224,6 @@ STRING_FUNCTION = {"name": "f", "parameters": {"type": "string"}}
         ({"tools": [fn(DEEP_FUNCTION)]}, P0),
         ({"tools": [fn(STRING_FUNCTION)]}, P0),
         ({"tools": [WEATHER], "response_format": BAD_FORMAT}, "response_format"),
-        ({"tools": [WEATHER], "tool_choice": "required", "stop": ["Oslo"]}, "stop"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
     ],
@@ -255,6 +254,7 @@ DEEP_ARGUMENTS = {"name": "search", "arguments": "[" * 3000 + "]" * 3000}
             "messages.1.tool_call_id",
         ),
         ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "assistant", "tool_calls": [CALL, CALL]}], "messages.0.tool_calls"),
         (
             [{"role": "assistant", "tool_calls": [{**CALL, "function": DEEP_ARGUMENTS}]}],
             "messages.0.tool_calls.0.function.arguments",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.runtime.sampling import SamplingParams, sample_next
+from agent_kv.runtime.reply_decoding import ReplyDecoder
+from agent_kv.runtime.sampling import SamplingParams, penalized, sample_next
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, -1.0])
 
@@ -48,8 +49,61 @@ def test_seeds_reproduce_and_differ():
         ({"top_p": 0.0}, "top_p"),
         ({"stop": [""]}, "stop strings"),
         ({"seed": 2**64}, "seed"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias values"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias token -1"),
+        ({"logit_bias": {10: 1.0}}, "logit_bias token 10 is not in the model's vocabulary of 10"),
     ],
 )
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        SamplingParams(**kwargs).validate()
+        SamplingParams(**kwargs).validate(vocab_size=10)
+
+
+def test_penalties_and_bias_follow_openais_formula():
+    """mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j], c counting the reply's own
+    tokens."""
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, logit_bias={0: -100.0})
+    out = penalized(logits, params, generated=[3, 3, 2])
+    assert torch.allclose(out, torch.tensor([-99.0, 2.0, 2.25, 2.75]))
+    assert torch.equal(logits, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the input is untouched
+    assert penalized(logits, SamplingParams(frequency_penalty=1.0), []) is logits
+    assert sample_next(penalized(logits, params, [3, 3, 3, 3]), params) == 2
+
+
+class CharTokenizer:
+    """Token i is the i-th character of `ALPHABET`."""
+
+    ALPHABET = "<tool_call>{}ab\n"
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.ALPHABET[i] for i in ids)
+
+    def encode(self, text):
+        return [self.ALPHABET.index(c) for c in text]
+
+
+def decode(text: str, params: SamplingParams) -> str:
+    """Decode `text` greedily, one forced token at a time, as `ReplyDecoder` ends it."""
+    tokenizer = CharTokenizer()
+    decoder = ReplyDecoder(params, None, tokenizer, eos_ids=set())
+    for token in tokenizer.encode(text):
+        logits = torch.full((len(CharTokenizer.ALPHABET),), -1.0)
+        logits[token] = 1.0
+        if decoder.choose(logits) is None:
+            break
+        decoder.fed()
+    return decoder.generation(prompt_tokens=1).text
+
+
+def test_a_stop_string_cuts_free_text_and_never_a_call():
+    text = decode("ab{a}b", SamplingParams(max_new_tokens=20, stop=["a}"], call_open="<tool_call>"))
+    assert text == "ab{"
+    call = "<tool_call>{a}b"
+    assert (
+        decode(call, SamplingParams(max_new_tokens=15, stop=["a}"], call_open="<tool_call>"))
+        == call
+    )
+    assert decode(call, SamplingParams(max_new_tokens=15, stop=["a}"])) == "<tool_call>{"

@@ -12,6 +12,7 @@ import pytest
 from agent_kv.errors import GrammarError
 from agent_kv.runtime.chat_rendering import render_chat, template_takes_tools, tools_block
 from agent_kv.runtime.grammar import GrammarCompiler
+from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import (
     ReplyFormat,
     ReplySpec,
@@ -185,9 +186,23 @@ def test_tool_choice_none_is_text_that_opens_no_call(grammars):
     assert accepts(grammars, none, "It is sunny in Paris.\nTake a hat.")
     assert not accepts(grammars, none, CALL)
     assert not accepts(grammars, none, "Calling it: " + CALL)
-    none.check_stop(["\n"])  # text alone may stop at a string
-    with pytest.raises(GrammarError, match="stop cannot be combined"):
-        ReplySpec((WEATHER,), ToolChoice("auto")).check_stop(["\n"])
+
+
+@pytest.mark.parametrize(
+    "spec, stop, call_open",
+    [
+        (ReplySpec((WEATHER,), ToolChoice("none")), ["\n"], None),  # text only
+        (ReplySpec((WEATHER,), ToolChoice("auto")), ["\n"], "<tool_call>"),  # text or calls
+        (ReplySpec((WEATHER,), ToolChoice("required")), [], "<tool_call>"),  # calls only
+        (ReplySpec((WEATHER,), ToolChoice("function", "get_weather")), [], "<tool_call>"),
+        (ReplySpec(format=ReplyFormat({"type": "object"})), [], None),  # JSON only
+        (ReplySpec((WEATHER,), ToolChoice("auto"), format=ReplyFormat({})), [], "<tool_call>"),
+        (ReplySpec(), ["\n"], None),
+    ],
+)
+def test_stop_strings_are_scoped_to_the_free_text_a_reply_may_be(spec, stop, call_open):
+    scoped = spec.scope_stop(SamplingParams(stop=["\n"]))
+    assert (scoped.stop, scoped.call_open) == (stop, call_open)
 
 
 def test_constrained_generation_always_parses_and_validates(smollm):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from agent_kv.runtime.grammar import GrammarMatcher
-from agent_kv.runtime.sampling import SamplingParams, sample_next
+from agent_kv.runtime.sampling import SamplingParams, penalized, sample_next
 
 
 @dataclass
@@ -109,6 +109,7 @@ class ReplyDecoder:
             return None
         if len(self.generated) >= self.params.max_new_tokens:
             return self._end("length")
+        logits = penalized(logits, self.params, self.generated)
         constrained = logits if self.matcher is None else self.matcher.constrain(logits)
         token = sample_next(constrained, self.params, self.generator)
         if self._first_token_at is None:
@@ -124,9 +125,7 @@ class ReplyDecoder:
         """The last chosen token is in the cache: end the reply on a stop string or a
         complete grammar, else stream what text is safe to send."""
         text = self.tokenizer.decode(self.generated, skip_special_tokens=False)
-        if any(s in text for s in self.params.stop) or (
-            self.matcher is not None and self.matcher.done
-        ):
+        if self._stops(text) or (self.matcher is not None and self.matcher.done):
             self._end("stop")
             return
         if self.on_text is not None:
@@ -140,7 +139,7 @@ class ReplyDecoder:
         `prompt_tokens` tokens. Call once `choose` returned None."""
         raw_ids = [t for t in self.generated if t not in self.eos_ids]
         raw_text = self.tokenizer.decode(raw_ids, skip_special_tokens=False)
-        reply = cut_at_stop(raw_text, self.params.stop)
+        reply = cut_at_stop(raw_text, self.params.stop) if self._stops(raw_text) else raw_text
         if self.on_text is not None and len(reply) > self._sent:
             self.on_text(reply[self._sent :])
             self._sent = len(reply)
@@ -154,6 +153,14 @@ class ReplyDecoder:
             ttft_s=first - self.started,
             decode_s=(self._ended_at or time.perf_counter()) - first,
         )
+
+    def _stops(self, text: str) -> bool:
+        """Whether a stop string ends the reply `text`: one occurs in it, and it is not a tool
+        call (nor the start of one: `SamplingParams.call_open`)."""
+        opener = self.params.call_open
+        if opener is not None and (text.startswith(opener) or opener.startswith(text)):
+            return False
+        return any(s in text for s in self.params.stop)
 
     def _end(self, reason: str) -> None:
         """End the reply for `reason`; None (`choose`'s "nothing to feed")."""

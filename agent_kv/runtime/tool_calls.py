@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent_kv.errors import GrammarError
 from agent_kv.runtime.grammar import Grammar
 from agent_kv.runtime.json_schemas import check_schema, closed, embedded
+from agent_kv.runtime.sampling import SamplingParams
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -219,20 +220,22 @@ class ReplySpec:
         spec.validate()
         return spec
 
-    def check_stop(self, stop: list[str]) -> None:
-        """Refuse `stop` strings for a reply that may be a call or JSON: one would cut it
-        mid-call or mid-JSON, leaving text that neither parses nor validates. (Text that may
-        not make calls, under `tool_choice` none, takes them.)
+    def scope_stop(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its stop strings scoped to the free text this reply may be, as OpenAI
+        accepts `stop` beside tools and a `response_format`: a reply that may be text keeps
+        them, except a reply that opens a call (`SamplingParams.call_open`); a reply that may
+        only be calls or JSON drops them (a stop string would cut it mid-call or mid-JSON,
+        leaving text that neither parses nor validates).
 
         Raises:
-            GrammarError: `stop` is not empty and the reply may hold calls or JSON.
+            GrammarError: `validate` fails.
         """
         self.validate()
-        if stop and (self.callable_tools() or self.format is not None):
-            raise GrammarError(
-                "stop cannot be combined with tool calls or a response_format: a stop string "
-                "would cut the constrained reply"
-            )
+        calls = bool(self.callable_tools())
+        text = self.format is None and (not calls or self.choice.mode == "auto")
+        return replace(
+            params, stop=list(params.stop) if text else [], call_open=CALL_OPEN if calls else None
+        )
 
     @property
     def calls_allowed(self) -> bool:

@@ -346,23 +346,24 @@ class ChatService:
                 and split into `content` and `tool_calls`.
 
         Raises:
-            ConfigError: invalid sampling parameters, pin rules or message text, or a
-                `policy` that cannot run on the engine's store; `GrammarError` (one) for a
-                reply spec whose grammar cannot be built, or `stop` strings with a reply that
-                may hold calls or JSON (`ReplySpec.check_stop`).
+            ConfigError: invalid sampling parameters (a `logit_bias` token outside the
+                vocabulary included), pin rules or message text, or a `policy` that cannot run
+                on the engine's store; `GrammarError` (one) for a reply spec whose grammar
+                cannot be built. Stop strings apply to the reply's free text only
+                (`ReplySpec.scope_stop`).
             ContextOverflowError: the turn cannot fit the model's context.
             KVCapacityError: the turn could hold more KV than the session store's cap.
             QueueFullError, QueueTimeoutError: the model is too busy.
             TurnCancelled: `cancel` was set.
         """
         with admission or self.admit() as admitted:
-            params.validate()
+            params.validate(self.engine.model.config.vocab_size)
             rules = rules or self.rules
             rules.validate()
             if policy is not None:
                 check_policy_precision(policy, self.engine.store_options["int8"])
             reply = reply or ReplySpec()
-            reply.check_stop(params.stop)
+            params = reply.scope_stop(params)
             if params.grammar is None:
                 params = replace(params, grammar=reply.grammar())
             if params.grammar is not None:
