@@ -4,6 +4,8 @@ requests and what the cache reuses, not what the model writes)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -66,3 +68,56 @@ async def test_a_rewritten_last_message_keeps_the_pinned_system_prompt_cached(cl
         assert reply["kv"]["rebuild"] == "truncated"
         cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert system_tokens - 8 <= cached < reply["usage"]["prompt_tokens"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+async def test_a_call_sent_back_re_serialised_renders_as_generated(client):
+    """pydantic-ai parses a call's arguments and dumps them compactly: the call comes back with
+    its id and JSON-equal arguments, and the history still matches the cache (no rebuild)."""
+    headers = {"X-Session-Id": "pydantic-ai"}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": "tiny", "tools": [WEATHER_TOOL], "parallel_tool_calls": False}
+    body |= {"tool_choice": "required", "max_tokens": 40}
+    first = await client.post(
+        "/v1/chat/completions", json={**body, "messages": messages}, headers=headers
+    )
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["finish_reason"] == "tool_calls", first.text
+    call = first.json()["choices"][0]["message"]["tool_calls"][0]
+    arguments = call["function"]["arguments"]
+    compact = json.dumps(json.loads(arguments), separators=(",", ":"))
+    assert compact != arguments  # generated with ", " and ": " separators
+    sent_back = {**call, "function": {**call["function"], "arguments": compact}}
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [sent_back]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C."},
+    ]
+    second = await client.post(
+        "/v1/chat/completions",
+        json={**body, "tool_choice": "none", "messages": messages},
+        headers=headers,
+    )
+    assert second.status_code == 200, second.text
+    assert second.json()["kv"]["rebuild"] == "none"
+    # a call whose arguments changed is history rewritten: rendered as sent, cut back
+    changed = {**call, "function": {**call["function"], "arguments": '{"city":"Oslo"}'}}
+    messages[1] = {"role": "assistant", "content": None, "tool_calls": [changed]}
+    third = await client.post(
+        "/v1/chat/completions",
+        json={**body, "tool_choice": "none", "messages": messages},
+        headers=headers,
+    )
+    assert third.json()["kv"]["rebuild"] == "truncated"

@@ -46,6 +46,7 @@ from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import SequenceOutline, StepRecord
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
+from agent_kv.serving.issued_calls import IssuedCalls
 from agent_kv.serving.protection import PinRules, protected_spans
 from agent_kv.serving.session_store import (
     HistorySync,
@@ -256,6 +257,7 @@ class ChatService:
         self._anonymous_lock = threading.Lock()
         self._anonymous: OrderedDict[str, int] = OrderedDict()  # id -> its last prompt length
         self._claimed: set[str] = set()  # anonymous sessions a turn has chosen and not ended
+        self.issued_calls = IssuedCalls()
 
     def queue_full(self) -> bool:
         """Whether a turn admitted now would be refused with `QueueFullError`."""
@@ -330,7 +332,8 @@ class ChatService:
 
         Args:
             messages: the whole conversation so far, `{"role", "content"}` dicts (optionally
-                `"pin": True`).
+                `"pin": True`); a call this service generated, sent back re-serialised, is
+                rendered as generated (`IssuedCalls.restore`).
             params: sampling parameters.
             session_id: the session to run in; None matches an anonymous one by prefix.
             rules: pin rules for this turn (default: the service's).
@@ -368,6 +371,7 @@ class ChatService:
                 params = replace(params, grammar=reply.grammar())
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
+            messages = self.issued_calls.restore(messages)
             prompt_ids = self.prompt_ids(messages, reply.tools)
             self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
             pins = protected_spans(self.engine.tokenizer, messages, rules, reply.tools)
@@ -377,6 +381,7 @@ class ChatService:
                 on_start, prompt_ids, pins, admitted, deadline,
             )  # fmt: skip
             turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply)
+            self.issued_calls.record(turn.tool_calls)
             return turn
 
     def _run_turn(
