@@ -679,6 +679,14 @@ def serve_command(
             "address; any for 0.0.0.0)."
         ),
     ] = None,
+    drop_image_parts: Annotated[
+        bool,
+        typer.Option(
+            help="Drop the image parts of messages unread (counted in /metrics and each "
+            "reply's kv.image_parts_dropped) instead of refusing them with a 400: for clients "
+            "that also send the page as text (browser-use with use_vision)."
+        ),
+    ] = False,
 ) -> None:
     """Serve the API: `/v1/chat/completions` (OpenAI-compatible), `/chat` (native),
     `/tokenize`, `/v1/models`, `/health`, `/metrics`, `GET /sessions` and
@@ -744,7 +752,11 @@ def serve_command(
         engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout,
         max_batch=max_batch,
     )  # fmt: skip
-    _serve(create_app(service, loaded.name, api_key=api_key, allowed_hosts=hosts), host, port)
+    app = create_app(
+        service, loaded.name, api_key=api_key, allowed_hosts=hosts,
+        drop_image_parts=drop_image_parts,
+    )  # fmt: skip
+    _serve(app, host, port)
 
 
 def _compile_default(flag: bool | None, model, serving: bool) -> bool:

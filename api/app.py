@@ -72,6 +72,7 @@ from api.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatMessage,
     DeletedSession,
     ErrorDetail,
     ErrorResponse,
@@ -142,6 +143,7 @@ def create_app(
     api_key: str | None = None,
     allowed_hosts: list[str] | None = None,
     sweep_interval_s: float | None = None,
+    drop_image_parts: bool = False,
 ) -> FastAPI:
     """The API serving `service`'s engine under the model id `model_name`.
 
@@ -155,6 +157,9 @@ def create_app(
         sweep_interval_s: how often, in seconds, idle sessions are expired while the server
             runs (`SessionStore.sweep`); default a quarter of the session TTL, at most 60 s;
             no sweeping without a TTL.
+        drop_image_parts: drop the image parts of messages, unread, instead of refusing the
+            request with a 400 (for clients that also send the page as text); each is counted
+            in `/metrics` and the reply's `kv.image_parts_dropped`.
     """
     ttl = service.sessions.idle_ttl_s
     if sweep_interval_s is None and ttl is not None:
@@ -296,6 +301,7 @@ def create_app(
         _refuse_unsupported(request)
         params = _sampling(request, vocab_size, request.max_completion_tokens)
         check_tool_results(request.messages, ids_required=True)
+        images = _image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         reply = await run_in_threadpool(reply_spec, request, engine.grammars)
@@ -305,11 +311,11 @@ def create_app(
         if request.stream:
             return await _stream(
                 service, metrics, raw, admission, messages, params, turn_args, request,
-                model_name,
+                model_name, images,
             )  # fmt: skip
         turn = await _run_watched(raw, admission, metrics, service, messages, params, **turn_args)
         _set_session_header(response.headers, turn.kv.session_id)
-        return _completion(model_name, turn)
+        return _completion(model_name, turn, images)
 
     @app.post(
         "/chat",
@@ -320,6 +326,7 @@ def create_app(
         """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
         params = _sampling(request, vocab_size)
         check_tool_results(request.messages)
+        images = _image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
         policy = None if request.policy is None else _policy(request, service)
@@ -334,7 +341,7 @@ def create_app(
             message=_assistant_message(turn),
             finish_reason=turn.finish_reason,
             usage=_usage(turn),
-            kv=KVStats.model_validate(asdict(turn.kv)),
+            kv=_kv_stats(turn, images),
             timing=Timing(
                 wait_s=turn.wait_s,
                 ttft_s=turn.ttft_s,
@@ -474,8 +481,36 @@ def _assistant_message(turn: ChatTurn) -> AssistantMessage:
     return AssistantMessage(content=turn.content)
 
 
-def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
-    """The response body of a finished `/v1/chat/completions` request."""
+def _image_parts(messages: list[ChatMessage], drop: bool, metrics: ServerMetrics) -> int:
+    """The image parts of `messages`, which the model cannot read: with `drop`, how many
+    (counted in `metrics`; `ChatMessage.text` leaves them out); else a 400.
+
+    Raises:
+        APIError: 400 naming the first image part, when not `drop`.
+    """
+    found = [(i, j) for i, message in enumerate(messages) for j in message.image_parts()]
+    if found and not drop:
+        i, j = found[0]
+        raise APIError(
+            400,
+            f"messages[{i}].content[{j}] is an image: the model reads text only, and image "
+            "parts are not supported (a server started with --drop-image-parts drops them "
+            "unread)",
+            f"messages.{i}.content.{j}",
+            "unsupported",
+        )
+    metrics.image_parts_dropped.inc(len(found))
+    return len(found)
+
+
+def _kv_stats(turn: ChatTurn, images: int) -> KVStats:
+    """The reply's `kv`: the turn's cache figures and the image parts dropped."""
+    return KVStats.model_validate({**asdict(turn.kv), "image_parts_dropped": images})
+
+
+def _completion(model_name: str, turn: ChatTurn, images: int) -> ChatCompletion:
+    """The response body of a finished `/v1/chat/completions` request (`images`: the image
+    parts dropped)."""
     return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
         created=int(time.time()),
@@ -488,12 +523,12 @@ def _completion(model_name: str, turn: ChatTurn) -> ChatCompletion:
             )
         ],
         usage=_usage(turn),
-        kv=KVStats.model_validate(asdict(turn.kv)),
+        kv=_kv_stats(turn, images),
     )
 
 
 async def _stream(
-    service, metrics, raw, admission, messages, params, turn_args, request, model_name
+    service, metrics, raw, admission, messages, params, turn_args, request, model_name, images
 ) -> StreamingResponse:
     """Start a streamed turn and answer once it holds the model and its session, so errors
     before that (bad text, context or KV cap, queue timeout) keep their HTTP status and the
@@ -543,11 +578,14 @@ async def _stream(
         watcher.cancel()
     headers: dict[str, str] = {}
     _set_session_header(headers, sid)
-    body = _events(queue, metrics, request, model_name, cancel, worker, turn_args["reply"])
+    reply = turn_args["reply"]
+    body = _events(queue, metrics, request, model_name, cancel, worker, reply, images)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, worker, reply):
+async def _events(
+    queue: asyncio.Queue, metrics, request, model_name, cancel, worker, reply, images
+):
     """The stream's events, from the worker's queue up to the finish (or error) event and
     `data: [DONE]`; leaving early (the client went away) cancels the turn. Under a
     `ReplySpec` offering tools, the reply's text goes through `ToolCallStream`: each call
@@ -589,7 +627,7 @@ async def _events(queue: asyncio.Queue, metrics, request, model_name, cancel, wo
                 for chunk in settled(splitter.finish()):
                     yield chunk
                 metrics.observe(value)
-                kv = KVStats.model_validate(asdict(value.kv)).model_dump()
+                kv = _kv_stats(value, images).model_dump()
                 finish = "tool_calls" if splitter.calls else value.reply.finish_reason
                 yield event(delta({}, finish), kv=kv)
                 if request.stream_options and request.stream_options.include_usage:

@@ -135,6 +135,12 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.image_parts_dropped = Counter(
+            "agent_kv_image_parts_dropped",
+            "Image parts of requests dropped unread (--drop-image-parts).",
+            registry=self.registry,
+        )
+
     def observe(self, turn: ChatTurn) -> None:
         """Record a finished turn."""
         self.ttft.observe(turn.ttft_s)

@@ -91,6 +91,19 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ImagePart(BaseModel):
+    """An image part of a user message (OpenAI's `{"type": "image_url", "image_url": {"url":
+    ...}}`). The model reads text only: a request holding one is a 400, or, on a server
+    started with `--drop-image-parts`, the part is dropped and counted
+    (`KVStats.image_parts_dropped`)."""
+
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 ToolName = Annotated[str, StringConstraints(strict=True, pattern=TOOL_NAME_PATTERN)]
 """A function's name (`tool_calls.TOOL_NAME_PATTERN`)."""
 CallId = Annotated[
@@ -141,7 +154,7 @@ class MessageFields(BaseModel):
     `pin: true` (an agent_kv extension), which pins the message's tokens: never evicted or
     quantized."""
 
-    content: Text | list[TextPart]
+    content: Text | list[ContentPart]
     pin: StrictBool = False
 
     def as_dict(self) -> dict:
@@ -162,7 +175,13 @@ class MessageFields(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_parts(self) -> list[int]:
+        """Indices of the content's image parts (none for text content)."""
+        if isinstance(self.content, str) or self.content is None:
+            return []
+        return [i for i, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class SystemMessage(MessageFields):
@@ -187,7 +206,7 @@ class AssistantTurn(MessageFields):
     absent, read as empty)."""
 
     role: Literal["assistant"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     tool_calls: list[ToolCallBody] | None = None
 
 
@@ -464,6 +483,9 @@ class KVStats(BaseModel):
     quantized_tokens: int
     pinned_tokens: int
     confidence: ConfidenceStats | None
+    image_parts_dropped: int = 0
+    """Image parts of the request dropped unread (a server started with
+    `--drop-image-parts`); the model saw the request's text only."""
     kv_bytes: int = _deprecated_alias("kv_live_bytes")
     peak_kv_bytes: int = _deprecated_alias("peak_kv_live_bytes")
     full_kv_bytes: int = _deprecated_alias("full_kv_live_bytes")

@@ -121,3 +121,31 @@ async def test_a_call_sent_back_re_serialised_renders_as_generated(client):
         headers=headers,
     )
     assert third.json()["kv"]["rebuild"] == "truncated"
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+async def test_image_parts_are_a_clear_400_or_dropped_when_the_server_says_so(service):
+    """browser-use's default (`use_vision=True`) sends the screenshot as an image part beside
+    the page's text: a 400 that says why by default; dropped and counted with
+    `drop_image_parts`."""
+    content = [{"type": "text", "text": "Current page: [1]<a>Home</a>"}, IMAGE]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    for drop in (False, True):
+        app = create_app(service, "tiny", drop_image_parts=drop)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            for route in ("/v1/chat/completions", "/chat"):
+                response = await http.post(route, json=body)
+                if not drop:
+                    assert response.status_code == 400, response.text
+                    error = response.json()["error"]
+                    assert error["param"] == "messages.0.content.1"
+                    assert "reads text only" in error["message"]
+                    continue
+                assert response.status_code == 200, response.text
+                assert response.json()["kv"]["image_parts_dropped"] == 1
+            text = (await http.get("/metrics")).text
+            dropped = 2.0 if drop else 0.0
+            assert f"agent_kv_image_parts_dropped_total {dropped}" in text
