@@ -10,6 +10,7 @@ errors come at once.
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import socket
@@ -779,7 +780,13 @@ def _serve(app, host: str, port: int) -> None:
             if self.started:
                 typer.echo(f"ready on http://{host}:{port}", err=True)
 
-    AnnouncingServer(uvicorn.Config(app, host=host, port=port)).run()
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["agent_kv.requests"] = {
+        "handlers": ["default"],
+        "level": "INFO",
+        "propagate": False,
+    }  # one line per request (`api.request_log`), on stderr beside uvicorn's own
+    AnnouncingServer(uvicorn.Config(app, host=host, port=port, log_config=log_config)).run()
 
 
 models_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

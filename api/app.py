@@ -66,6 +66,7 @@ from api.errors import APIError
 from api.metrics import ServerMetrics
 from api.openapi_doc import error_responses, openapi_without_validation_422
 from api.reply_spec import check_tool_results, reply_spec
+from api.request_log import CLIENT_CLOSED, RequestLine, note_error, note_turn
 from api.schemas import (
     SESSION_ID_CHARS,
     AssistantMessage,
@@ -115,9 +116,6 @@ SSE_EVENT = {
     "required": ["data"],
 }
 """The OpenAPI schema of one event of a streamed reply."""
-CLIENT_CLOSED = 499
-"""The status recorded (in `/metrics`) for a request whose client went away; nobody reads
-the response."""
 
 
 def error_response(
@@ -191,17 +189,23 @@ def create_app(
     chat_errors = (*post_errors, 429, 503)
 
     @app.middleware("http")
-    async def count_requests(request: Request, call_next):
+    async def count_and_log_requests(request: Request, call_next):
+        started = time.perf_counter()
         path = request.url.path
         endpoint = (
             path if path in routes else "/sessions" if path.startswith("/sessions/") else "other"
         )
         try:
             response = await call_next(request)
-        except Exception:  # a 500: the catch-all handler answers it outside this middleware
+        except Exception as err:  # a 500: the catch-all handler answers it outside this
             metrics.requests.labels(endpoint, "500").inc()
+            note_error(request, None, f"internal error ({type(err).__name__})")
+            RequestLine.of(request, 500, started).write()
             raise
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        response.body_iterator = _logged(
+            response.body_iterator, request, response.status_code, started
+        )
         return response
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, reject=error_response)
@@ -210,13 +214,15 @@ def create_app(
     )
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError):
+    async def api_error(request: Request, err: APIError):
+        note_error(request, err.code, err.message)
         return error_response(err.status, err.message, err.param, err.code)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, err: RequestValidationError):
+    async def validation_error(request: Request, err: RequestValidationError):
         errors = err.errors()
         if any(e["type"] == "json_invalid" for e in errors):
+            note_error(request, "invalid_json", "request body is not valid JSON")
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
         # the deepest location is the most specific: of a union's branches, the one that
         # got furthest (a list of text parts rather than "not a string")
@@ -224,11 +230,14 @@ def create_app(
         param = _param_name(first["loc"])
         if first["type"] == "invalid_role":  # the message union could not pick a kind
             param = f"{param}.role"
-        return error_response(400, f"{param or 'body'}: {first['msg']}", param, "invalid_value")
+        message = f"{param or 'body'}: {first['msg']}"
+        note_error(request, "invalid_value", message)
+        return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException):
+    async def http_error(request: Request, err: StarletteHTTPException):
         code = HTTP_ERROR_CODES.get(err.status_code)
+        note_error(request, code, str(err.detail))
         return error_response(err.status_code, str(err.detail), None, code, err.headers)
 
     @app.exception_handler(Exception)
@@ -314,6 +323,7 @@ def create_app(
                 model_name, images,
             )  # fmt: skip
         turn = await _run_watched(raw, admission, metrics, service, messages, params, **turn_args)
+        note_turn(raw, turn)
         _set_session_header(response.headers, turn.kv.session_id)
         return _completion(model_name, turn, images)
 
@@ -336,6 +346,7 @@ def create_app(
             raw, admission, metrics, service, messages, params, session_id=request.session_id,
             rules=rules, policy=policy, reply=reply,
         )  # fmt: skip
+        note_turn(raw, turn)
         return NativeChatResponse(
             session_id=turn.kv.session_id,
             message=_assistant_message(turn),
@@ -560,8 +571,11 @@ async def _stream(
                 service, messages, params, on_text=lambda text: put("text", text),
                 cancel=cancel, admission=admission, on_start=begin, **turn_args,
             )  # fmt: skip
+            note_turn(raw, turn)
             put("done", turn)
         except Exception as err:  # before the stream began: the response; after: an event
+            detail = _error_detail(err)
+            note_error(raw, detail.code, detail.message)
             fail_start(err)
             put("error", err)
         finally:
@@ -637,6 +651,18 @@ async def _events(
         cancel.set()
     await worker
     yield "data: [DONE]\n\n"
+
+
+async def _logged(body, request: Request, status: int, started: float):
+    """`body` (a response's body iterator), and the request's log line once it ends: with
+    `status`, or `CLIENT_CLOSED` when the client left before the last chunk."""
+    finished = False
+    try:
+        async for chunk in body:
+            yield chunk
+        finished = True
+    finally:
+        RequestLine.of(request, status if finished else CLIENT_CLOSED, started).write()
 
 
 def _error_detail(err: Exception) -> ErrorDetail:

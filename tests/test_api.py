@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -281,3 +282,28 @@ async def test_logit_bias_and_penalties_change_the_reply(client):
     ones = "List the numbers 1 1 1 1 1 1 1 1 1 1 1 1 again."
     assert set((await reply(ones)).split()) == {"1"}  # greedy, the model repeats itself
     assert len(set((await reply(ones, frequency_penalty=2)).split())) > 1
+
+
+async def test_every_request_logs_one_structured_line(client, caplog):
+    """Route, status, error code and message, session, prompt and cached tokens, time."""
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    headers = {"X-Session-Id": "logged"}
+    for _ in range(2):
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).is_success
+    bad = await client.post("/v1/chat/completions", json={**body, "logprobs": True})
+    assert bad.status_code == 400
+    lines = [json.loads(r.message) for r in caplog.records if r.name == "agent_kv.requests"]
+    first, second, refused = lines
+    assert first["route"] == "/v1/chat/completions" and first["status"] == 200
+    assert first["session"] == second["session"] == "logged"
+    assert first["cached_tokens"] == 0 < second["cached_tokens"] < second["prompt_tokens"]
+    assert second["rebuild"] == "truncated"  # the same prompt again: cut back before the reply
+    assert second["error"] is None and second["ms"] > 0
+    assert refused["status"] == 400 and refused["error_code"] == "unsupported"
+    assert "logprobs" in refused["error"]
+    assert [r.levelname for r in caplog.records if r.name == "agent_kv.requests"] == [
+        "INFO",
+        "INFO",
+        "WARNING",
+    ]

@@ -5,6 +5,8 @@ restart (live uvicorn servers and the session store directly)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import threading
@@ -149,7 +151,8 @@ def test_a_grown_session_takes_a_new_conversation_within_the_cap(smollm):
     assert service.sessions.allocated_bytes() <= cap
 
 
-def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service):
+def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service, caplog):
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
     url, service = live_service
     body = {
         "messages": [{"role": "user", "content": "Write a long story about a red bicycle."}],
@@ -172,6 +175,13 @@ def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service):
     assert generated < 150 and waited < 10  # stopped soon after the client left
     closed = 'agent_kv_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0'
     assert closed in metrics
+    lines = [json.loads(r.message) for r in caplog.records if r.name == "agent_kv.requests"]
+    (left,) = [line for line in lines if line["status"] == 499]  # logged, though nobody read it
+    assert (left["route"], left["session"], left["error_code"]) == (
+        "/v1/chat/completions",
+        "left",
+        "client_closed",
+    )
 
 
 def test_idle_sessions_expire_without_traffic(smollm):
