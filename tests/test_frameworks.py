@@ -1,13 +1,20 @@
-"""What agent frameworks send, as they send it, against the OpenAI-compatible route (httpx
-AsyncClient over ASGITransport, the tiny random Llama behind SmolLM2's tokenizer: the shape of
-requests and what the cache reuses, not what the model writes)."""
+"""What agent frameworks send, as they send it: their request shapes replayed against the
+OpenAI-compatible route (httpx AsyncClient over ASGITransport, the tiny random Llama behind
+SmolLM2's tokenizer: the shape of requests and what the cache reuses, not what the model
+writes), then the frameworks themselves, unmodified, against a live server on SmolLM2 (what
+they send reaches the model and what it answers reaches them; the model's own choices, such
+as calling a tool every turn, are its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
@@ -149,3 +156,174 @@ async def test_image_parts_are_a_clear_400_or_dropped_when_the_server_says_so(se
             text = (await http.get("/metrics")).text
             dropped = 2.0 if drop else 0.0
             assert f"agent_kv_image_parts_dropped_total {dropped}" in text
+
+
+# -- the frameworks themselves, unmodified, against a live server on SmolLM2 -------------------
+
+
+def _turns(caplog, session: str) -> list[dict]:
+    """The request log lines (`api.request_log`) of `session`'s requests, in order."""
+    lines = [json.loads(r.message) for r in caplog.records if r.name == "agent_kv.requests"]
+    return [line for line in lines if line["session"] == session]
+
+
+def _assert_history_reused(turns: list[dict]) -> None:
+    """Every turn after the first reused at least the previous turn's whole prompt, and none
+    rebuilt its cache from scratch."""
+    assert turns and all(turn["status"] == 200 for turn in turns), turns
+    assert [turn["rebuild"] for turn in turns].count("scratch") == 0
+    for before, after in zip(turns, turns[1:], strict=False):
+        assert after["cached_tokens"] >= before["prompt_tokens"], (before, after)
+
+
+class Answer(BaseModel):
+    city: str
+    sunny: bool
+
+
+def weather(city: str) -> str:
+    """The weather in a city."""
+    return f"Sunny in {city}."
+
+
+async def test_openai_agents_sdk_tools_and_structured_output(live_service, caplog):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    set_tracing_disabled(True)  # it would export traces to OpenAI
+    url, _ = live_service
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = OpenAIChatCompletionsModel(model="smollm2-135m", openai_client=client)
+    session = {"X-Session-Id": "agents-sdk"}
+    caller = Agent(
+        name="weather",
+        instructions="Answer about the weather.",
+        tools=[function_tool(weather)],
+        model=model,
+        model_settings=ModelSettings(tool_choice="required", max_tokens=48, extra_headers=session),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    called = await Runner.run(caller, "Is it sunny in Paris?", max_turns=2)
+    assert called.final_output.startswith("Sunny in ")  # the tool ran on the model's call
+    answerer = Agent(
+        name="answer",
+        instructions="Answer about the weather.",
+        model=model,
+        model_settings=ModelSettings(max_tokens=48),
+        output_type=Answer,
+    )
+    answered = await Runner.run(answerer, "Is it sunny in Paris?", max_turns=1)
+    assert isinstance(answered.final_output, Answer)  # a response_format reply, validated
+    assert _turns(caplog, "agents-sdk")[0]["status"] == 200
+
+
+async def test_pydantic_ai_tool_turns_reuse_the_cache(live_service, caplog):
+    """pydantic-ai sends each call back re-serialised compactly; its tool turns still extend
+    the session's history (the call renders as generated)."""
+    from pydantic_ai import Agent
+    from pydantic_ai.exceptions import UsageLimitExceeded
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    url, _ = live_service
+    model = OpenAIChatModel("smollm2-135m", provider=OpenAIProvider(f"{url}/v1", api_key="unused"))
+    settings = {"extra_headers": {"X-Session-Id": "pydantic-ai"}, "max_tokens": 48}
+    agent = Agent(model, output_type=Answer, model_settings=settings, tools=[weather], retries=3)
+    with contextlib.suppress(UsageLimitExceeded):  # the model may call the tool every turn
+        await agent.run(
+            "Use weather for Paris, then answer.", usage_limits=UsageLimits(request_limit=6)
+        )
+    turns = _turns(caplog, "pydantic-ai")
+    assert len(turns) >= 2
+    _assert_history_reused(turns)
+
+
+@pytest.mark.slow
+async def test_pydantic_ai_fifty_tool_turns_never_rebuild_from_scratch(live_service, caplog):
+    """The quick size above at full length: 50 requests of one pydantic-ai run."""
+    from pydantic_ai import Agent
+    from pydantic_ai.exceptions import UsageLimitExceeded
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    url, _ = live_service
+    model = OpenAIChatModel("smollm2-135m", provider=OpenAIProvider(f"{url}/v1", api_key="unused"))
+    settings = {"extra_headers": {"X-Session-Id": "pydantic-ai-50"}, "max_tokens": 48}
+    agent = Agent(model, output_type=Answer, model_settings=settings, tools=[weather], retries=3)
+    with contextlib.suppress(UsageLimitExceeded):
+        await agent.run(
+            "Use weather for Paris, then answer.", usage_limits=UsageLimits(request_limit=50)
+        )
+    turns = _turns(caplog, "pydantic-ai-50")
+    rebuilds = [turn["rebuild"] for turn in turns]
+    print(f"{len(turns)} turns: {rebuilds.count('truncated')} truncated, 0 scratch")
+    _assert_history_reused(turns)
+
+
+def test_smolagents_tool_calling_agent_runs_unmodified(live_service, caplog):
+    """smolagents' ToolCallingAgent sends `stop` with `tool_choice: "required"` on every step,
+    and each call back as its own text ("Calling tools: [...]")."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.memory import ActionStep
+    from smolagents.utils import AgentGenerationError
+
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    url, _ = live_service
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city.
+        """
+        return weather(city)
+
+    model = OpenAIServerModel(
+        model_id="smollm2-135m", api_base=f"{url}/v1", api_key="unused", max_tokens=48,
+        client_kwargs={"default_headers": {"X-Session-Id": "smolagents"}},
+    )  # fmt: skip
+    agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2, verbosity_level=0)
+    agent.run("Is it sunny in Paris?")
+    steps = [step for step in agent.memory.steps if isinstance(step, ActionStep)]
+    assert steps and not any(isinstance(step.error, AgentGenerationError) for step in steps)
+    assert steps[0].tool_calls  # the first step called a tool, as required
+    _assert_history_reused(_turns(caplog, "smolagents")[:2])
+
+
+def test_litellm_completion_tools_and_cache_reuse(live_service):
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    import litellm
+
+    url, _ = live_service
+    args = {"model": "openai/smollm2-135m", "api_base": f"{url}/v1", "api_key": "unused"}
+    args |= {"max_tokens": 48, "extra_headers": {"X-Session-Id": "litellm"}}
+    messages = [{"role": "user", "content": "Is it sunny in Paris?"}]
+    first = litellm.completion(
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **args,
+    )
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."},
+    ]
+    second = litellm.completion(messages=messages, tools=[WEATHER_TOOL], tool_choice="none", **args)
+    assert second.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
