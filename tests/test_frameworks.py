@@ -327,3 +327,25 @@ def test_litellm_completion_tools_and_cache_reuse(live_service):
     second = litellm.completion(messages=messages, tools=[WEATHER_TOOL], tool_choice="none", **args)
     assert second.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_langchain_openai_tools_in_a_named_session(live_service, caplog):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    caplog.set_level(logging.INFO, logger="agent_kv.requests")
+    url, _ = live_service
+    llm = ChatOpenAI(
+        model="smollm2-135m", base_url=f"{url}/v1", api_key="unused", max_tokens=48,
+        default_headers={"X-Session-Id": "langchain-openai"},
+    )  # fmt: skip
+    caller = llm.bind_tools([weather], tool_choice="weather", parallel_tool_calls=False)
+    messages = [HumanMessage("Is it sunny in Paris?")]
+    reply = caller.invoke(messages)
+    (call,) = reply.tool_calls
+    assert call["name"] == "weather"
+    messages += [reply, ToolMessage(weather(**call["args"]), tool_call_id=call["id"])]
+    assert llm.bind_tools([weather], tool_choice="none").invoke(messages).content
+    turns = _turns(caplog, "langchain-openai")
+    assert len(turns) == 2
+    _assert_history_reused(turns)  # truncated, if at all, only inside the generated reply
