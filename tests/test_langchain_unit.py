@@ -113,6 +113,11 @@ def test_call_overrides_fields():
     assert request["headers"] == {"X-Session-Id": "b"}
     anonymous = ChatAgentKV(base_url=BASE_URL)._request([HumanMessage("hi")], params, {})
     assert anonymous["headers"] == {}
+    penalized = ChatAgentKV(base_url=BASE_URL, frequency_penalty=0.3, logit_bias={42: -100})
+    params = penalized._params(None, {"presence_penalty": 0.5})
+    body = penalized._request([HumanMessage("hi")], params, {})["json"]
+    assert (body["frequency_penalty"], body["presence_penalty"]) == (0.3, 0.5)
+    assert body["logit_bias"] == {"42": -100}  # JSON keys, as OpenAI takes them
 
 
 def test_error_bodies_raise_server_error():

@@ -9,7 +9,8 @@ prefilled: the part read from the cache is `usage_metadata["input_token_details"
 ["cache_read"]`, and the cache's figures are `response_metadata["kv"]` (`KVReport`).
 
 Per call, `stop` and the keyword arguments `max_tokens`, `temperature`, `top_p`, `seed`,
-`session_id` and `pin` override the fields (e.g. `model.bind(session_id="episode-2")`);
+`frequency_penalty`, `presence_penalty`, `logit_bias`, `session_id` and `pin` override the
+fields (e.g. `model.bind(session_id="episode-2")`);
 `model` is sent as the request's model (the server serves one model; in-process it is ignored).
 A message with `additional_kwargs["pin"]` true has its tokens pinned (never evicted or
 quantized); `pin` sets the turn's pin rules, as the API's `pin` does (e.g.
@@ -86,6 +87,9 @@ IDENTIFYING = (
     "temperature",
     "top_p",
     "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
     "stop",
     "pin",
 )
@@ -124,7 +128,9 @@ class ChatAgentKV(BaseChatModel):
             anonymous session by prefix.
         model_name: (alias `model`) the model's name in traces and in `response_metadata`
             (a server reports its own there).
-        max_tokens, temperature, top_p, seed, stop: sampling (`SamplingParams`).
+        max_tokens, temperature, top_p, seed, frequency_penalty, presence_penalty,
+            logit_bias, stop: sampling (`SamplingParams`; the penalties and the bias as
+            OpenAI defines them, `logit_bias` keyed by token id).
         api_key: the server's API key (`agent-kv serve --api-key`), sent as
             `Authorization: Bearer`; `$AGENT_KV_API_KEY` when not given (server mode).
         timeout: seconds an HTTP request may take (server mode).
@@ -148,6 +154,9 @@ class ChatAgentKV(BaseChatModel):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     stop: list[str] | None = None
     api_key: SecretStr | None = Field(
         default_factory=secret_from_env(API_KEY_ENV, default=None), exclude=True
@@ -415,6 +424,9 @@ class ChatAgentKV(BaseChatModel):
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             seed=kwargs.get("seed", self.seed),
+            frequency_penalty=kwargs.get("frequency_penalty", self.frequency_penalty),
+            presence_penalty=kwargs.get("presence_penalty", self.presence_penalty),
+            logit_bias=dict(kwargs.get("logit_bias", self.logit_bias) or {}),
             stop=list(stop if stop is not None else self.stop or []),
         )
 
@@ -489,6 +501,9 @@ class ChatAgentKV(BaseChatModel):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "seed": params.seed,
+            "frequency_penalty": params.frequency_penalty,
+            "presence_penalty": params.presence_penalty,
+            "logit_bias": {str(token): bias for token, bias in params.logit_bias.items()},
             "stop": params.stop,
             "stream": stream,
         }
