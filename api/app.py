@@ -309,7 +309,7 @@ def create_app(
         """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
         _refuse_unsupported(request)
         params = _sampling(request, vocab_size, request.max_completion_tokens)
-        check_tool_results(request.messages, ids_required=True)
+        check_tool_results(request.messages)
         images = _image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else _pin_rules(request)
@@ -728,7 +728,7 @@ def _sampling(
         stop=stop,
         frequency_penalty=request.frequency_penalty,
         presence_penalty=request.presence_penalty,
-        logit_bias=dict(request.logit_bias or {}),
+        logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
     )
     try:
         params.validate(vocab_size)

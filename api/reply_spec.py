@@ -56,10 +56,9 @@ def _param_of(message: str, fields: dict) -> str:
     return "tools"
 
 
-def check_tool_results(messages: list[ChatMessage], ids_required: bool = False) -> None:
+def check_tool_results(messages: list[ChatMessage]) -> None:
     """Every `tool_call_id` must name a call of an earlier assistant message, and no assistant
-    message may give two calls one id; with `ids_required` (OpenAI's route, where a tool
-    message answers a call), every tool message must name its call.
+    message may give two calls one id.
 
     Raises:
         APIError: 400 naming the first message at fault.
@@ -77,13 +76,6 @@ def check_tool_results(messages: list[ChatMessage], ids_required: bool = False) 
             )
         called.update(ids)
         answers = getattr(message, "tool_call_id", None)
-        if answers is None and ids_required and message.role == "tool":
-            raise APIError(
-                400,
-                f"messages[{i}] is a tool message without the tool_call_id of the call it answers",
-                f"messages.{i}.tool_call_id",
-                "missing_required_parameter",
-            )
         if answers is not None and answers not in called:
             raise APIError(
                 400,

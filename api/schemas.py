@@ -78,8 +78,8 @@ StopText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_valid
 """A stop string: non-empty."""
 MAX_STOP = 4
 """Stop strings one request may give (OpenAI's limit)."""
-TokenId = Annotated[int, Ge(0)]
-"""A token id, as `logit_bias` keys it (JSON keys are text: `"1234"`)."""
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+"""A token id as `logit_bias` keys it: JSON keys are text (`"1234"`)."""
 MAX_LOGIT_BIAS = 1024
 """Tokens one request's `logit_bias` may name."""
 
@@ -231,18 +231,34 @@ MESSAGE_KINDS = {
     "tool": "Tool",
 }
 """A message's role -> its kind (the tag of `ChatMessage`'s union)."""
-ChatMessage = Annotated[
-    Annotated[SystemMessage, Tag("System")]
-    | Annotated[UserMessage, Tag("User")]
-    | Annotated[AssistantTurn, Tag("Assistant")]
-    | Annotated[ToolResult, Tag("Tool")],
-    Discriminator(
-        _message_kind,
-        custom_error_type="invalid_role",
-        custom_error_message="role must be one of system, developer, user, assistant, tool",
-    ),
-]
+
+
+class CallResult(ToolResult):
+    """A tool's result on the OpenAI route, which names the call it answers (OpenAI requires
+    `tool_call_id`)."""
+
+    tool_call_id: CallId
+
+
+def _message_union(tool_result: type[ToolResult]) -> Any:
+    """The union of the message kinds, by role, with `tool_result` for role `tool`."""
+    return Annotated[
+        Annotated[SystemMessage, Tag("System")]
+        | Annotated[UserMessage, Tag("User")]
+        | Annotated[AssistantTurn, Tag("Assistant")]
+        | Annotated[tool_result, Tag("Tool")],
+        Discriminator(
+            _message_kind,
+            custom_error_type="invalid_role",
+            custom_error_message="role must be one of system, developer, user, assistant, tool",
+        ),
+    ]
+
+
+ChatMessage = _message_union(ToolResult)
 """One message of a conversation, by its role."""
+OpenAIChatMessage = _message_union(CallResult)
+"""One message of an OpenAI-route conversation: a tool message names its call."""
 
 
 class FunctionBody(BaseModel):
@@ -350,7 +366,7 @@ class SamplingFields(BaseModel):
     """Subtracted from a token's logit once per time the reply has generated it."""
     presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
     """Subtracted from the logit of every token the reply has generated."""
-    logit_bias: dict[TokenId, Number] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[TokenIdKey, Number] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     """Token id (as a JSON key) -> value in [-100, 100] added to its logit; an id outside the
     model's vocabulary is a 400."""
 
@@ -380,6 +396,7 @@ class ChatCompletionRequest(SamplingFields, ReplyFields):
 
     model_config = ConfigDict(extra="allow")
 
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
     model: Text | None = None
     max_completion_tokens: PositiveCount | None = None
     stream: StrictBool = False

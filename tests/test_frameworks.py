@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 
 import httpx
 import pytest
@@ -161,10 +162,17 @@ async def test_image_parts_are_a_clear_400_or_dropped_when_the_server_says_so(se
 # -- the frameworks themselves, unmodified, against a live server on SmolLM2 -------------------
 
 
-def _turns(caplog, session: str) -> list[dict]:
-    """The request log lines (`api.request_log`) of `session`'s requests, in order."""
-    lines = [json.loads(r.message) for r in caplog.records if r.name == "agent_kv.requests"]
-    return [line for line in lines if line["session"] == session]
+def _turns(caplog, session: str, count: int = 1) -> list[dict]:
+    """The request log lines (`api.request_log`) of `session`'s requests, in order, once
+    there are at least `count` (the live server writes a line when its response has ended,
+    which the client may see a moment before; 10 s at most)."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(r.message) for r in caplog.records if r.name == "agent_kv.requests"]
+        turns = [line for line in lines if line["session"] == session]
+        if len(turns) >= count or time.monotonic() > deadline:
+            return turns
+        time.sleep(0.05)
 
 
 def _assert_history_reused(turns: list[dict]) -> None:
@@ -243,7 +251,7 @@ async def test_pydantic_ai_tool_turns_reuse_the_cache(live_service, caplog):
         await agent.run(
             "Use weather for Paris, then answer.", usage_limits=UsageLimits(request_limit=6)
         )
-    turns = _turns(caplog, "pydantic-ai")
+    turns = _turns(caplog, "pydantic-ai", count=2)
     assert len(turns) >= 2
     _assert_history_reused(turns)
 
@@ -266,7 +274,7 @@ async def test_pydantic_ai_fifty_tool_turns_never_rebuild_from_scratch(live_serv
         await agent.run(
             "Use weather for Paris, then answer.", usage_limits=UsageLimits(request_limit=50)
         )
-    turns = _turns(caplog, "pydantic-ai-50")
+    turns = _turns(caplog, "pydantic-ai-50", count=2)
     rebuilds = [turn["rebuild"] for turn in turns]
     print(f"{len(turns)} turns: {rebuilds.count('truncated')} truncated, 0 scratch")
     _assert_history_reused(turns)
@@ -300,7 +308,7 @@ def test_smolagents_tool_calling_agent_runs_unmodified(live_service, caplog):
     steps = [step for step in agent.memory.steps if isinstance(step, ActionStep)]
     assert steps and not any(isinstance(step.error, AgentGenerationError) for step in steps)
     assert steps[0].tool_calls  # the first step called a tool, as required
-    _assert_history_reused(_turns(caplog, "smolagents")[:2])
+    _assert_history_reused(_turns(caplog, "smolagents", count=2)[:2])
 
 
 def test_litellm_completion_tools_and_cache_reuse(live_service):
@@ -346,6 +354,6 @@ def test_langchain_openai_tools_in_a_named_session(live_service, caplog):
     assert call["name"] == "weather"
     messages += [reply, ToolMessage(weather(**call["args"]), tool_call_id=call["id"])]
     assert llm.bind_tools([weather], tool_choice="none").invoke(messages).content
-    turns = _turns(caplog, "langchain-openai")
+    turns = _turns(caplog, "langchain-openai", count=2)
     assert len(turns) == 2
     _assert_history_reused(turns)  # truncated, if at all, only inside the generated reply

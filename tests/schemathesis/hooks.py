@@ -34,19 +34,29 @@ def before_call(ctx, case, kwargs):
     body = case.body
     if case.operation.path in (*CHAT_PATHS, "/tokenize") and isinstance(body, dict):
         if isinstance(body.get("messages"), list):
-            _semantic_fixes(body["messages"])
+            _semantic_fixes(body["messages"], openai=case.operation.path != "/chat")
         _reply_fixes(body)
 
 
-def _semantic_fixes(messages: list) -> None:
+def _semantic_fixes(messages: list, openai: bool) -> None:
     """Make generated messages keep the rules a JSON Schema cannot state, which the API
-    documents and answers with a 400 (`tests/test_api_tools.py` tests them): a
-    `tool_call_id` names a call of an earlier assistant message, and a call's arguments
-    are a JSON object's text. Bodies of the wrong shape (negative cases) are left alone."""
+    documents and answers with a 400 (`tests/test_api_tools.py` and
+    `tests/test_frameworks.py` test them): a `tool_call_id` names a call of an earlier
+    assistant message (on the OpenAI route, where a tool message must name one, a tool message
+    answering none becomes a user message), a call's arguments are a JSON object's text, and
+    no content holds an image part (a server started without `--drop-image-parts`). Bodies
+    of the wrong shape (negative cases) are left alone."""
     called = set()
     for message in messages:
         if not isinstance(message, dict):
             continue
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = [
+                part
+                for part in content
+                if not (isinstance(part, dict) and part.get("type") == "image_url")
+            ]
         calls = message.get("tool_calls")
         for call in calls if isinstance(calls, list) else []:
             if not isinstance(call, dict):
@@ -60,6 +70,8 @@ def _semantic_fixes(messages: list) -> None:
         answers = message.get("tool_call_id")
         if message.get("role") == "tool" and isinstance(answers, str) and answers not in called:
             message.pop("tool_call_id")
+            if openai:
+                message["role"] = "user"
 
 
 def _json_object(text) -> bool:
@@ -73,9 +85,8 @@ def _reply_fixes(body: dict) -> None:
     """Make generated tool and format fields keep the rules a JSON Schema cannot state,
     which the API documents and answers with a 400 (`tests/test_api_tools.py` tests them):
     tool names unique, a named `tool_choice` naming an offered tool, `required` with tools,
-    object schemas for parameters, schemas `check_schema` takes and llguidance compiles, and
-    no `stop` where the reply may hold calls or JSON. Bodies of the wrong shape are left
-    alone."""
+    object schemas for parameters, and schemas `check_schema` takes and llguidance compiles.
+    Bodies of the wrong shape are left alone."""
     tools = body.get("tools")
     if isinstance(tools, list):
         names, kept = set(), []
@@ -107,11 +118,6 @@ def _reply_fixes(body: dict) -> None:
         schema = fmt["json_schema"].get("schema")
         if isinstance(schema, dict) and not _usable(schema, tool=False):
             fmt["json_schema"]["schema"] = {}
-    grammar = (names and body.get("tool_choice") != "none") or (
-        isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
-    )
-    if grammar:
-        body.pop("stop", None)
 
 
 def _usable(schema: dict, tool: bool) -> bool:
