@@ -478,11 +478,12 @@ class KVStore:
         if not 0 <= row < self.batch:
             raise ValueError(f"row {row} is not in this store's {self.batch} rows")
         exact = isinstance(end, int) and seg.changed_at[row] <= end <= self.seen(row)
-        if not exact and not (isinstance(end, int) and 0 <= end <= self.intact_tokens(row)):
+        intact = None if exact else self.intact_tokens(row)
+        if not exact and not (isinstance(end, int) and 0 <= end <= intact):
             raise ValueError(
                 f"cannot truncate row {row} to {end!r} tokens: it has seen {self.seen(row)}, "
                 f"its cache is exact only back to {seg.changed_at[row]}, and intact only up "
-                f"to {self.intact_tokens(row)}"
+                f"to {intact}"
             )
         seg.changed_at[row] = min(seg.changed_at[row], end)
         if end < self.prefix.tokens and self.batch != 1:
