@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from agent_kv.errors import AgentKVError, ConfigError
-from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.kv.policy_spec import PolicySpec, parse_params
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
 from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
@@ -119,7 +119,9 @@ RecallParamOption = Annotated[
         "--recall-param",
         help="A cold-tier setting as KEY=VALUE, repeatable: page_tokens (16), pages recalled "
         "per layer (8), queries that score them (32), every N decode tokens (0: off), "
-        "cap_bytes (256MiB, e.g. 64MB), fmt (int8 or fp8), score (exact or digest).",
+        "cap_bytes (256MiB, e.g. 64MB), fmt (int8 or fp8), score (exact or digest), select "
+        "(layer, or vote: the layers choose pages together), distances (original or "
+        "in_cache, rerotate mode).",
     ),
 ]
 ModelOption = Annotated[
@@ -560,6 +562,40 @@ def _eval_policies(text: str, experiments: list[str]) -> list[str]:
     return names
 
 
+def _eval_recall(items: list[str] | None):
+    """The cold tier's settings for the `+recall` policies of an experiment (`--recall-param`),
+    or None for the defaults.
+
+    Raises:
+        ConfigError: a malformed item or an invalid setting.
+    """
+    if not items:
+        return None
+    from agent_kv.kv.cold_tier import ColdConfig
+
+    return ColdConfig.from_params(parse_params(items, "--recall-param"))
+
+
+def _needle_lengths(text: str | None, names: list[str]) -> tuple[int, ...] | None:
+    """`--lengths` as whole numbers of tokens, or None.
+
+    Raises:
+        ConfigError: the option given without needle, or a length that is not a whole
+            number >= 64.
+    """
+    if text is None:
+        return None
+    if "needle" not in names:
+        raise ConfigError("--lengths applies to needle only")
+    try:
+        lengths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--lengths takes comma-separated whole numbers, got {text!r}") from None
+    if min(lengths) < 64:
+        raise ConfigError(f"--lengths must be >= 64 tokens each, got {text!r}")
+    return lengths
+
+
 @app.command("eval")
 def eval_command(
     experiment: Annotated[
@@ -583,6 +619,14 @@ def eval_command(
             "kvzip,h2o+recall; arkv keeps full, its reference)."
         ),
     ] = None,
+    recall_param: RecallParamOption = None,
+    lengths: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated context lengths in tokens for needle instead of its own "
+            "(each past the model's context runs with rerotate positions)."
+        ),
+    ] = None,
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
@@ -601,6 +645,8 @@ def eval_command(
         chosen = None
         if policies is not None:
             chosen = _eval_policies(policies, names)
+        recall = _eval_recall(recall_param)
+        needle_lengths = _needle_lengths(lengths, names)
         body = licence_text(text)
         _writable_dir(out)
     except (ValueError, AgentKVError) as err:
@@ -610,7 +656,10 @@ def eval_command(
     try:
         loaded = load_model(model, weights)
         text_ids = loaded.tokenizer(body, add_special_tokens=False)["input_ids"]
-        reports = run_experiments(names, loaded, text_ids, out, quick, policies=chosen)
+        reports = run_experiments(
+            names, loaded, text_ids, out, quick, policies=chosen, recall=recall,
+            lengths=needle_lengths,
+        )  # fmt: skip
     except AgentKVError as err:
         fail(str(err))
     except OSError as err:

@@ -4,6 +4,8 @@ restores with its session, and with nothing evicted recall changes nothing."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import append_tokens, random_tokens, recorded_call
@@ -19,12 +21,14 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policies.cold_recall import ColdRecall
 from agent_kv.kv.policy_names import check_policy_name
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sequence import Sequence
 from envs.tasks import load_task
 from kernels.int8 import quantize_groups
 from kernels.page_digest import digest_bound, key_digest
+from kernels.reference import apply_rotation
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "
@@ -73,7 +77,7 @@ def test_evicted_tokens_go_cold_in_pages_and_come_back_dequantized_at_their_posi
     assert cold.tokens(0) == len(evicted) and cold.tokens(1) == 0
     # a query that matches token 13's key picks the page holding it
     query = keys[0, :, 13:14] * 10  # [H, 1, D]
-    positions, got_keys, got_values = cold.recall(0, 0, query, 1.0)
+    positions, got_keys, got_values = cold.recall(0, 0, cold.page_scores(0, 0, query, 1.0))
     assert positions.tolist() == [13, 14, 15]
     codes, scales = quantize_groups(keys[0, :, 13:16], 3)
     assert torch.equal(got_keys, codes.float() * scales.float())
@@ -96,7 +100,10 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     assert store.recall.due(1, 0) is False  # decode tokens recall only with `every`
     assert store.figures.evicted_tokens == 24
     # before the layer's attention reads the store
-    assert store.recall.recall(0, query, 1.0, call.rows, call.position_ids()) == 4
+    recalled = store.recall.recall(
+        0, query, 1.0, call.rows, call.position_ids(), call.tensors.origin
+    )
+    assert recalled == 4
     assert store.figures.evicted_tokens == 20  # recalled tokens are no longer evicted
     for idx in range(2):  # each layer's attention reads its segments and stages the token
         call.segments(idx)
@@ -116,6 +123,72 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     policy.step(store, None)
     kept = store.live_positions(0).tolist()
     assert {2, 3, 4, 5, 16} <= set(kept) and len(kept) == 6
+
+
+def _evicted_middle(layers: int, rotary=None, **cold) -> tuple[KVStore, torch.Tensor]:
+    """A store of `layers` layers whose 16 tokens keep 0, 1, 14, 15 in every layer, the rest
+    cold in pages of 4 ([2-5], [6-9], [10-13]); returns it and the keys `[1, H, 16, D]`."""
+    torch.manual_seed(3)
+    store = KVStore(layers, 2, 8, rotary=rotary)
+    store.recall.attach(ColdConfig(page_tokens=4, pages=1, **cold))
+    keys = torch.randn(1, 2, 16, 8)
+    append_tokens(store, keys)
+    for layer in range(layers):
+        store.compact(layer, torch.tensor([0, 1, 14, 15]))
+    return store, keys
+
+
+def test_with_votes_the_layers_that_find_a_page_choose_it_for_every_layer():
+    store, keys = _evicted_middle(3, select="vote")
+    # layers 0 and 1 find token 5's page, layer 2 token 9's
+    queries = [keys[:, :, 5:6] * 10, keys[:, :, 5:6] * 10, keys[:, :, 9:10] * 10]
+    vote = ForwardCall.open(store, range(1), 1, CallPlan(recall=True, vote=True))
+    for layer, query in enumerate(queries):
+        vote.vote(layer, query, 1.0)
+    tier = store.recall.tier
+    assert tier.votes[0].tolist() == [0, 0, 2, 2, 2, 2, 1, 1, 1, 1] + [0] * 6
+    vote.close()
+    assert store.seen_tokens == 16 and store.lengths() == [4, 4, 4]  # a vote pass keeps nothing
+    assert tier.votes[0] is not None  # held for the call it precedes
+    call = ForwardCall.open(store, range(1), 1, CallPlan(recall=True))
+    for layer, query in enumerate(queries):
+        args = (call.rows, call.position_ids(), call.tensors.origin)
+        assert store.recall.recall(layer, query, 1.0, *args) == 4
+        call.segments(layer)
+        call.stage(layer, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    call.close()
+    assert [tier.held[layer][0].tolist() for layer in range(3)] == [[2, 3, 4, 5]] * 3
+    assert tier.votes == [None] and tier.ballots == [[None]] * 3  # forgotten after the call
+    # ranked per layer, layer 2 takes its own best page
+    store, keys = _evicted_middle(3)
+    call = ForwardCall.open(store, range(1), 1, CallPlan(recall=True))
+    store.recall.recall(2, queries[2], 1.0, call.rows, call.position_ids(), call.tensors.origin)
+    assert store.recall.tier.held[2][0].tolist() == [6, 7, 8, 9]
+
+
+def test_in_cache_distances_rotate_each_cold_key_at_the_rank_it_would_take():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
+    rotary = Rotary(LlamaRotaryEmbedding(config))
+    store, keys = _evicted_middle(1, rotary, distances="in_cache")
+    query = torch.randn(2, 3, 8)  # [Hq, S, D], as attention receives it
+    call_positions = torch.tensor([4, 5, 6])  # 4 live tokens at in-cache 0-3, queries after
+    scores = store.recall._scores(0, 0, query, 1.0, call_positions, origin=16)
+    # every cold token (2-13) sits between live 1 and live 14: rank 2 among the live tokens
+    cos, sin = rotary.cos_sin(torch.full((1, 12), 2))
+    rotated = apply_rotation(quantized_keys(store, 0), cos, sin)[0]  # [H, 12, D]
+    logits = torch.einsum("hsd,hnd->hsn", query, rotated).amax((0, 1)).view(3, 4).amax(1)
+    assert torch.allclose(scores, logits, atol=1e-5)
+    original = store.recall._scores(0, 0, query, 1.0, call_positions, origin=16)
+    store.recall.tier.config = ColdConfig(page_tokens=4, pages=1, distances="original")
+    assert not torch.allclose(store.recall._scores(0, 0, query, 1.0, call_positions, 16), original)
+
+
+def quantized_keys(store: KVStore, layer: int) -> torch.Tensor:
+    """`[1, H, N, D]`: a layer's cold keys as the tier holds them, dequantized, page by page."""
+    return torch.cat([page.dequantized()[0] for page in store.recall.tier.pages[layer][0]], 1)[None]
 
 
 def test_both_tiers_count_their_bytes_exactly_and_apart():
@@ -152,6 +225,10 @@ def test_settings_are_checked():
         ColdConfig(score="best").validate()
     with pytest.raises(ConfigError, match="fmt"):
         ColdConfig(fmt="int4").validate()
+    with pytest.raises(ConfigError, match="select must be one of layer, vote"):
+        ColdConfig(select="best").validate()
+    with pytest.raises(ConfigError, match="needs score 'exact'"):
+        ColdConfig(distances="in_cache", score="digest").validate()
     with pytest.raises(ConfigError, match="holds nothing"):
         ColdConfig(cap_bytes=0).validate()
     with pytest.raises(ConfigError, match="nothing to recall"):
@@ -239,3 +316,26 @@ def test_recall_settings_come_from_the_command_line_and_policy_names():
         check_policy_name("h2o+recal")
     jobs = make_jobs([load_task("401")], ["full", "h2o+recall"], [256])
     assert [(j.policy, j.budget) for j in jobs] == [("full", None), ("h2o+recall", 256)]
+
+
+@pytest.mark.model
+def test_with_votes_every_layer_recalls_the_positions_the_layers_chose_together(smollm):
+    ids = smollm.tokenizer(TEXT * 2, add_special_tokens=False)["input_ids"][:400]
+
+    def held_agreement(select: str) -> float:
+        """Mean Jaccard similarity of the layers' last recalls, after feeding `ids`."""
+        config = ColdConfig(page_tokens=16, pages=2, select=select)
+        engine = Engine(
+            smollm.model, smollm.tokenizer, ColdRecall(make_policy("h2o", budget=96), config), 64
+        )
+        session = engine.new_sequence()
+        engine.feed(session, ids)
+        assert session.store.seen_tokens == len(ids) == len(session.token_ids)  # passes kept none
+        tier = session.store.recall.tier
+        assert tier.recalled_tokens > 0 and tier.votes == [None]
+        held = [set(layer[0].tolist()) for layer in tier.held]
+        pairs = list(itertools.combinations(held, 2))
+        return sum(len(a & b) / len(a | b) for a, b in pairs) / len(pairs)
+
+    per_layer, voted = held_agreement("layer"), held_agreement("vote")
+    assert voted >= 0.9 and per_layer < 0.5  # measured: 1.0 and 0.11

@@ -11,6 +11,7 @@ from agent_kv.evals import needle
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext
 from agent_kv.evals.texts import licence_text
+from agent_kv.kv.cold_tier import ColdConfig
 
 
 def test_insert_needle_puts_it_at_the_nearest_line_start():
@@ -115,3 +116,33 @@ def test_quick_run(smollm, tmp_path, monkeypatch, grid):
     assert "91.4%" in summary and "n/a" in summary
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["experiment"] == "needle" and len(saved["trials"]) == len(trials)
+
+
+@pytest.mark.model
+def test_lengths_and_recall_settings_replace_the_grid_and_are_reported(
+    smollm, tiny_llama, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(needle, "QUICK", dataclasses.replace(needle.QUICK, depths=(0.5,)))
+    tiny = dataclasses.replace(smollm, model=tiny_llama, name="tiny-llama")  # 8,192 context
+    text_ids = smollm.tokenizer(licence_text(), add_special_tokens=False)["input_ids"]
+    recall = ColdConfig(pages=2, select="vote")
+    ctx = EvalContext(tiny, text_ids, True, tmp_path, print, ["h2o+recall"], recall, (600, 9000))
+    report = needle.run(ctx)
+    assert report.data["lengths"] == ["600", "9000 rerotate"]  # past the model's 8,192
+    assert report.data["recall"]["select"] == "vote" and report.data["recall"]["pages"] == 2
+    assert [t["tokens"] for t in report.data["trials"]] == [600, 9000]
+    assert "settings pages=2, select=vote" in report.markdown()
+
+
+def test_the_command_line_checks_lengths_and_recall_settings():
+    from typer.testing import CliRunner
+
+    from agent_kv.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["eval", "perplexity", "--lengths", "1024"])
+    assert result.exit_code != 0 and "--lengths applies to needle only" in result.output
+    result = runner.invoke(app, ["eval", "needle", "--lengths", "1K"])
+    assert result.exit_code != 0 and "comma-separated whole numbers" in result.output
+    result = runner.invoke(app, ["eval", "needle", "--recall-param", "select=all"])
+    assert result.exit_code != 0 and "select must be one of layer, vote" in result.output

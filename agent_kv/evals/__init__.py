@@ -14,7 +14,8 @@ Each experiment is a module with `run(ctx: EvalContext) -> Report`:
 - `arkv`: ARKV and its baselines on long-context key-value retrieval.
 
 `--quick` sizes run in minutes on two CPU cores; the tests run them. `--policies` runs
-`needle` or `arkv` on other policies (any name `make_policy` takes, `+recall` included).
+`needle` or `arkv` on other policies (any name `make_policy` takes, `+recall` included),
+`--recall-param` sets their cold tier, and `--lengths` gives `needle` other context lengths.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent_kv.evals.report import SUMMARY, EvalContext, Report
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.runtime.model_loading import LoadedModel
 
 EXPERIMENTS = ["perplexity", "ablations", "needle", "mechanistic", "latency", "arkv"]
@@ -56,10 +58,13 @@ def run_experiments(
     quick: bool = False,
     log: Callable[[str], None] | None = None,
     policies: list[str] | None = None,
+    recall: ColdConfig | None = None,
+    lengths: tuple[int, ...] | None = None,
 ) -> list[Report]:
     """Run `names` in turn, writing each under `out/NAME`; with more than one, also write
     `out/summary.md` gathering them (rewritten after each, so finished ones stay written).
-    `policies` replaces the policy list of the experiments in `POLICY_EXPERIMENTS`.
+    `policies` replaces the policy list of the experiments in `POLICY_EXPERIMENTS`; `recall`
+    sets their `+recall` policies' cold tier; `lengths` replaces needle's context lengths.
 
     Raises:
         OSError: `out` cannot be written.
@@ -71,7 +76,8 @@ def run_experiments(
         directory.mkdir(parents=True, exist_ok=True)
         module = importlib.import_module(f"agent_kv.evals.{name}")
         log(f"eval {name}{' (quick)' if quick else ''}: writing under {directory}")
-        report = module.run(EvalContext(loaded, text_ids, quick, directory, log, policies))
+        ctx = EvalContext(loaded, text_ids, quick, directory, log, policies, recall, lengths)
+        report = module.run(ctx)
         report.write(directory)
         reports.append(report)
         if len(names) > 1:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_names import base_policy, split_recall
 from agent_kv.runtime.engine import Engine
@@ -120,7 +121,10 @@ def run(ctx: EvalContext) -> Report:
     policies = ctx.policies or POLICIES
     model, tokenizer = ctx.loaded.model, ctx.loaded.tokenizer
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    rows = [(n, False) for n in size.lengths] + [(n, True) for n in size.rerotate_lengths]
+    if ctx.lengths is not None:
+        rows = [(n, bool(limit) and n > limit) for n in ctx.lengths]
+    else:
+        rows = [(n, False) for n in size.lengths] + [(n, True) for n in size.rerotate_lengths]
     engines = {
         (name, rerotate): Engine(
             model,
@@ -128,6 +132,7 @@ def run(ctx: EvalContext) -> Report:
             make_policy(
                 name,
                 budget=None if name == "full" else size.budget,
+                recall=ctx.recall if split_recall(name)[1] else None,
                 **POLICY_PARAMS.get(base_policy(name), {}),
             ),
             prefill_chunk=size.prefill_chunk,
@@ -223,6 +228,15 @@ def _recall_share(trials: list[dict]) -> str:
     return f"{sum(t['recall_s'] for t in trials) / prefill:.1%}"
 
 
+def _recall_settings(ctx: EvalContext) -> str:
+    """The `+recall` policies' cold-tier settings as text: the defaults, or those changed."""
+    if ctx.recall is None:
+        return "default"
+    default = ColdConfig()
+    changed = {k: v for k, v in vars(ctx.recall).items() if getattr(default, k) != v}
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "default"
+
+
 def _report(
     ctx: EvalContext, size: Size, labels: list[str], trials: list[dict], policies: list[str]
 ) -> Report:
@@ -283,9 +297,9 @@ def _report(
         f"(unpinned tokens per layer), prefill in chunks of {size.prefill_chunk} tokens."
     )
     notes = [
-        "Not the paper's setup: SmolLM2-135M-Instruct (8K context) instead of GPT-2/Qwen; "
-        f"contexts up to {labels[-1]} rather than 32K (past 8K only with rerotate positions); "
-        "a licence-text haystack; the paper's budget and needle format are not given, so its "
+        f"Not the paper's setup: {ctx.loaded.name}, contexts up to {labels[-1]} (a "
+        "rerotate row is past the model's context), a licence-text haystack; the paper's "
+        "budget and needle format are not given, so its "
         "figures sit beside ours as a reference, not a like-for-like comparison.",
         f"Equal budget B = {size.budget}: window keeps the newest B tokens, 4 of them the "
         "first (attention sinks; without them SmolLM2 fails even with the needle in the "
@@ -294,10 +308,11 @@ def _report(
         "everything. The question comes after the context, so no policy knows which tokens it "
         "will need when it evicts.",
         "`+recall` is the same policy at the same hot budget with its evictions kept in a "
-        "cold tier (host memory, INT8 pages; `agent_kv.kv.policies.cold_recall`, default "
-        "settings): at every prefill chunk the chunk's last queries score each layer's cold "
-        "pages and the best return to the cache, ranked first within the budget until the "
-        "next recall. The cold tier's bytes are shown apart from the hot ones.",
+        "cold tier (host memory, INT8 pages; `agent_kv.kv.policies.cold_recall`, settings "
+        f"{_recall_settings(ctx)}): at every prefill chunk the chunk's last queries score "
+        "each layer's cold pages and the best return to the cache (with `select=vote`, "
+        "chosen by the layers' votes), ranked first within the budget until the next recall. "
+        "The cold tier's bytes are shown apart from the hot ones.",
         "Overall accuracy is over every cell a policy ran; full KV's excludes the rerotate rows.",
     ]
     return Report(
@@ -312,6 +327,7 @@ def _report(
             "lengths": labels,
             "depths": list(size.depths),
             "seeds": size.seeds,
+            "recall": None if ctx.recall is None else vars(ctx.recall),
             "overall": overall,
             "cells": cells,
             "trials": trials,

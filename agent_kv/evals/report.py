@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.runtime.model_loading import LoadedModel
 
 SUMMARY = "summary.md"
@@ -112,6 +113,10 @@ class EvalContext:
         log: prints one progress line (to stderr).
         policies: the policies an experiment that compares a list of them runs (needle,
             arkv; `POLICY_EXPERIMENTS`), None for its own list.
+        recall: the cold tier's settings for those policies' `+recall` names (None: the
+            defaults).
+        lengths: needle's context lengths in tokens instead of its own (each past the
+            model's context with rerotate positions), or None.
     """
 
     loaded: LoadedModel
@@ -120,6 +125,8 @@ class EvalContext:
     out: Path
     log: Callable[[str], None]
     policies: list[str] | None = None
+    recall: ColdConfig | None = None
+    lengths: tuple[int, ...] | None = None
 
 
 def save_figure(fig, path: Path) -> str:

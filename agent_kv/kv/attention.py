@@ -14,7 +14,8 @@
   queries: `ForwardCall.record_window`);
 - before reading, when the call's plan recalls and a recall is due (never in a static call),
   the best cold pages of the layer back into the hot store (`ForwardCall.recall`,
-  `agent_kv.kv.policies.cold_recall`);
+  `agent_kv.kv.policies.cold_recall`); in a vote pass, only the cold pages' scores and the
+  layer's votes (`ForwardCall.vote`) and the output, nothing recorded or kept;
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
   inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
 
@@ -148,6 +149,11 @@ def store_attention(
     query_len = query.shape[2]
     if call.plan.reconstruct:
         return _reconstruction_attention(call, layer, query, key, value, scale, extras), None
+    if call.plan.vote:
+        call.vote(layer, query, scale)
+        segments = [*call.segments(layer), call.new_segment(key, value, layer)]
+        whole = read_whole(segments, query_len, query.device)
+        return fused_attention(query, segments, scale, whole, extras), None
     call.recall(layer, query, scale)
     call.stage(layer, key, value)
     segments = [*call.segments(layer), call.new_segment(key, value, layer)]

@@ -1,7 +1,7 @@
 """What one forward call must measure and do besides attention, as its policy asks
 (`Policy.prepare` returns one before every call): which per-token statistics to fold, whether
-to profile the prefill's attention, SnapKV's observation window, recall from the cold tier, or
-a reconstruction pass."""
+to profile the prefill's attention, SnapKV's observation window, recall from the cold tier, a
+reconstruction pass, or a vote pass."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class CallPlan:
         reconstruct: a reconstruction pass (KVzip, Kim et al. 2025, §3.2): its attention only
             records each stored token's `reconstruction` maximum, and its own tokens are not
             kept.
+        vote: a vote pass (`agent_kv.kv.cold_tier`, "Choosing pages across layers"): each
+            layer's attention scores its cold pages and votes for the best pages' positions
+            (`RecallTier.vote`); nothing else is recorded and its own tokens are not kept.
     """
 
     statistics: frozenset[str] = frozenset(STATISTICS)
@@ -34,3 +37,10 @@ class CallPlan:
     observation_window: int = 0
     recall: bool = False
     reconstruct: bool = False
+    vote: bool = False
+
+    @property
+    def keeps_tokens(self) -> bool:
+        """Whether the call's own tokens join the store (all but reconstruction and vote
+        passes)."""
+        return not (self.reconstruct or self.vote)

@@ -18,11 +18,27 @@ most `cap_bytes` over all layers and rows: past it the oldest pages are dropped 
 
 Bytes (`nbytes`) count the codes, the scales and the digests exactly; positions are metadata
 and, as in the hot store, not counted.
+
+Choosing pages across layers (`ColdConfig.select = "vote"`). Ranked per layer, a page that
+matters is found by some layers and missed by the others (at 8K the needle's page made a
+layer's top 8 in 9 of SmolLM2's 30 layers). With votes, before a call that recalls, a vote
+pass feeds the call's last `queries` tokens over the hot store (their tokens are not kept):
+each layer scores its pages and votes for the positions of its best `pages` pages
+(`ColdTier.vote`), one vote per layer. The call proper then takes from every layer the
+pages holding the most-voted positions, the layer's own vote-pass score breaking ties: the
+layers that find a page choose it for every layer, at the same number of pages per layer.
+
+In-cache distances (`ColdConfig.distances = "in_cache"`, rerotate mode, exact scoring): the
+queries are scored as attention receives them and each cold key is rotated at the in-cache
+position it would take if recalled (its rank among the layer's live tokens), so the
+query-key distances that rank pages stay inside the model's trained context; at
+`"original"` both sit at original positions, up to the whole history apart.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +56,12 @@ DIGEST_DTYPE = torch.float32
 
 SCORERS = ("exact", "digest")
 """How recall can rank cold pages (`ColdTier.page_scores`)."""
+SELECTIONS = ("layer", "vote")
+"""How recall chooses pages: each layer its own best, or by the layers' votes (module
+docstring)."""
+DISTANCES = ("original", "in_cache")
+"""At which positions rerotate-mode scoring rotates queries and cold keys (module
+docstring)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,10 @@ class ColdConfig:
         cap_bytes: the most bytes the tier holds per session; the oldest pages go first.
         fmt: the page format, a `kernels.formats.QUANT_FORMATS` name (`int8` or `fp8`).
         score: how recall ranks pages, `"exact"` or `"digest"` (`ColdTier.page_scores`).
+        select: how recall chooses pages, `"layer"` (each layer its best) or `"vote"` (by the
+            layers' votes from a vote pass; module docstring).
+        distances: in rerotate mode, score at `"original"` positions or `"in_cache"` ones
+            (exact scoring only; module docstring).
     """
 
     page_tokens: int = 16
@@ -65,6 +91,8 @@ class ColdConfig:
     cap_bytes: int = 256 * 2**20
     fmt: str = "int8"
     score: str = "exact"
+    select: str = "layer"
+    distances: str = "original"
 
     @classmethod
     def from_params(cls, params: dict) -> ColdConfig:
@@ -103,9 +131,17 @@ class ColdConfig:
                 f"recall cap_bytes must be >= 1 (a cold tier that holds nothing recalls "
                 f"nothing), got {self.cap_bytes}"
             )
-        if self.score not in SCORERS:
+        for name, known in (
+            ("score", SCORERS), ("select", SELECTIONS), ("distances", DISTANCES)
+        ):  # fmt: skip
+            if getattr(self, name) not in known:
+                raise ConfigError(
+                    f"recall {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}"
+                )
+        if self.distances == "in_cache" and self.score == "digest":
             raise ConfigError(
-                f"recall score must be one of {', '.join(SCORERS)}, got {self.score!r}"
+                "recall distances 'in_cache' needs score 'exact': a digest is taken once, at "
+                "original positions"
             )
         if self.fmt not in QUANT_FORMATS:
             raise ConfigError(
@@ -167,7 +203,12 @@ class ColdTier:
         dropped_tokens: tokens dropped past the cap.
         recalled_tokens: tokens returned to the hot store.
         peak_bytes: the most bytes the tier has held.
-        recall_s: seconds spent recalling (`RecallTier.recall`: scoring and moving pages back).
+        recall_s: seconds spent recalling (`RecallTier.recall`: scoring and moving pages back,
+            and the vote pass's scoring).
+        votes: `votes[row]`, int32 `[seen]`: how many layers voted for each position in the
+            current call's vote pass (None outside one).
+        ballots: `ballots[layer][row]`, `[P]` float32, the vote pass's page scores (None
+            outside one).
     """
 
     num_layers: int
@@ -176,6 +217,8 @@ class ColdTier:
     rotary: Rotary | None = None
     pages: list[list[list[ColdPage]]] = field(init=False)
     held: list[list[torch.Tensor | None]] = field(init=False)
+    votes: list[torch.Tensor | None] = field(init=False)
+    ballots: list[list[torch.Tensor | None]] = field(init=False)
     dropped_tokens: int = 0
     recalled_tokens: int = 0
     peak_bytes: int = 0
@@ -187,7 +230,13 @@ class ColdTier:
         self.config.validate()
         self.pages = [[[] for _ in range(self.batch)] for _ in range(self.num_layers)]
         self.held = [[None] * self.batch for _ in range(self.num_layers)]
+        self.forget_votes()
         self._row_bytes = [0] * self.batch
+
+    def forget_votes(self) -> None:
+        """Drop the current vote pass's votes and scores (after the call that used them)."""
+        self.votes = [None] * self.batch
+        self.ballots = [[None] * self.batch for _ in range(self.num_layers)]
 
     def nbytes(self, row: int | None = None) -> int:
         """Exact bytes of the pages of one row or (None) all rows."""
@@ -261,7 +310,14 @@ class ColdTier:
             self._count(row, -page.nbytes())
             self.dropped_tokens += page.positions.numel()
 
-    def page_scores(self, layer: int, row: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def page_scores(
+        self,
+        layer: int,
+        row: int,
+        query: torch.Tensor,
+        scale: float,
+        placed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """`[P]` float32, how strongly the queries would attend each cold page of a layer's
         row (higher first), by `config.score`:
 
@@ -271,8 +327,11 @@ class ColdTier:
           softmax over the pages of `scale * bound`, summed over query heads and queries.
 
         Args:
-            query: `[Hq, S, D]`, rotated as the digest's keys (`ColdTier` docstring).
+            query: `[Hq, S, D]`, rotated as the digest's keys (`ColdTier` docstring), or in
+                rerotate mode with `placed` as attention receives them.
             scale: the attention's softmax scale.
+            placed: in rerotate mode, maps `[N]` original positions to the positions the
+                exact scorer rotates the keys at (in-cache distances); None: original.
         """
         pages = self.pages[layer][row]
         if self.config.score == "digest":
@@ -283,7 +342,9 @@ class ColdTier:
         positions = torch.cat([p.positions for p in pages])
         codes = torch.cat([p.keys for p in pages], dim=1)  # [H, N, D]
         scales = torch.cat([p.key_scales.expand(-1, p.positions.numel(), -1) for p in pages], 1)
-        keys = self._read_keys(dequantize(codes, scales), positions)
+        keys = self._read_keys(
+            dequantize(codes, scales), positions if placed is None else placed(positions)
+        )
         group = query.shape[0] // keys.shape[0]
         logits = torch.bmm(query.float(), keys.repeat_interleave(group, 0).transpose(1, 2))
         per_token = logits.amax(dim=(0, 1)) * scale  # [N]
@@ -294,14 +355,40 @@ class ColdTier:
         best = torch.full((len(pages),), -torch.inf, device=per_token.device)
         return best.scatter_reduce(0, page_of, per_token, reduce="amax")
 
+    def vote(self, layer: int, row: int, scores: torch.Tensor, seen: int) -> None:
+        """A layer's vote in a vote pass (module docstring): keep its page `scores` `[P]`
+        for the call, and add one vote to every position of its `config.pages` best pages
+        (`votes[row]`, positions below `seen`)."""
+        pages = self.pages[layer][row]
+        self.ballots[layer][row] = scores
+        if self.votes[row] is None:
+            self.votes[row] = torch.zeros(seen, dtype=torch.int32)
+        best = torch.topk(scores, min(self.config.pages, len(pages))).indices.tolist()
+        for i in best:
+            self.votes[row][pages[i].positions.cpu()] += 1
+
+    def picked(self, layer: int, row: int, scores: torch.Tensor) -> list[int]:
+        """The indices of the `config.pages` pages of a layer's row to recall, given their
+        `scores` `[P]`: the best scored, or during a vote pass's call those holding the
+        most-voted positions first (a page's votes are its best position's), the scores
+        breaking ties."""
+        count = min(self.config.pages, scores.numel())
+        votes = self.votes[row]
+        if votes is None:
+            return torch.topk(scores, count).indices.tolist()
+        pages = self.pages[layer][row]
+        page_votes = torch.stack([votes[page.positions.cpu()].max() for page in pages])
+        order = torch.argsort(scores, descending=True, stable=True)
+        order = order[torch.argsort(page_votes[order], descending=True, stable=True)]
+        return order[:count].tolist()
+
     def recall(
-        self, layer: int, row: int, query: torch.Tensor, scale: float
+        self, layer: int, row: int, scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Take the `config.pages` best-scored pages of a layer's row out of the tier.
+        """Take the pages `picked` by `scores` out of a layer's row.
 
         Args:
-            query: `[Hq, S, D]`, the scoring queries (`page_scores`).
-            scale: the attention's softmax scale.
+            scores: `[P]`, the row's pages' scores (`page_scores`, or the vote pass's).
 
         Returns:
             `(positions [m] int64 ascending, keys [H, m, D], values [H, m, D])`, keys and
@@ -312,8 +399,7 @@ class ColdTier:
         if not pages:
             self.held[layer][row] = None
             return None
-        scores = self.page_scores(layer, row, query, scale)
-        picked = set(torch.topk(scores, min(self.config.pages, len(pages))).indices.tolist())
+        picked = set(self.picked(layer, row, scores))
         taken = [page for i, page in enumerate(pages) if i in picked]
         self.pages[layer][row] = [page for i, page in enumerate(pages) if i not in picked]
         self._count(row, -sum(page.nbytes() for page in taken))

@@ -134,6 +134,7 @@ class ForwardCall:
         plan: CallPlan = NO_PLAN,
         start: int | None = None,
         static: bool = False,
+        ahead: int = 0,
     ) -> ForwardCall:
         """Begin the next model call over `store`: `n` new tokens for each of the contiguous
         `rows`, measuring what `plan` says.
@@ -145,6 +146,9 @@ class ForwardCall:
                 masked by the lengths), so the call's shapes depend on the capacities and
                 bounds alone (a compiled or captured decode step); otherwise each segment is
                 read up to its longest row.
+            ahead: the call's tokens stand this many tokens past each row's next position,
+                rotary and original positions alike (a vote pass over the last tokens of a
+                chunk not yet fed).
 
         Returns:
             The call: its `tensors.position_ids` `[len(rows), n]` are the tokens seen onward
@@ -163,11 +167,12 @@ class ForwardCall:
             starts = [store.seen(r) for r in rows]
         else:
             starts = [max(store.lengths(r)) for r in rows]
+        starts = [s + ahead for s in starts]
         store.check_context(max(starts) + n)
         segments = store.segments
         store.recall.recalling = plan.recall
         store.figures.begin_call()
-        if not plan.reconstruct:
+        if plan.keeps_tokens:
             segments.fit(n)
         store.figures.note_allocated(store.allocated_nbytes())
         device = store.device
@@ -190,7 +195,7 @@ class ForwardCall:
             + torch.arange(n, device=device),
             q_lengths=segments.q.length_tensor(slice(None), span),
             fp_lengths=segments.fp.length_tensor(slice(None), span),
-            origin=torch.tensor([segments.seen(r) for r in rows], device=device),
+            origin=torch.tensor([segments.seen(r) + ahead for r in rows], device=device),
             q_slots=torch.arange(widths["q"], device=device),
             fp_slots=torch.arange(widths["fp"], device=device),
         )
@@ -203,7 +208,8 @@ class ForwardCall:
     def close(self, folded: dict[str, torch.Tensor] | None = None) -> None:
         """End the call after the model ran: write its new tokens and statistics (`folded`,
         when a compiled step computed them, else `fold()`), then move the store's host
-        lengths on (`KVStore.note_appended`; a reconstruction pass keeps nothing).
+        lengths on (`KVStore.note_appended`; a reconstruction or vote pass keeps nothing), and
+        forget the votes of the call's vote pass (`RecallTier.forget_votes`).
 
         Raises:
             ValueError: the call was closed already (its tokens are in the store).
@@ -212,8 +218,10 @@ class ForwardCall:
             raise ValueError("this forward call was closed already: open a new one")
         self._closed = True
         self.write(self.fold() if folded is None else folded)
-        if not self.plan.reconstruct:
+        if self.plan.keeps_tokens:
             self.store.note_appended(self.rows, self.n)
+        if not self.plan.vote:
+            self.store.recall.forget_votes()
 
     def recall(self, layer: int, query: torch.Tensor, scale: float) -> None:
         """Bring cold pages of `layer` back before its attention reads it, when the plan
@@ -223,7 +231,14 @@ class ForwardCall:
         if self.static or not self.plan.recall:
             return
         if store.recall.due(query.shape[2], self.rows[0]):
-            store.recall.recall(layer, query, scale, self.rows, self.tensors.position_ids)
+            positions, origins = self.tensors.position_ids, self.tensors.origin
+            store.recall.recall(layer, query, scale, self.rows, positions, origins)
+
+    def vote(self, layer: int, query: torch.Tensor, scale: float) -> None:
+        """A vote pass's part in `layer`: its cold pages scored by the pass's queries and the
+        best pages' positions voted for (`RecallTier.vote`)."""
+        positions, origins = self.tensors.position_ids, self.tensors.origin
+        self.store.recall.vote(layer, query, scale, self.rows, positions, origins)
 
     # -- what attention reads ----------------------------------------------------------------
 
@@ -409,6 +424,8 @@ class ForwardCall:
         store = self.store
         if self.plan.reconstruct:
             return self._maxima()
+        if self.plan.vote:
+            return {}
         keys = torch.stack([k for k, _ in self._new])  # [L, R, H, n, D]
         values = torch.stack([v for _, v in self._new])
         if store.rotary is not None:  # stored unrotated, rotated at every read
@@ -439,7 +456,7 @@ class ForwardCall:
             else:
                 region = getattr(store, where)[field][:, rows]
                 region.narrow(-1, 0, value.shape[-1]).copy_(value)
-        if self._windows[0] is not None and not self.plan.reconstruct:
+        if self._windows[0] is not None and self.plan.keeps_tokens:
             for row in self.rows:
                 store.observed_from[row] = store.seen(row) + self.n - self._observed
 

@@ -100,14 +100,14 @@ class DecodeGraph:
         one token for every row of a store whose FP capacity a policy bounds
         (`KVStore.fp_bounded`; full KV's growing read is faster through torch's eager
         attention than as a compiled loop: `benchmarks/decode_latency.py`), original
-        positions, no cold tier, no reconstruction."""
+        positions, no cold tier, no reconstruction or vote pass."""
         return (
             n == 1
             and store.fp_bounded
             and rows == range(store.batch)
             and store.rotary is None
             and not plan.recall
-            and not plan.reconstruct
+            and plan.keeps_tokens
         )
 
     def step(self, cache: StoreCache, tokens: list[int], plan: CallPlan) -> torch.Tensor:

@@ -42,6 +42,9 @@ from agent_kv.runtime.sequence import Sequence, StepRecord
 RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
 """The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
 only (`ForwardCall.record_reconstruction`), and its tokens are not kept."""
+VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
+"""The plan of a vote pass (`agent_kv.kv.cold_tier`, "Choosing pages across layers"): each
+layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
 
 
 class Engine:
@@ -540,6 +543,7 @@ class Engine:
         store = cache.store
         plan = self._prepare(policy or self.policy, store)
         n = len(chunks[0])
+        self._vote(cache, rows, chunks, plan)
         if (
             self.decode_graph is not None
             and not all_positions
@@ -550,6 +554,25 @@ class Engine:
         input_ids = torch.tensor(chunks, device=store.device)
         logits = run_call(self.model, cache, call, input_ids, 0 if all_positions else 1)
         return logits.float() if all_positions else logits[:, -1].float()
+
+    def _vote(
+        self, cache: StoreCache, rows: range, chunks: list[list[int]], plan: CallPlan
+    ) -> None:
+        """Before a multi-token call under `plan` that recalls with `select="vote"`: the vote
+        pass, the last `ColdConfig.queries` tokens of each of `chunks` fed where they will
+        stand, their tokens not kept, every layer's votes held for the call
+        (`agent_kv.kv.cold_tier`, "Choosing pages across layers")."""
+        store = cache.store
+        n = len(chunks[0])
+        if not plan.recall or n < 2 or not store.recall.due(n, rows[0]):
+            return
+        config = store.recall.tier.config
+        if config.select != "vote":
+            return
+        tail = min(n, config.queries)
+        call = ForwardCall.open(store, rows, tail, VOTE, ahead=n - tail)
+        input_ids = torch.tensor([chunk[n - tail :] for chunk in chunks], device=store.device)
+        run_call(self.model, cache, call, input_ids)
 
     def _prepare(self, policy: Policy, store: KVStore) -> CallPlan:
         """Before a forward call: the policy's plan for it (`Policy.prepare`), and the store's
@@ -580,6 +603,7 @@ class Engine:
             plan = self._prepare(part.policy, store)
             try:
                 if len(parts) > 1:
+                    self._vote(part.sequence.cache, range(1), [part.tokens], plan)
                     calls.append(ForwardCall.open(store, range(1), len(part.tokens), plan))
                 else:
                     store.check_context(store.seen(0) + len(part.tokens))

@@ -71,40 +71,42 @@ class RecallTier:
                     self.tier.add(layer, row, keys, values, positions)
 
     def recall(
-        self, layer: int, query: torch.Tensor, scale: float, rows: range, positions: torch.Tensor
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        rows: range,
+        positions: torch.Tensor,
+        origins: torch.Tensor,
     ) -> int:
         """Bring the best cold pages of a layer back into the hot store for `rows`, before the
         call's attention reads it; returns the tokens recalled.
 
-        The call's last `ColdConfig.queries` queries score the pages (`ColdTier.recall`); the
-        recalled tokens leave the `evicted_tokens` count (an eviction that was undone) and go
-        back at their original positions (`Segments.insert`) with fresh statistics, and the
-        policy keeps them first until the layer's next recall (`held_joint`), within its
-        budget.
+        The call's last `ColdConfig.queries` queries score the pages (`_scores`), or, after a
+        vote pass, the pass's scores and votes choose them (`ColdTier.picked`); the recalled
+        tokens leave the `evicted_tokens` count (an eviction that was undone) and go back at
+        their original positions (`Segments.insert`) with fresh statistics, and the policy
+        keeps them first until the layer's next recall (`held_joint`), within its budget.
 
         Args:
-            query: `[rows, Hq, q, D]`, the call's queries as attention receives them (rotated
-                at the call's positions; in rerotate mode they are scored at their original
-                positions instead, like the digests).
+            query: `[rows, Hq, q, D]`, the call's queries as attention receives them.
             scale: the attention's softmax scale.
             rows: the call's rows.
             positions: `[rows, q]` int64, the call's rotary positions.
+            origins: `[rows]` int64, the original position of each row's first query.
         """
         started = time.perf_counter()
         seg = self.segments
-        n = query.shape[2]
-        window = min(n, self.tier.config.queries)
         recalled = 0
         for i, row in enumerate(rows):
-            scoring = query[i, :, n - window :]  # [Hq, S, D]
-            if self.rotary is not None:
-                in_cache = positions[i : i + 1, -window:]
-                scoring = self._at_original(scoring, in_cache, seg.appended[row] - window)
-            got = self.tier.recall(layer, row, scoring, scale)
-            if got is None:
+            if not self.tier.pages[layer][row]:
+                self.tier.held[layer][row] = None
                 continue
-            kept_positions, keys, values = got
-            seg.insert(layer, row, keys, values, kept_positions, room=n)
+            scores = self.tier.ballots[layer][row]
+            if scores is None:
+                scores = self._scores(layer, row, query[i], scale, positions[i], int(origins[i]))
+            kept_positions, keys, values = self.tier.recall(layer, row, scores)
+            seg.insert(layer, row, keys, values, kept_positions, room=query.shape[2])
             seg.mark_changed(row)
             self.figures.evicted_tokens -= kept_positions.numel()  # back: no longer evicted
             recalled += kept_positions.numel()
@@ -112,6 +114,56 @@ class RecallTier:
             seg.note_peak(rows)
         self.tier.recall_s += time.perf_counter() - started
         return recalled
+
+    def vote(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        rows: range,
+        positions: torch.Tensor,
+        origins: torch.Tensor,
+    ) -> None:
+        """A vote pass's part in a layer (`agent_kv.kv.cold_tier`, "Choosing pages across
+        layers"): each row's cold pages scored by the pass's queries (`_scores`), the best
+        pages' positions voted for (`ColdTier.vote`). Arguments as `recall`'s."""
+        started = time.perf_counter()
+        for i, row in enumerate(rows):
+            if self.tier.pages[layer][row]:
+                scores = self._scores(layer, row, query[i], scale, positions[i], int(origins[i]))
+                self.tier.vote(layer, row, scores, self.segments.seen(row))
+        self.tier.recall_s += time.perf_counter() - started
+
+    def forget_votes(self) -> None:
+        """Drop a vote pass's votes once the call that used them is over (nothing without a
+        tier)."""
+        if self.tier is not None:
+            self.tier.forget_votes()
+
+    def _scores(
+        self, layer: int, row: int, query: torch.Tensor, scale: float, positions: torch.Tensor,
+        origin: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """`[P]`: the row's cold pages of a layer scored by the last `ColdConfig.queries` of
+        `query` `[Hq, q, D]` (rotary `positions` `[q]`, the first at original position
+        `origin`; `ColdTier.page_scores`). In rerotate mode at original positions, or with
+        `distances="in_cache"` at in-cache ones: each cold key at the position it would take
+        among the layer's live tokens, as `ForwardCall` places them before the queries."""
+        config = self.tier.config
+        n = query.shape[1]
+        window = min(n, config.queries)
+        scoring = query[:, n - window :]
+        placed = None
+        if self.rotary is not None and config.distances == "original":
+            scoring = self._at_original(scoring, positions[None, -window:], origin + n - window)
+        elif self.rotary is not None:
+            live = torch.sort(self.segments.live_positions(layer, row)).values
+            before = int(positions[0]) - live.numel()  # where the first live token sits
+
+            def placed(original: torch.Tensor) -> torch.Tensor:
+                return torch.searchsorted(live, original) + before
+
+        return self.tier.page_scores(layer, row, scoring, scale, placed)
 
     def _at_original(self, query: torch.Tensor, in_cache: torch.Tensor, start: int) -> torch.Tensor:
         """Queries `[Hq, S, D]` rotated at their in-cache positions `in_cache` `[1, S]`,
