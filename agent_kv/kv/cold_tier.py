@@ -23,10 +23,12 @@ Choosing pages across layers (`ColdConfig.select = "vote"`). Ranked per layer, a
 matters is found by some layers and missed by the others (at 8K the needle's page made a
 layer's top 8 in 9 of SmolLM2's 30 layers). With votes, before a call that recalls, a vote
 pass feeds the call's last `queries` tokens over the hot store (their tokens are not kept):
-each layer scores its pages and votes for the positions of its best `pages` pages
-(`ColdTier.vote`), one vote per layer. The call proper then takes from every layer the
-pages holding the most-voted positions, the layer's own vote-pass score breaking ties: the
-layers that find a page choose it for every layer, at the same number of pages per layer.
+each layer scores its pages and spreads one vote over them in proportion to the attention
+each page's best key would draw, the softmax of its scores (`ColdTier.vote`): a layer that
+singles a page out gives it nearly its whole vote, one that favours the recent past spreads
+it thin. The call proper then takes from every layer the pages holding the most-voted
+positions, the layer's own vote-pass score breaking ties: the layers that find a page choose
+it for every layer, at the same number of pages per layer.
 
 In-cache distances (`ColdConfig.distances = "in_cache"`, rerotate mode, exact scoring): the
 queries are scored as attention receives them and each cold key is rotated at the in-cache
@@ -205,8 +207,8 @@ class ColdTier:
         peak_bytes: the most bytes the tier has held.
         recall_s: seconds spent recalling (`RecallTier.recall`: scoring and moving pages back,
             and the vote pass's scoring).
-        votes: `votes[row]`, int32 `[seen]`: how many layers voted for each position in the
-            current call's vote pass (None outside one).
+        votes: `votes[row]`, float32 `[seen]`: the votes each position drew in the current
+            call's vote pass, one vote per layer spread over its pages (None outside one).
         ballots: `ballots[layer][row]`, `[P]` float32, the vote pass's page scores (None
             outside one).
     """
@@ -356,16 +358,20 @@ class ColdTier:
         return best.scatter_reduce(0, page_of, per_token, reduce="amax")
 
     def vote(self, layer: int, row: int, scores: torch.Tensor, seen: int) -> None:
-        """A layer's vote in a vote pass (module docstring): keep its page `scores` `[P]`
-        for the call, and add one vote to every position of its `config.pages` best pages
-        (`votes[row]`, positions below `seen`)."""
+        """A layer's vote in a vote pass (module docstring): keep its page `scores` `[P]` for
+        the call, and spread one vote over its pages' positions (`votes[row]`, positions
+        below `seen`) in proportion to the attention each page's best key would draw: the
+        softmax of the exact scores (logits), or the digest scores (already attention shares)
+        normalised."""
         pages = self.pages[layer][row]
         self.ballots[layer][row] = scores
         if self.votes[row] is None:
-            self.votes[row] = torch.zeros(seen, dtype=torch.int32)
-        best = torch.topk(scores, min(self.config.pages, len(pages))).indices.tolist()
-        for i in best:
-            self.votes[row][pages[i].positions.cpu()] += 1
+            self.votes[row] = torch.zeros(seen, dtype=torch.float32)
+        scores = scores.float().cpu()
+        shares = scores / scores.sum() if self.config.score == "digest" else scores.softmax(0)
+        sizes = torch.tensor([page.positions.numel() for page in pages])
+        positions = torch.cat([page.positions for page in pages]).cpu()
+        self.votes[row].index_add_(0, positions, shares.repeat_interleave(sizes))
 
     def picked(self, layer: int, row: int, scores: torch.Tensor) -> list[int]:
         """The indices of the `config.pages` pages of a layer's row to recall, given their
@@ -377,8 +383,13 @@ class ColdTier:
         if votes is None:
             return torch.topk(scores, count).indices.tolist()
         pages = self.pages[layer][row]
-        page_votes = torch.stack([votes[page.positions.cpu()].max() for page in pages])
-        order = torch.argsort(scores, descending=True, stable=True)
+        sizes = torch.tensor([page.positions.numel() for page in pages])
+        per_token = votes[torch.cat([page.positions for page in pages]).cpu()]
+        page_of = torch.repeat_interleave(torch.arange(len(pages)), sizes)
+        page_votes = torch.full((len(pages),), -torch.inf).scatter_reduce(
+            0, page_of, per_token, reduce="amax"
+        )
+        order = torch.argsort(scores.cpu(), descending=True, stable=True)
         order = order[torch.argsort(page_votes[order], descending=True, stable=True)]
         return order[:count].tolist()
 
