@@ -132,6 +132,12 @@ def test_lengths_and_recall_settings_replace_the_grid_and_are_reported(
     assert report.data["recall"]["select"] == "vote" and report.data["recall"]["pages"] == 2
     assert [t["tokens"] for t in report.data["trials"]] == [600, 9000]
     assert "settings pages=2, select=vote" in report.markdown()
+    written = [json.loads(line) for line in (tmp_path / needle.TRIALS).read_text().splitlines()]
+    assert written == report.data["trials"]  # each trial written as it ended
+    short = dataclasses.replace(ctx, text_ids=text_ids[:5000], lengths=(600, 6000))
+    with pytest.raises(ValueError, match="too short for a 6000-token context"):
+        needle.run(short)  # refused before any trial, the last run's trials left as they were
+    assert (tmp_path / needle.TRIALS).read_text().count("\n") == 2
 
 
 def test_the_command_line_checks_lengths_and_recall_settings():

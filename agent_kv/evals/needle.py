@@ -27,6 +27,7 @@ run in turn on each context, so machine noise falls on all of them alike.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 KEY_DIGITS = 5
 ANSWER_TOKENS = 8
 RESERVE = 32  # tokens left under the model's context for the question and the answer
+TRIALS = "trials.jsonl"
+"""Each trial as a JSON line under the run's directory, written as it ends (a run stopped
+midway keeps what it measured; `results.json` comes with the report at the end)."""
 
 
 @dataclass(frozen=True)
@@ -144,17 +148,24 @@ def run(ctx: EvalContext) -> Report:
     }
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     params = SamplingParams(max_new_tokens=ANSWER_TOKENS)
+    sizes = {n: n if rerotate or not limit else min(n, limit - RESERVE) for n, rerotate in rows}
+    longest = max(sizes.values())
+    if longest > len(ctx.text_ids):  # before any trial, not after hours of them
+        raise ValueError(
+            f"the text is too short for a {longest}-token context ({len(ctx.text_ids)} tokens): "
+            "give a longer one (--text)"
+        )
     trials = []
+    written = ctx.out / TRIALS
+    written.unlink(missing_ok=True)
     for length, rerotate in rows:
         label = _label(length, rerotate)
-        tokens = length if rerotate or not limit else min(length, limit - RESERVE)
+        tokens = sizes[length]
         for seed in range(size.seeds):
             rng = random.Random(f"needle/{length}/{seed}")
             key = str(rng.randrange(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS))
             needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
             filler = tokens - len(needle)
-            if filler > len(ctx.text_ids):
-                raise ValueError(f"the text is too short for a {tokens}-token context")
             start = rng.randrange(len(ctx.text_ids) - filler + 1)
             haystack = ctx.text_ids[start : start + filler]
             breaks = line_breaks(haystack, tokenizer)
@@ -186,6 +197,8 @@ def run(ctx: EvalContext) -> Report:
                             "prefill_s": round(reply.ttft_s, 2),
                         }
                     )
+                    with written.open("a") as out:  # kept if the run stops midway
+                        out.write(json.dumps(trials[-1]) + "\n")
                     ctx.log(
                         f"needle {label} seed {seed} depth {depth:.0%} {name}: "
                         f"{reply.text!r} {'right' if right else 'wrong'} ({reply.ttft_s:.1f} s)"
