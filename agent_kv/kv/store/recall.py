@@ -125,8 +125,9 @@ class RecallTier:
         origins: torch.Tensor,
     ) -> None:
         """A vote pass's part in a layer (`agent_kv.kv.cold_tier`, "Choosing pages across
-        layers"): each row's cold pages scored by the pass's queries (`_scores`), the best
-        pages' positions voted for (`ColdTier.vote`). Arguments as `recall`'s."""
+        layers"): each row's cold pages scored by the pass's queries (`_scores`) and the
+        layer's one vote spread over their positions (`ColdTier.vote`). Arguments as
+        `recall`'s."""
         started = time.perf_counter()
         for i, row in enumerate(rows):
             if self.tier.pages[layer][row]:
