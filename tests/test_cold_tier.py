@@ -5,7 +5,6 @@ restores with its session, and with nothing evicted recall changes nothing."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -169,16 +168,6 @@ def test_with_votes_the_layers_that_find_a_page_choose_it_for_every_layer():
     call = ForwardCall.open(store, range(1), 1, CallPlan(recall=True))
     store.recall.recall(2, queries[2], 1.0, call.rows, call.position_ids(), call.tensors.origin)
     assert store.recall.tier.held[2][0].tolist() == [6, 7, 8, 9]
-    # mixed, two pages a layer: layer 2 takes its own best and the voted best
-    store, keys = _evicted_middle(3, select="mixed")
-    tier = store.recall.tier
-    tier.config = replace(tier.config, pages=2)
-    vote = ForwardCall.open(store, range(1), 1, CallPlan(recall=True, vote=True))
-    for layer, query in enumerate(queries):
-        vote.vote(layer, query, 1.0)
-    vote.close()
-    own = tier.page_scores(2, 0, queries[2][0], 1.0).argmax().item()
-    assert tier.picked(2, 0, tier.ballots[2][0]) == [own, 0]  # own best [6-9], voted [2-5]
 
 
 def test_in_cache_distances_rotate_each_cold_key_at_the_rank_it_would_take():

@@ -58,9 +58,9 @@ DIGEST_DTYPE = torch.float32
 
 SCORERS = ("exact", "digest")
 """How recall can rank cold pages (`ColdTier.page_scores`)."""
-SELECTIONS = ("layer", "vote", "mixed")
-"""How recall chooses pages: each layer its own best, by the layers' votes, or half of each
-(module docstring)."""
+SELECTIONS = ("layer", "vote")
+"""How recall chooses pages: each layer its own best, or by the layers' votes (module
+docstring)."""
 DISTANCES = ("original", "in_cache")
 """At which positions rerotate-mode scoring rotates queries and cold keys (module
 docstring)."""
@@ -80,9 +80,8 @@ class ColdConfig:
         cap_bytes: the most bytes the tier holds per session; the oldest pages go first.
         fmt: the page format, a `kernels.formats.QUANT_FORMATS` name (`int8` or `fp8`).
         score: how recall ranks pages, `"exact"` or `"digest"` (`ColdTier.page_scores`).
-        select: how recall chooses pages, `"layer"` (each layer its best), `"vote"` (by the
-            layers' votes from a vote pass; module docstring) or `"mixed"` (the layer's best
-            and the most-voted in turn).
+        select: how recall chooses pages, `"layer"` (each layer its best) or `"vote"` (by the
+            layers' votes from a vote pass; module docstring).
         distances: in rerotate mode, score at `"original"` positions or `"in_cache"` ones
             (exact scoring only; module docstring).
     """
@@ -376,10 +375,9 @@ class ColdTier:
 
     def picked(self, layer: int, row: int, scores: torch.Tensor) -> list[int]:
         """The indices of the `config.pages` pages of a layer's row to recall, given their
-        `scores` `[P]`: the best scored; or during a vote pass's call (`select="vote"`) those
-        holding the most-voted positions first (a page's votes are its best position's), the
-        scores breaking ties; or (`select="mixed"`) the layer's best and the most-voted in
-        turn."""
+        `scores` `[P]`: the best scored, or during a vote pass's call those holding the
+        most-voted positions first (a page's votes are its best position's), the scores
+        breaking ties."""
         count = min(self.config.pages, scores.numel())
         votes = self.votes[row]
         if votes is None:
@@ -391,15 +389,9 @@ class ColdTier:
         page_votes = torch.full((len(pages),), -torch.inf).scatter_reduce(
             0, page_of, per_token, reduce="amax"
         )
-        own = torch.argsort(scores.cpu(), descending=True, stable=True)
-        voted = own[torch.argsort(page_votes[own], descending=True, stable=True)].tolist()
-        if self.config.select == "vote":
-            return voted[:count]
-        picked: list[int] = []  # "mixed": the layer's own best and the voted best in turn
-        for page in (p for pair in zip(own.tolist(), voted, strict=True) for p in pair):
-            if page not in picked:
-                picked.append(page)
-        return picked[:count]
+        order = torch.argsort(scores.cpu(), descending=True, stable=True)
+        order = order[torch.argsort(page_votes[order], descending=True, stable=True)]
+        return order[:count].tolist()
 
     def recall(
         self, layer: int, row: int, scores: torch.Tensor

@@ -558,16 +558,16 @@ class Engine:
     def _vote(
         self, cache: StoreCache, rows: range, chunks: list[list[int]], plan: CallPlan
     ) -> None:
-        """Before a multi-token call under `plan` that recalls by votes (`select` "vote" or
-        "mixed"): the vote pass, the last `ColdConfig.queries` tokens of each of `chunks` fed
-        where they will stand, their tokens not kept, every layer's votes held for the call
+        """Before a multi-token call under `plan` that recalls with `select="vote"`: the vote
+        pass, the last `ColdConfig.queries` tokens of each of `chunks` fed where they will
+        stand, their tokens not kept, every layer's votes held for the call
         (`agent_kv.kv.cold_tier`, "Choosing pages across layers")."""
         store = cache.store
         n = len(chunks[0])
         if not plan.recall or n < 2 or not store.recall.due(n, rows[0]):
             return
         config = store.recall.tier.config
-        if config.select == "layer":
+        if config.select != "vote":
             return
         tail = min(n, config.queries)
         call = ForwardCall.open(store, rows, tail, VOTE, ahead=n - tail)
