@@ -220,7 +220,7 @@ class ForwardCall:
         self.write(self.fold() if folded is None else folded)
         if self.plan.keeps_tokens:
             self.store.note_appended(self.rows, self.n)
-        if not self.plan.vote:
+        if self.plan.recall and not self.plan.vote:  # votes live for one recalling call
             self.store.recall.forget_votes()
 
     def recall(self, layer: int, query: torch.Tensor, scale: float) -> None:
