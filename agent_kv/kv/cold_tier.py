@@ -156,6 +156,15 @@ class ColdConfig:
         return query_len > 1 or (self.every > 0 and seen % self.every == 0)
 
 
+def _page_maxima(pages: list[ColdPage], per_token: torch.Tensor) -> torch.Tensor:
+    """`[P]`: the largest of `per_token` `[N]` (one value per token of `pages`, in page order)
+    over each page's tokens."""
+    sizes = torch.tensor([page.positions.numel() for page in pages], device=per_token.device)
+    page_of = torch.repeat_interleave(torch.arange(len(pages), device=per_token.device), sizes)
+    best = torch.full((len(pages),), -torch.inf, device=per_token.device)
+    return best.scatter_reduce(0, page_of, per_token, reduce="amax")
+
+
 @dataclass
 class ColdPage:
     """Evicted tokens of one layer's row, quantized together.
@@ -349,13 +358,7 @@ class ColdTier:
         )
         group = query.shape[0] // keys.shape[0]
         logits = torch.bmm(query.float(), keys.repeat_interleave(group, 0).transpose(1, 2))
-        per_token = logits.amax(dim=(0, 1)) * scale  # [N]
-        page_of = torch.repeat_interleave(
-            torch.arange(len(pages), device=per_token.device),
-            torch.tensor([p.positions.numel() for p in pages], device=per_token.device),
-        )
-        best = torch.full((len(pages),), -torch.inf, device=per_token.device)
-        return best.scatter_reduce(0, page_of, per_token, reduce="amax")
+        return _page_maxima(pages, logits.amax(dim=(0, 1)) * scale)
 
     def vote(self, layer: int, row: int, scores: torch.Tensor, seen: int) -> None:
         """A layer's vote in a vote pass (module docstring): keep its page `scores` `[P]` for
@@ -383,12 +386,7 @@ class ColdTier:
         if votes is None:
             return torch.topk(scores, count).indices.tolist()
         pages = self.pages[layer][row]
-        sizes = torch.tensor([page.positions.numel() for page in pages])
-        per_token = votes[torch.cat([page.positions for page in pages]).cpu()]
-        page_of = torch.repeat_interleave(torch.arange(len(pages)), sizes)
-        page_votes = torch.full((len(pages),), -torch.inf).scatter_reduce(
-            0, page_of, per_token, reduce="amax"
-        )
+        page_votes = _page_maxima(pages, votes[torch.cat([page.positions for page in pages]).cpu()])
         order = torch.argsort(scores.cpu(), descending=True, stable=True)
         order = order[torch.argsort(page_votes[order], descending=True, stable=True)]
         return order[:count].tolist()
