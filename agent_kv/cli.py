@@ -15,6 +15,7 @@ import json
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -361,7 +362,7 @@ def _run(
             f"{task.task_id}: {task.intent}",
             err=True,
         )
-        compile = _compile_default(compile, loaded.model, serving=False)
+        compile = _compile_default(compile, loaded.model)
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk, compile)
         if mode == "scripted":
             return scripted_episode(task, engine, env, trace_dir, loaded.name, config, _print_page)
@@ -737,11 +738,27 @@ def serve_command(
             "that also send the page as text (browser-use with use_vision)."
         ),
     ] = False,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Serve N model replicas on Ray Serve behind one port, each session routed to "
+            "the replica holding it and saved to --spill-dir after each turn, so another "
+            "replica resumes it when one dies (default: one server, no Ray).",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="With --replicas: join the Ray cluster at HOST:PORT (default: start one on "
+            "this machine). --spill-dir must then be on storage every node mounts."
+        ),
+    ] = None,
 ) -> None:
     """Serve the API: `/v1/chat/completions` (OpenAI-compatible), `/chat` (native),
     `/tokenize`, `/v1/models`, `/health`, `/metrics`, `GET /sessions` and
     `DELETE /sessions/{id}`. Says on stderr when the model starts loading and when the server
-    is ready."""
+    is ready. With `--replicas N`, the same API from N replicas on Ray Serve."""
     from agent_kv.kv.budgets import parse_bytes
     from agent_kv.kv.policy_names import split_reencode
     from api.access import loopback_hosts
@@ -772,50 +789,63 @@ def serve_command(
             recall=recall,
             recall_params=recall_param,
         )
+        if ray_address is not None and replicas is None:
+            fail("--ray-address needs --replicas")
+        if ray_address is not None and spill_dir is None:
+            fail("--ray-address needs --spill-dir, on storage every node mounts")
+        if ray_address is not None:
+            from agent_kv.harness.bench import check_ray_address
+
+            check_ray_address(ray_address)
+        if replicas is not None and spill_dir is None:
+            spill_dir = Path(tempfile.mkdtemp(prefix="agent-kv-sessions-"))
+            typer.echo(f"sessions are saved under {spill_dir} (--spill-dir)", err=True)
         if spill_dir is not None:
             _writable_dir(spill_dir)
         _free_port(host, port)
     except AgentKVError as err:
         fail(str(err))
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import load_model
-    from agent_kv.serving.chat_service import ChatService
-    from agent_kv.serving.session_store import SessionStore
-    from api.app import create_app
+    from api.server_setup import ServerSettings, build_server
 
-    typer.echo(
-        f"loading model {model or bundled_models.DEFAULT_MODEL} ({weights} weights)...", err=True
-    )
+    settings = ServerSettings(
+        spec=spec, model=model, weights=weights, session_bytes=cap, session_ttl_s=session_ttl,
+        spill_dir=spill_dir, max_waiting=max_waiting, queue_timeout_s=queue_timeout,
+        max_batch=max_batch, compile=compile, api_key=api_key, allowed_hosts=hosts,
+        drop_image_parts=drop_image_parts, threads=threads,
+    )  # fmt: skip
+    if replicas is not None:
+        _serve_replicas(settings, replicas, host, port, ray_address)
+        return
     try:
-        loaded = load_model(model, weights)
-        compile = _compile_default(compile, loaded.model, serving=True)
-        engine = Engine.from_spec(
-            spec, loaded.model, loaded.tokenizer, compile=compile, share_prefixes=True
-        )
-        if compile:
-            typer.echo("compiling the decode step (--no-compile skips it)...", err=True)
-            engine.warm_up()
+        app, _ = build_server(settings)
     except AgentKVError as err:
         fail(str(err))
-    sessions = SessionStore(engine, cap, session_ttl, spill_dir)
-    service = ChatService(
-        engine, sessions, max_waiting=max_waiting, queue_timeout_s=queue_timeout,
-        max_batch=max_batch,
-    )  # fmt: skip
-    app = create_app(
-        service, loaded.name, api_key=api_key, allowed_hosts=hosts,
-        drop_image_parts=drop_image_parts,
-    )  # fmt: skip
     _serve(app, host, port)
 
 
-def _compile_default(flag: bool | None, model, serving: bool) -> bool:
-    """`--compile/--no-compile` as given, else on where compiling pays: a long-lived server
-    (the first compile, about a minute on a 2-core CPU, is paid once for every later turn), or
-    a GPU (capturing a CUDA graph costs one step)."""
+def _serve_replicas(settings, replicas: int, host: str, port: int, address: str | None) -> None:
+    """`serve --replicas N`: the application on Ray Serve until stopped (`api.cluster`)."""
+    from api.cluster.launch import ClusterSettings, run_cluster
+
+    cluster = ClusterSettings(
+        replicas=replicas, threads=thread_setting.configured() or thread_setting.DEFAULT,
+        host=host, port=port, ray_address=address,
+    )  # fmt: skip
+    try:
+        run_cluster(settings, cluster)
+    except AgentKVError as err:
+        fail(str(err))
+    except RuntimeError as err:  # Ray Serve gave up starting a replica
+        fail(f"the replicas did not start: {err}")
+
+
+def _compile_default(flag: bool | None, model) -> bool:
+    """`--compile/--no-compile` as given, else on where compiling pays for an episode: on a
+    GPU (capturing a CUDA graph costs one step). A server compiles by default
+    (`api.server_setup`)."""
     if flag is not None:
         return flag
-    return serving or next(model.parameters()).is_cuda
+    return next(model.parameters()).is_cuda
 
 
 def _serve(app, host: str, port: int) -> None:

@@ -37,7 +37,7 @@ from typing import Annotated
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_kv.errors import (
@@ -61,8 +61,8 @@ from agent_kv.serving.chat_service import (
 from agent_kv.serving.protection import PinRules
 from agent_kv.serving.session_store import SessionBusyError
 from api.access import AccessControl
-from api.body_limit import BodyLimit
-from api.errors import APIError
+from api.body_limit import MAX_BODY_BYTES, BodyLimit
+from api.errors import APIError, error_response
 from api.metrics import ServerMetrics
 from api.openapi_doc import error_responses, openapi_without_validation_422
 from api.reply_spec import check_tool_results, reply_spec
@@ -76,7 +76,6 @@ from api.schemas import (
     ChatMessage,
     DeletedSession,
     ErrorDetail,
-    ErrorResponse,
     Health,
     KVStats,
     ModelCard,
@@ -98,10 +97,6 @@ from api.schemas import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-MAX_BODY_BYTES = 8 * 2**20
-"""Request bodies above this many bytes are refused with a 413."""
-RETRY_AFTER_S = 5
-"""The `Retry-After` a 429 or 503 suggests, in seconds."""
 SessionHeader = Annotated[
     str | None, Header(min_length=1, max_length=SESSION_ID_CHARS, description="Session id")
 ]
@@ -116,22 +111,6 @@ SSE_EVENT = {
     "required": ["data"],
 }
 """The OpenAPI schema of one event of a streamed reply."""
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict | None = None,
-):
-    """A JSONResponse with an OpenAI-shaped error body (and `Retry-After` on 429 and 503)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    headers = dict(headers or {})
-    if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    return JSONResponse(status_code=status, content=body.model_dump(), headers=headers or None)
 
 
 def create_app(
@@ -180,6 +159,7 @@ def create_app(
     engine = service.engine
     vocab_size = engine.model.config.vocab_size
     metrics = ServerMetrics(service.sessions)
+    app.state.metrics = metrics  # a replica's reports read it (`api.cluster.replica`)
     routes = {
         "/v1/chat/completions", "/chat", "/tokenize", "/v1/models", "/health", "/metrics",
         "/sessions",

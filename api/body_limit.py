@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+MAX_BODY_BYTES = 8 * 2**20
+"""The default limit: request bodies above this many bytes are refused with a 413."""
+
 
 class BodyLimit:
     """Reads each HTTP request body (at most `max_bytes`) before the app does; a larger body

@@ -4,7 +4,8 @@ Per turn: requests by endpoint and status, time to first token, decode seconds p
 prompt tokens reused from a session's cache vs prefilled, cache rebuilds, evictions and
 INT8 moves. Read at scrape time from the session store: KV bytes held (allocated, what the
 `--session-bytes` cap counts; live; and the shared prefix blocks, held once for every
-session), sessions in memory and on disk, sessions dropped and saved to disk.
+session), sessions in memory and on disk, sessions dropped and saved to disk, and (replicas
+sharing a spill dir) the saves after each turn, written and failed.
 `agent_kv_kv_bytes` is a deprecated alias of `agent_kv_kv_live_bytes`, removed in the next
 release.
 """
@@ -85,6 +86,22 @@ class _SessionCollector(Collector):
         )
         failures.add_metric([], self.sessions.spill_failures)
         yield failures
+        checkpoints = self.sessions.checkpoints
+        if checkpoints is not None:
+            saved = CounterMetricFamily(
+                "agent_kv_session_checkpoints",
+                "Saves of a session to the shared spill dir after its turn, by result.",
+                labels=["result"],
+            )
+            saved.add_metric(["written"], checkpoints.written)
+            saved.add_metric(["failed"], checkpoints.failed)
+            yield saved
+            pending = GaugeMetricFamily(
+                "agent_kv_session_checkpoints_pending",
+                "Saves to the shared spill dir queued or running.",
+            )
+            pending.add_metric([], checkpoints.pending())
+            yield pending
 
 
 class ServerMetrics:

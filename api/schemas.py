@@ -613,6 +613,10 @@ class SessionInfo(BaseModel):
     last_used: float
     where: Literal["memory", "disk"]
     busy: bool
+    replica: str | None = Field(
+        default=None,
+        description="The replica holding the session (`serve --replicas`); null on one server.",
+    )
     kv_bytes: int = _deprecated_alias("kv_live_bytes")
 
 

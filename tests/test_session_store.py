@@ -241,3 +241,69 @@ def test_a_pinned_fact_survives_twenty_turns_under_a_tight_budget(smollm, pinned
     else:
         # only the window's 4 attention sinks are left of the head
         assert kept & set(range(len(head))) == set(range(4)) and "4817" not in reply
+
+
+def test_a_shared_spill_saves_each_session_after_its_request_and_another_replica_resumes_it(
+    engine, tmp_path
+):
+    first = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
+    feed(first, "a", list(range(10, 110)))
+    assert first.checkpoints.flush(timeout_s=30)
+    assert first.checkpoints.written == 1 and first.in_memory() == ["a"]
+    assert len(list(tmp_path.glob("*.pt"))) == 1  # kept in memory and on disk
+    feed(first, "a", list(range(110, 130)))  # its save is queued again...
+    second = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
+    assert second.ids() == []  # ...nothing is adopted at start
+    assert first.checkpoints.flush(timeout_s=30) and first.checkpoints.written == 2
+    reference = engine.new_sequence()
+    engine.feed(reference, list(range(10, 110)))
+    engine.feed(reference, list(range(110, 130)))
+    resumed = feed(second, "a", [7])  # the replica holding it died: another takes it over
+    assert torch.equal(resumed, engine.feed(reference, [7]))
+    with second.use("a") as session:
+        assert len(session.token_ids) == 121
+    assert len(list(tmp_path.glob("*.pt"))) == 1  # the file stays: it is the session's save
+    assert second.checkpoints.flush(timeout_s=30) and second.checkpoints.failed == 0
+    second.drop("a")
+    assert list(tmp_path.glob("*.pt")) == []  # a session forgotten leaves no save behind
+    first.checkpoints.close(30)
+    second.checkpoints.close(30)
+
+
+def test_a_request_writes_its_sessions_queued_save_before_it_runs(engine, tmp_path):
+    store = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_checkpoint(session_id: str) -> bool:  # the writer thread, held back
+        started.set()
+        release.wait(30)
+        return store.checkpoint(session_id)
+
+    store.checkpoints._save = slow_checkpoint
+    feed(store, "blocker", [1, 2, 3])  # the writer holds this one back
+    assert started.wait(30)
+    feed(store, "a", list(range(10, 40)))  # queued behind it
+    with store.use("a") as session:  # the next request writes it first
+        saved = Sequence.load(store._path("a"), engine.model)
+        assert saved.token_ids == session.token_ids == list(range(10, 40))
+    assert store.checkpoints.written == 1
+    release.set()
+    store.checkpoints.close(30)
+    assert store.checkpoints.written == 3  # blocker, then a's save after the last request
+
+
+def test_a_save_that_fails_after_a_request_is_counted_and_the_request_stands(engine, tmp_path):
+    store = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
+    store._path("a").mkdir()  # the file cannot be written: a directory holds its name
+    logits = feed(store, "a", list(range(10, 40)))
+    assert store.checkpoints.flush(timeout_s=30)
+    assert store.checkpoints.failed == 1 and store.checkpoints.written == 0
+    assert logits.shape[-1] == engine.model.config.vocab_size
+    assert store.in_memory() == ["a"]
+    store.checkpoints.close(30)
+
+
+def test_a_shared_spill_needs_a_spill_dir(engine):
+    with pytest.raises(ValueError, match="spill_dir"):
+        SessionStore(engine, shared_spill=True)

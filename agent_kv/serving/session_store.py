@@ -19,7 +19,14 @@ request with identical next-token logits), dropped otherwise. Saved sessions fou
 the time they were saved, and restored on request; a file that cannot be read back whole
 (damaged, cut short) is never half-restored: it is removed, and the session starts again from
 the client's history. A session with a request in flight is
-never dropped or saved. Requests to one session are serialised by its lock; different
+never dropped or saved.
+
+With `shared_spill` the spill dir is shared with other replicas of the server (each its own
+process, perhaps on another machine: `api.cluster`): nothing in it is adopted at start; each
+session is saved there after each of its requests, off the request's critical path
+(`SessionCheckpoints`), and a session this store does not know is restored from its file
+there, so that a replica takes over the sessions of one that died from their last completed
+turn. Requests to one session are serialised by its lock; different
 sessions never share a cache.
 """
 
@@ -38,6 +45,7 @@ from agent_kv.errors import AgentKVError, KVCapacityError, QueueTimeoutError, Tu
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sequence import Sequence, SequenceOutline
 from agent_kv.serving.protection import apply_pins
+from agent_kv.serving.session_checkpoints import SessionCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +198,14 @@ class SessionStore:
             (`KVStore.allocated_nbytes`), or None for no cap.
         idle_ttl_s: seconds a session may stay unused before it is dropped, or None.
         spill_dir: where sessions over the cap are saved; None drops them instead. Sessions
-            already saved there are known again.
+            already saved there are known again (unless `shared_spill`).
         clock: monotonic seconds (tests pass a fake one).
+        shared_spill: `spill_dir` is shared with other replicas: each session is saved there
+            after each request (`checkpoints`), a session unknown here is restored from it,
+            and nothing in it is adopted at start.
 
     Raises:
-        ValueError: a non-positive cap or TTL.
+        ValueError: a non-positive cap or TTL, or `shared_spill` without a `spill_dir`.
     """
 
     def __init__(
@@ -204,7 +215,10 @@ class SessionStore:
         idle_ttl_s: float | None = None,
         spill_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared_spill: bool = False,
     ):
+        if shared_spill and spill_dir is None:
+            raise ValueError("a shared spill needs a spill_dir")
         if max_kv_bytes is not None and max_kv_bytes <= 0:
             raise ValueError(f"max_kv_bytes must be positive, got {max_kv_bytes}")
         if idle_ttl_s is not None and idle_ttl_s <= 0:
@@ -226,9 +240,13 @@ class SessionStore:
         self._room = threading.Condition(self._lock)  # notified when a request ends
         self.fresh = SequenceOutline.describe(engine.new_sequence())
         """The outline of a new session of this engine (what one allocates at first)."""
+        self.shared_spill = shared_spill
+        self.checkpoints = SessionCheckpoints(self.checkpoint) if shared_spill else None
+        """The writer that saves each session after its requests (with `shared_spill`)."""
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            self._adopt_saved()
+            if not shared_spill:
+                self._adopt_saved()
 
     @contextmanager
     def use(
@@ -277,6 +295,8 @@ class SessionStore:
                 if entry.session is None:
                     entry.session = self._restore(session_id)
                     entry.saved = None
+                elif self.checkpoints is not None and self.checkpoints.take(session_id):
+                    self._save_checkpoint(session_id, entry)  # the last turn first, on disk
                 if policy is not None:
                     entry.policy = policy
                 yield entry.session
@@ -289,8 +309,46 @@ class SessionStore:
                 entry.last_used, entry.last_used_wall = self.clock(), time.time()
                 if entry.session is None and entry.saved is None and not entry.in_flight:
                     del self._entries[session_id]  # refused before it ever held a cache
+                elif self.checkpoints is not None and entry.session is not None:
+                    self.checkpoints.request(session_id)
                 self._enforce()
                 self._room.notify_all()
+
+    def checkpoint(self, session_id: str) -> bool:
+        """Save the session `session_id`, in memory, to its file in `spill_dir` (written
+        aside, then renamed: a reader finds the previous save or this one whole), keeping it
+        in memory; waits for a request in flight to end. False when the session is not in
+        memory (dropped or moved to disk since). A write that fails is logged and counted in
+        `checkpoints.failed`.
+
+        A request to a session whose save is still queued writes it before it runs: a turn
+        starts only once the one before it is on disk."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.session is None:
+                return False
+            entry.in_flight += 1  # neither dropped nor moved out while it is written
+        try:
+            with entry.lock:
+                if entry.session is None:
+                    return False
+                self._save_checkpoint(session_id, entry)
+                return True
+        finally:
+            with self._lock:
+                entry.in_flight -= 1
+                self._room.notify_all()
+
+    def _save_checkpoint(self, session_id: str, entry: _Entry) -> None:
+        """Write the session of `entry` (in memory, its lock held) to its file; a failure is
+        logged and counted (`SessionCheckpoints.failed`), never raised."""
+        try:
+            entry.session.save(self._path(session_id), self._meta(session_id, entry))
+        except (OSError, RuntimeError) as err:  # the disk is full, gone or not writable
+            log.warning("session %r could not be saved after its turn: %s", session_id, err)
+            self.checkpoints.failed += 1
+            return
+        self.checkpoints.written += 1
 
     def _make_room(
         self,
@@ -479,7 +537,7 @@ class SessionStore:
             self._remove(session_id)
             self.dropped += 1
             return
-        meta = {"session_id": session_id, "policy": entry.policy}
+        meta = self._meta(session_id, entry)
         try:
             entry.session.save(self._path(session_id), meta)
         except (OSError, RuntimeError) as err:  # the disk is full, gone or not writable
@@ -492,6 +550,11 @@ class SessionStore:
         entry.session = None
         self.spilled += 1
 
+    @staticmethod
+    def _meta(session_id: str, entry: _Entry) -> dict:
+        """What a session's file holds beside its state."""
+        return {"session_id": session_id, "policy": entry.policy}
+
     def _remove(self, session_id: str) -> None:
         del self._entries[session_id]
         if self.spill_dir is not None:
@@ -500,7 +563,8 @@ class SessionStore:
     def _restore(self, session_id: str) -> Sequence:
         """The session saved to disk, loaded whole; a new one when there is no file, or when
         its file cannot be read back (damaged, cut short: refused whole, logged and counted in
-        `unreadable`, removed), so the turn starts again from the client's history."""
+        `unreadable`, removed), so the turn starts again from the client's history. With
+        `shared_spill` the file stays: it is the session's save until its next one."""
         path = None if self.spill_dir is None else self._path(session_id)
         if path is not None and path.is_file():
             try:
@@ -510,7 +574,8 @@ class SessionStore:
                 self.unreadable += 1
                 _discard(path)
                 return self.engine.new_sequence()
-            _discard(path)
+            if not self.shared_spill:
+                _discard(path)
             if self.engine.prefix_cache is not None:  # its shared blocks read once again
                 session.store.prefix.adopt(self.engine.prefix_cache)
             return session
