@@ -17,6 +17,7 @@ import socket
 import sys
 import tempfile
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -273,6 +274,13 @@ def run_episode_command(
 
 API_KEY_ENV = "AGENT_KV_API_KEY"
 """Read for `serve --api-key` when the option is not given."""
+
+
+class ReplicaRouter(StrEnum):
+    """`serve --router`: the keys of `api.cluster.launch.ROUTERS` (imported only to serve)."""
+
+    least_loaded = "least-loaded"
+    hash = "hash"
 
 
 def _check_mode(mode: str) -> None:
@@ -754,6 +762,14 @@ def serve_command(
             "this machine). --spill-dir must then be on storage every node mounts."
         ),
     ] = None,
+    router: Annotated[
+        ReplicaRouter,
+        typer.Option(
+            help="With --replicas: least-loaded keeps each session on its replica and sends "
+            "new ones to the least loaded; hash is Ray Serve's consistent-hash router (a "
+            "session's replica follows from its id alone, load not weighed)."
+        ),
+    ] = ReplicaRouter.least_loaded,
 ) -> None:
     """Serve the API: `/v1/chat/completions` (OpenAI-compatible), `/chat` (native),
     `/tokenize`, `/v1/models`, `/health`, `/metrics`, `GET /sessions` and
@@ -814,7 +830,7 @@ def serve_command(
         drop_image_parts=drop_image_parts, threads=threads,
     )  # fmt: skip
     if replicas is not None:
-        _serve_replicas(settings, replicas, host, port, ray_address)
+        _serve_replicas(settings, replicas, host, port, ray_address, router)
         return
     try:
         app, _ = build_server(settings)
@@ -823,13 +839,13 @@ def serve_command(
     _serve(app, host, port)
 
 
-def _serve_replicas(settings, replicas: int, host: str, port: int, address: str | None) -> None:
+def _serve_replicas(settings, replicas: int, host: str, port: int, address, router) -> None:
     """`serve --replicas N`: the application on Ray Serve until stopped (`api.cluster`)."""
     from api.cluster.launch import ClusterSettings, run_cluster
 
     cluster = ClusterSettings(
         replicas=replicas, threads=thread_setting.configured() or thread_setting.DEFAULT,
-        host=host, port=port, ray_address=address,
+        host=host, port=port, ray_address=address, router=router.value,
     )  # fmt: skip
     try:
         run_cluster(settings, cluster)

@@ -14,14 +14,20 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from api.cluster.affinity import ANONYMOUS_PREFIX, Placements, ReplicaLoad, affinity_key
+from api.cluster.affinity import (
+    ANONYMOUS_PREFIX,
+    Placements,
+    ReplicaLoad,
+    affinity_key,
+    json_object,
+)
 from api.cluster.asgi_relay import portable_scope, run_app
 from api.cluster.directory import ReplicaDirectory
 from api.cluster.merged_metrics import merge_metrics
 
 
-def chat(body: dict) -> bytes:
-    return json.dumps(body).encode()
+def chat(body: dict) -> dict | None:
+    return json_object(json.dumps(body).encode())
 
 
 MESSAGES = [{"role": "system", "content": "Act."}, {"role": "user", "content": "Goal"}]
@@ -31,11 +37,12 @@ def test_the_affinity_key_is_the_session_id_wherever_the_request_names_it():
     assert affinity_key("POST", "/chat", {"x-session-id": "h"}, chat({"session_id": "b"})) == "h"
     assert affinity_key("POST", "/chat", {}, chat({"session_id": "b", "messages": []})) == "b"
     assert affinity_key("POST", "/v1/chat/completions", {}, chat({"user": "u"})) == "u"
-    assert affinity_key("DELETE", "/sessions/a%20b", {}, b"") == "a b"
-    assert affinity_key("GET", "/v1/models", {}, b"") == ""
+    assert affinity_key("DELETE", "/sessions/a%20b", {}, None) == "a b"
+    assert affinity_key("GET", "/v1/models", {}, None) == ""
     assert affinity_key("POST", "/tokenize", {}, chat({"messages": MESSAGES})) == ""
-    assert affinity_key("POST", "/chat", {}, b"{not json") == ""
-    assert affinity_key("POST", "/chat", {}, b"[1]") == ""
+    assert json_object(b"{not json") is None and json_object(b"[1]") is None
+    assert json_object(b"\xff") is None
+    assert affinity_key("POST", "/chat", {}, None) == ""
 
 
 def test_an_anonymous_chat_routes_by_its_first_messages_so_its_later_turns_follow():
@@ -199,3 +206,10 @@ def test_a_relayed_stream_left_early_tells_the_app_its_client_went_away():
     events = asyncio.run(relay_three_events())
     assert events == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
     assert state.get("disconnected") and not state.get("finished")
+
+
+def test_the_commands_router_names_are_the_routers_the_cluster_knows():
+    from agent_kv.cli import ReplicaRouter
+    from api.cluster.launch import ROUTERS
+
+    assert {router.value for router in ReplicaRouter} == set(ROUTERS)

@@ -141,3 +141,24 @@ def test_more_replicas_than_the_cluster_has_cpus_for_is_an_error_at_start():
     )  # fmt: skip
     assert done.returncode != 0
     assert "64 replicas of 1 thread(s) need 64 CPUs; the Ray cluster has" in done.stderr
+
+
+def test_streams_anonymous_agents_and_bad_requests_pass_through_the_gateway_as_on_one_server(
+    cluster,
+):
+    body = {"messages": [user_message(9, 0)], "max_tokens": MAX_TOKENS, "user": "streamed"}
+    with cluster.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    history = [{"role": "system", "content": "You are a web agent."}, user_message(8, 0)]
+    first = cluster.post("/v1/chat/completions", json={"messages": history, "max_tokens": 4})
+    reply = first.json()["choices"][0]["message"]["content"]
+    history += [{"role": "assistant", "content": reply}, user_message(8, 1)]
+    later = cluster.post("/v1/chat/completions", json={"messages": history, "max_tokens": 4})
+    assert later.headers["x-session-id"] == first.headers["x-session-id"]  # the same replica
+    assert later.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    bad = cluster.post("/chat", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    huge = cluster.post("/chat", content=b"x" * (8 * 2**20 + 1))
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"

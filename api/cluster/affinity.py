@@ -24,40 +24,43 @@ CHAT_PATHS = frozenset({"/chat", "/v1/chat/completions"})
 SESSIONS_PATH = "/sessions/"
 
 
-def affinity_key(method: str, path: str, headers: Mapping[str, str], body: bytes) -> str:
+def json_object(body: bytes) -> dict | None:
+    """The request body as a JSON object, or None when it is not one (the replica answers
+    that with a 400)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def affinity_key(method: str, path: str, headers: Mapping[str, str], body: dict | None) -> str:
     """The key a request routes by, "" when any replica may serve it.
 
     In order: the `X-Session-Id` header; for `DELETE /sessions/{id}`, the id; for a chat, the
     body's `session_id` (`/chat`) or `user` (`/v1/chat/completions`); else, for a chat that
     names no session, `ANONYMOUS_PREFIX` and a hash of its first `ANONYMOUS_MESSAGES`
     messages, so the later turns of an anonymous agent reach the replica whose session
-    matched its history by prefix. A body that is not a JSON object routes anywhere (the
-    replica answers it with a 400).
+    matched its history by prefix. A body that is not a JSON object routes anywhere.
 
     Args:
         method: the HTTP method.
         path: the URL path.
         headers: the request's headers, names lower-cased, values as text.
-        body: the request body.
+        body: the request body as a JSON object (`json_object`), or None.
     """
     header = headers.get("x-session-id")
     if header:
         return header
     if method == "DELETE" and path.startswith(SESSIONS_PATH):
         return unquote(path[len(SESSIONS_PATH) :])
-    if method != "POST" or path not in CHAT_PATHS:
-        return ""
-    try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return ""
-    if not isinstance(request, dict):
+    if method != "POST" or path not in CHAT_PATHS or body is None:
         return ""
     for field in ("session_id", "user"):
-        value = request.get(field)
+        value = body.get(field)
         if isinstance(value, str) and value:
             return value
-    messages = request.get("messages")
+    messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return ""
     head = json.dumps(messages[:ANONYMOUS_MESSAGES], sort_keys=True).encode()

@@ -7,8 +7,9 @@ Ray Serve's HTTP proxy hands every request to this deployment, which:
   (`api.cluster.directory`);
 - relays every other request whole to one model replica through a Ray Serve handle, with its
   affinity key (`api.cluster.affinity`) as the request's session id, which the replicas'
-  request router (`api.cluster.session_router`) routes by; the replica's response comes back
-  message by message (`api.cluster.asgi_relay`), streamed replies included.
+  request router (`api.cluster.session_router`) routes by; the replica's response
+  (`api.cluster.asgi_relay`) comes back in one return, or message by message for a
+  streamed reply (`"stream": true`).
 
 The same Host and API-key checks and body limit as one server apply here first, answered in
 the same shapes. A replica lost before its response started is a 503 with a retryable error
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.access import AccessControl
 from api.body_limit import BodyLimit
-from api.cluster.affinity import affinity_key
+from api.cluster.affinity import affinity_key, json_object
 from api.cluster.asgi_relay import portable_scope
 from api.cluster.merged_metrics import merge_metrics
 from api.errors import error_response
@@ -174,11 +176,17 @@ class Gateway:
             name.decode("latin-1").lower(): value.decode("utf-8", "replace")
             for name, value in scope["headers"]
         }
-        key = affinity_key(scope["method"], scope["path"], headers, body)
-        handle = self.replicas.options(stream=True, session_id=key)
+        request = json_object(body) if scope["method"] == "POST" else None
+        key = affinity_key(scope["method"], scope["path"], headers, request)
         started, streaming = False, False
         try:
-            async for message in handle.relay.remote(portable_scope(scope), body):
+            if request is not None and request.get("stream") is True:
+                handle = self.replicas.options(stream=True, session_id=key)
+                messages = handle.relay.remote(portable_scope(scope), body)
+            else:
+                handle = self.replicas.options(session_id=key)
+                messages = _each(await handle.respond.remote(portable_scope(scope), body))
+            async for message in messages:
                 if message["type"] == "http.response.start":
                     started = True
                     streaming = _is_event_stream(message)
@@ -190,6 +198,12 @@ class Gateway:
                 await response(scope, receive, send)
             else:
                 await send({"type": "http.response.body", "body": _lost_event(streaming)})
+
+
+async def _each(messages: list[dict]) -> AsyncIterator[dict]:
+    """`messages` one by one, as a stream gives them."""
+    for message in messages:
+        yield message
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -29,6 +29,14 @@ NAMESPACE = "agent-kv"
 DIRECTORY = "agent-kv-replica-directory"
 ROUTING_STATS_PERIOD_S = 1.0
 """Seconds between Ray Serve's reads of each replica's load (`record_routing_stats`)."""
+ROUTERS = {
+    "least-loaded": SessionAffinityRouter,
+    "hash": "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+}
+"""`--router`: the request router of the model replicas. `least-loaded` keeps each session on
+its replica and sends new ones to the least loaded (`SessionAffinityRouter`); `hash` is Ray
+Serve's consistent-hash router, where a session's replica follows from its id alone (load is
+not weighed; several gateways agree with no state shared)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ClusterSettings:
         port: its TCP port.
         ray_address: a running cluster's address (`HOST:PORT`), or None to start a local one
             on this machine.
+        router: a name in `ROUTERS`.
     """
 
     replicas: int
@@ -49,6 +58,7 @@ class ClusterSettings:
     host: str
     port: int
     ray_address: str | None
+    router: str = "least-loaded"
 
 
 def build_application(server: ServerSettings, cluster: ClusterSettings):
@@ -63,7 +73,7 @@ def build_application(server: ServerSettings, cluster: ClusterSettings):
         ray_actor_options={"num_cpus": cluster.threads},
         max_ongoing_requests=server.max_waiting + server.max_batch,
         request_router_config=RequestRouterConfig(
-            request_router_class=SessionAffinityRouter,
+            request_router_class=ROUTERS[cluster.router],
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
         health_check_period_s=2.0,

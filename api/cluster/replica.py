@@ -55,6 +55,11 @@ class ReplicaServer:
         async for message in run_app(self.app, scope, body):
             yield message
 
+    async def respond(self, scope: dict, body: bytes) -> list[dict]:
+        """Run one HTTP request through this replica's app; its response's ASGI messages,
+        all at once (one return over Ray rather than a stream: for replies not streamed)."""
+        return [message async for message in run_app(self.app, scope, body)]
+
     def record_routing_stats(self) -> dict:
         """What the router weighs (`SessionAffinityRouter`): the allocated KV bytes of the
         sessions in memory and their ids."""
