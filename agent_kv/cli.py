@@ -785,6 +785,12 @@ def serve_command(
     if api_key is not None and not api_key.strip():
         fail(f"--api-key (or {API_KEY_ENV}) is empty")
     try:
+        if replicas is None and ray_address is not None:
+            fail("--ray-address needs --replicas")
+        if replicas is None and router != ReplicaRouter.least_loaded:
+            fail("--router needs --replicas")
+        if ray_address is not None and spill_dir is None:
+            fail("--ray-address needs --spill-dir, on storage every node mounts")
         thread_setting.choose(threads)
         bundled_models.locate(model)
         check_weight_format(weights)
@@ -805,10 +811,6 @@ def serve_command(
             recall=recall,
             recall_params=recall_param,
         )
-        if ray_address is not None and replicas is None:
-            fail("--ray-address needs --replicas")
-        if ray_address is not None and spill_dir is None:
-            fail("--ray-address needs --spill-dir, on storage every node mounts")
         if ray_address is not None:
             from agent_kv.harness.bench import check_ray_address
 

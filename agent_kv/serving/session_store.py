@@ -18,16 +18,15 @@ request with identical next-token logits), dropped otherwise. Saved sessions fou
 `spill_dir` at start (a restart) are known again: counted, listed, expired by the TTL from
 the time they were saved, and restored on request; a file that cannot be read back whole
 (damaged, cut short) is never half-restored: it is removed, and the session starts again from
-the client's history. A session with a request in flight is
-never dropped or saved.
+the client's history. A session with a request in flight is never dropped or saved.
+Requests to one session are serialised by its lock; different sessions never share a cache.
 
 With `shared_spill` the spill dir is shared with other replicas of the server (each its own
 process, perhaps on another machine: `api.cluster`): nothing in it is adopted at start; each
 session is saved there after each of its requests, off the request's critical path
 (`SessionCheckpoints`), and a session this store does not know is restored from its file
 there, so that a replica takes over the sessions of one that died from their last completed
-turn. Requests to one session are serialised by its lock; different
-sessions never share a cache.
+turn.
 """
 
 from __future__ import annotations
