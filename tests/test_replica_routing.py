@@ -54,8 +54,8 @@ def test_an_anonymous_chat_routes_by_its_first_messages_so_its_later_turns_follo
     assert affinity_key("POST", "/chat", {}, chat({"messages": other})) != first
 
 
-def loads(**in_flight: int) -> list[ReplicaLoad]:
-    return [ReplicaLoad(rid, n) for rid, n in in_flight.items()]
+def loads(**in_flight_bytes: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(rid, n) for rid, n in in_flight_bytes.items()]
 
 
 def test_a_new_session_goes_to_the_least_loaded_replica_and_stays_there():

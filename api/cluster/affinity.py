@@ -73,14 +73,16 @@ class ReplicaLoad:
 
     Attributes:
         replica_id: its id.
-        in_flight: requests sent to it and not finished (the router's count).
+        in_flight_bytes: the body bytes of the requests sent to it and not finished (the
+            router's count): the prompts it has queued or is running, in a unit every
+            request has before any tokenizing.
         kv_allocated_bytes: allocated KV bytes of its sessions in memory, as it last reported
             (`SessionStore.allocated_bytes`).
         sessions: ids of the sessions it holds in memory, as it last reported.
     """
 
     replica_id: str
-    in_flight: int = 0
+    in_flight_bytes: int = 0
     kv_allocated_bytes: int = 0
     sessions: frozenset[str] = frozenset()
 
@@ -101,9 +103,9 @@ class Placements:
         """The id of the replica for a request routed by `key`.
 
         The replica this router placed `key` on, while it runs; else one that reports
-        holding `key`; else the least loaded: fewest requests in flight, then fewest
-        allocated KV bytes, then fewest sessions placed there by this router (the bytes are
-        reported only every stats period). That is where new sessions go, and those of a
+        holding `key`; else the least loaded: fewest request bytes in flight, then fewest
+        allocated KV bytes, then fewest sessions placed there by this router (the KV bytes
+        are reported only every stats period). That is where new sessions go, and those of a
         replica that died, which the chosen one restores from the shared spill. A key of ""
         (any replica) is not remembered.
 
@@ -124,7 +126,12 @@ class Placements:
         placed = Counter(self._replica_of.values())
         least = min(
             replicas,
-            key=lambda r: (r.in_flight, r.kv_allocated_bytes, placed[r.replica_id], r.replica_id),
+            key=lambda r: (
+                r.in_flight_bytes,
+                r.kv_allocated_bytes,
+                placed[r.replica_id],
+                r.replica_id,
+            ),
         )
         return self._remember(key, least.replica_id) if key else least.replica_id
 

@@ -4,10 +4,11 @@ Ray Serve routes each request through a `RequestRouter` in the caller's process 
 gateway, `api.cluster.gateway`); its `choose_replicas` ranks the replicas a request may go
 to. This one sends a request with a session key (`api.cluster.affinity.affinity_key`,
 passed as the request's `session_id` metadata) to the one replica holding that session, and
-a new session to the least loaded replica: fewest requests in flight (the router's own
-counts), then fewest allocated KV bytes (each replica's `record_routing_stats`, which Ray
-Serve collects every `request_routing_stats_period_s`). Requests without a key go to the
-least loaded replica.
+a new session to the least loaded replica: fewest request body bytes in flight (the router's
+own count, kept by Ray Serve's `on_request_routed` and `on_request_completed` hooks), then
+fewest allocated KV bytes (each replica's `record_routing_stats`, which Ray Serve collects
+every `request_routing_stats_period_s`). Requests without a key go to the least loaded
+replica.
 
 The router waits, with Ray Serve's backoff, for the holder of a session when its queue is
 full rather than sending the session elsewhere: another replica would start it again from
@@ -16,7 +17,9 @@ the shared spill while the holder still has it in memory.
 
 from __future__ import annotations
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from collections import Counter
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from api.cluster.affinity import Placements, ReplicaLoad
 
@@ -39,6 +42,8 @@ class SessionAffinityRouter(RequestRouter):
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"max_sessions must be a positive int, got {capacity!r}")
         self.placements = Placements(capacity)
+        self.in_flight_bytes: Counter[str] = Counter()  # by replica id
+        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (replica id, bytes)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Take the running replicas, forgetting placements on those gone."""
@@ -61,11 +66,25 @@ class SessionAffinityRouter(RequestRouter):
         chosen = self.placements.choose(key, loads)
         return [[r for r in candidate_replicas if r.replica_id.unique_id == chosen]]
 
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result
+    ) -> None:
+        """Count the request's body bytes in flight on its replica."""
+        size = sum(len(arg) for arg in pending_request.args if isinstance(arg, bytes))
+        self._sent[pending_request.metadata.internal_request_id] = (replica_id.unique_id, size)
+        self.in_flight_bytes[replica_id.unique_id] += size
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Take a finished request's bytes off its replica."""
+        sent = self._sent.pop(internal_request_id, None)
+        if sent is not None:
+            self.in_flight_bytes[sent[0]] -= sent[1]
+
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats or {}
         return ReplicaLoad(
             replica_id=replica.replica_id.unique_id,
-            in_flight=self.replica_queue_len_cache.get(replica.replica_id) or 0,
+            in_flight_bytes=self.in_flight_bytes[replica.replica_id.unique_id],
             kv_allocated_bytes=int(stats.get("kv_allocated_bytes", 0)),
             sessions=frozenset(stats.get("sessions", ())),
         )
