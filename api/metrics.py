@@ -88,6 +88,13 @@ class _SessionCollector(Collector):
         yield failures
         checkpoints = self.sessions.checkpoints
         if checkpoints is not None:
+            taken_over = CounterMetricFamily(
+                "agent_kv_sessions_taken_over",
+                "Sessions restored from the shared spill dir that this replica did not hold "
+                "(moved from another replica).",
+            )
+            taken_over.add_metric([], self.sessions.taken_over)
+            yield taken_over
             saved = CounterMetricFamily(
                 "agent_kv_session_checkpoints",
                 "Saves of a session to the shared spill dir after its turn, by result.",

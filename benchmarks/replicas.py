@@ -13,8 +13,9 @@
   the difference (what the gateway and Ray Serve's routing add).
 - `routers`: `--sessions` agents at once on 2 replicas, one session in four with pages
   8 times longer, under each `--router` (`least-loaded`, Ray Serve's consistent `hash`):
-  wall seconds, later turns served from their session's cache (affinity), and the allocated
-  KV bytes each replica holds at the end (balance).
+  wall seconds, later turns that found their session's cache, sessions moved between replicas
+  (restored from the shared spill by a replica that did not hold them: affinity), and the
+  allocated KV bytes each replica holds at the end (balance).
 - `kill`: `--sessions` sessions x `--turns` turns on 2 replicas, run once without a kill
   (the reference) and once with the replica holding the first session killed (SIGKILL)
   while a long turn of that session decodes, after turn `--kill-before` - 1. Printed: the
@@ -201,15 +202,23 @@ def routers(model: str, sessions: int, turns: int, max_tokens: int) -> None:
             wall = time.perf_counter() - started
             time.sleep(1.0)  # the replicas' last reports
             kv = [r["kv_allocated_bytes"] for r in client.get("/replicas").json()["data"]]
+            moved = summed(client.get("/metrics").text, "agent_kv_sessions_taken_over_total")
         later = [r for r in replies if r["turn"] > 0]
         sticky = sum(r["cached"] > 0 for r in later)
-        rows[router] = (wall, sticky, len(later), kv)
+        rows[router] = (wall, sticky, len(later), moved, kv)
     print(f"\n{sessions} sessions of skewed sizes x {turns} turns at once on 2 replicas, {model}")
-    print("| router | wall s | later turns served from their cache | KV MB per replica |")
-    print("|---|---|---|---|")
-    for router, (wall, sticky, later, kv) in rows.items():
+    print("| router | wall s | later turns with a cache | sessions moved | KV MB per replica |")
+    print("|---|---|---|---|---|")
+    for router, (wall, sticky, later, moved, kv) in rows.items():
         per = " / ".join(f"{b / 1e6:.0f}" for b in kv)
-        print(f"| {router} | {wall:.1f} | {sticky} of {later} | {per} |")
+        print(f"| {router} | {wall:.1f} | {sticky} of {later} | {moved:.0f} | {per} |")
+
+
+def summed(metrics: str, name: str) -> float:
+    """The value of the series `name` without a `replica` label (summed over replicas)."""
+    return next(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " ")
+    )
 
 
 def skewed_agent(client, index: int, turns: int, max_tokens: int, out: list) -> None:

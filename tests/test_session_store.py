@@ -262,6 +262,7 @@ def test_a_shared_spill_saves_each_session_after_its_request_and_another_replica
     assert torch.equal(resumed, engine.feed(reference, [7]))
     with second.use("a") as session:
         assert len(session.token_ids) == 121
+    assert second.taken_over == 1 and first.taken_over == 0
     assert len(list(tmp_path.glob("*.pt"))) == 1  # the file stays: it is the session's save
     assert second.checkpoints.flush(timeout_s=30) and second.checkpoints.failed == 0
     second.drop("a")

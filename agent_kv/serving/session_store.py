@@ -234,6 +234,9 @@ class SessionStore:
         the file removed at start)."""
         self.spill_failures = 0
         """Sessions that could not be saved to `spill_dir` (each dropped instead)."""
+        self.taken_over = 0
+        """Sessions this store did not know, restored from the shared spill (`shared_spill`):
+        moved here from another replica."""
         self._entries: dict[str, _Entry] = {}  # insertion order is not use order: see `_lru`
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified when a request ends
@@ -573,7 +576,9 @@ class SessionStore:
                 self.unreadable += 1
                 _discard(path)
                 return self.engine.new_sequence()
-            if not self.shared_spill:
+            if self.shared_spill:
+                self.taken_over += 1
+            else:
                 _discard(path)
             if self.engine.prefix_cache is not None:  # its shared blocks read once again
                 session.store.prefix.adopt(self.engine.prefix_cache)
