@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from api.cluster.affinity import (
     ANONYMOUS_PREFIX,
+    InFlightBytes,
     Placements,
     ReplicaLoad,
     affinity_key,
@@ -82,6 +83,21 @@ def test_a_session_a_replica_reports_goes_there_and_one_on_a_dead_replica_moves(
     assert placements.choose("s", loads(b=4, c=2)) == "c"
     with pytest.raises(ValueError, match="no replica"):
         placements.choose("s", [])
+
+
+def test_bytes_in_flight_come_off_in_whichever_order_ray_reports_a_request():
+    in_flight = InFlightBytes(memory=2)
+    in_flight.routed("r1", "a", 100)
+    in_flight.routed("r2", "a", 30)
+    in_flight.completed("r1")
+    assert in_flight["a"] == 30
+    in_flight.completed("r3")  # a short request reported finished first...
+    in_flight.routed("r3", "b", 500)  # ...then routed: it adds nothing
+    assert in_flight["b"] == 0
+    for request in ("x", "y", "z"):  # finished, never reported routed: at most 2 remembered
+        in_flight.completed(request)
+    in_flight.routed("x", "b", 7)  # forgotten: counted as in flight
+    assert in_flight["b"] == 7 and in_flight["a"] == 30
 
 
 def test_placements_forget_the_oldest_keys_past_their_capacity():

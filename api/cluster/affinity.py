@@ -150,3 +150,38 @@ class Placements:
         while len(self._replica_of) > self.capacity:
             self._replica_of.popitem(last=False)
         return replica_id
+
+
+class InFlightBytes:
+    """The body bytes of the requests in flight on each replica, from two reports that may
+    come in either order: a request routed (`routed`) and a request finished (`completed`).
+    A request finished before its routing is reported (a short one) is remembered, at most
+    `memory` of them, so that its late report adds nothing.
+    """
+
+    def __init__(self, memory: int = 10_000):
+        self.memory = memory
+        self._by_replica: Counter[str] = Counter()
+        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (replica id, bytes)
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished, routing unreported
+
+    def routed(self, request_id: str, replica_id: str, size: int) -> None:
+        """Request `request_id`, of `size` body bytes, went to `replica_id`."""
+        if self._finished.pop(request_id, False) is None:
+            return
+        self._sent[request_id] = (replica_id, size)
+        self._by_replica[replica_id] += size
+
+    def completed(self, request_id: str) -> None:
+        """Request `request_id` finished (or failed)."""
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            self._by_replica[sent[0]] -= sent[1]
+            return
+        self._finished[request_id] = None
+        while len(self._finished) > self.memory:
+            self._finished.popitem(last=False)
+
+    def __getitem__(self, replica_id: str) -> int:
+        """The bytes in flight on `replica_id`."""
+        return self._by_replica[replica_id]

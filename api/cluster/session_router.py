@@ -17,11 +17,9 @@ the shared spill while the holder still has it in memory.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from api.cluster.affinity import Placements, ReplicaLoad
+from api.cluster.affinity import InFlightBytes, Placements, ReplicaLoad
 
 
 class SessionAffinityRouter(RequestRouter):
@@ -42,8 +40,7 @@ class SessionAffinityRouter(RequestRouter):
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"max_sessions must be a positive int, got {capacity!r}")
         self.placements = Placements(capacity)
-        self.in_flight_bytes: Counter[str] = Counter()  # by replica id
-        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (replica id, bytes)
+        self.in_flight_bytes = InFlightBytes()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Take the running replicas, forgetting placements on those gone."""
@@ -71,14 +68,13 @@ class SessionAffinityRouter(RequestRouter):
     ) -> None:
         """Count the request's body bytes in flight on its replica."""
         size = sum(len(arg) for arg in pending_request.args if isinstance(arg, bytes))
-        self._sent[pending_request.metadata.internal_request_id] = (replica_id.unique_id, size)
-        self.in_flight_bytes[replica_id.unique_id] += size
+        request_id = pending_request.metadata.internal_request_id
+        self.in_flight_bytes.routed(request_id, replica_id.unique_id, size)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """Take a finished request's bytes off its replica."""
-        sent = self._sent.pop(internal_request_id, None)
-        if sent is not None:
-            self.in_flight_bytes[sent[0]] -= sent[1]
+        """Take a finished request's bytes off its replica (Ray Serve may report a short
+        request finished before it reports it routed: `InFlightBytes`)."""
+        self.in_flight_bytes.completed(internal_request_id)
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats or {}
