@@ -815,12 +815,12 @@ def serve_command(
             from agent_kv.harness.bench import check_ray_address
 
             check_ray_address(ray_address)
-        if replicas is not None and spill_dir is None:
-            spill_dir = Path(tempfile.mkdtemp(prefix="agent-kv-sessions-"))
-            typer.echo(f"sessions are saved under {spill_dir} (--spill-dir)", err=True)
         if spill_dir is not None:
             _writable_dir(spill_dir)
         _free_port(host, port)
+        if replicas is not None and spill_dir is None:
+            spill_dir = Path(tempfile.mkdtemp(prefix="agent-kv-sessions-"))
+            typer.echo(f"sessions are saved under {spill_dir} (--spill-dir)", err=True)
     except AgentKVError as err:
         fail(str(err))
     from api.server_setup import ServerSettings, build_server
