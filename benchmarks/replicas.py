@@ -106,18 +106,22 @@ def agent(client, sid: str, index: int, turns: int, max_tokens: int, out: list) 
         out.append(reply)
 
 
-def throughput_once(client, tag: str, sessions: int, turns: int, max_tokens: int) -> dict:
-    replies: list = []
-    threads = [
-        threading.Thread(target=agent, args=(client, f"{tag}-{i}", i, turns, max_tokens, replies))
-        for i in range(sessions)
-    ]
+def run_agents(agents: list[tuple]) -> float:
+    """Run each `(target, *args)` in a thread of its own, all at once; the wall seconds."""
+    threads = [threading.Thread(target=target, args=args) for target, *args in agents]
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def throughput_once(client, tag: str, sessions: int, turns: int, max_tokens: int) -> dict:
+    replies: list = []
+    wall = run_agents(
+        [(agent, client, f"{tag}-{i}", i, turns, max_tokens, replies) for i in range(sessions)]
+    )
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
     prefilled = sum(
         r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -190,16 +194,9 @@ def routers(model: str, sessions: int, turns: int, max_tokens: int) -> None:
         args = ["--replicas", "2", "--threads", "1", "--router", router]
         with server(model, *args) as client:
             replies: list = []
-            threads = [
-                threading.Thread(target=skewed_agent, args=(client, i, turns, max_tokens, replies))
-                for i in range(sessions)
-            ]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
+            wall = run_agents(
+                [(skewed_agent, client, i, turns, max_tokens, replies) for i in range(sessions)]
+            )
             time.sleep(1.0)  # the replicas' last reports
             kv = [r["kv_allocated_bytes"] for r in client.get("/replicas").json()["data"]]
             moved = summed(client.get("/metrics").text, "agent_kv_sessions_taken_over_total")
