@@ -505,19 +505,19 @@ def bench_command(
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
     settings = bench.BenchSettings(
-        max_steps,
-        max_obs_tokens,
-        prefill_chunk,
-        model or bundled_models.DEFAULT_MODEL,
-        reference_accuracy and mode == "free",
-        observation,
-        constrain,
-        agreement and "full" in names and mode == "free",
-        mode,
-        positions,
-        episodes_per_engine,
-        weights,
-        pin_replies,
+        max_steps=max_steps,
+        max_obs_tokens=max_obs_tokens,
+        prefill_chunk=prefill_chunk,
+        model=model or bundled_models.DEFAULT_MODEL,
+        reference_accuracy=reference_accuracy and mode == "free",
+        observation=observation,
+        constrain=constrain,
+        agreement=agreement and "full" in names and mode == "free",
+        mode=mode,
+        positions=positions,
+        episodes_per_engine=episodes_per_engine,
+        weights=weights,
+        pin_replies=pin_replies,
     )
     actors = bench.RayActors(workers, ray_address)
     try:  # a missing model or broken Chromium fails as the actors start, once

@@ -157,9 +157,9 @@ def record_key(record: dict[str, Any]) -> tuple:
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BenchSettings:
-    """Per-episode settings shared by every job of a sweep.
+    """Per-episode settings shared by every job of a sweep (built from named fields only).
 
     Attributes:
         max_steps: actions before an episode is cut off.
