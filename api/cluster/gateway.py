@@ -31,6 +31,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
@@ -171,7 +172,7 @@ class Gateway:
 
     async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the request to its replica and its response back (see the module)."""
-        body = await _read_body(receive)
+        body = await Request(scope, receive).body()  # bounded by `BodyLimit`
         headers = {
             name.decode("latin-1").lower(): value.decode("utf-8", "replace")
             for name, value in scope["headers"]
@@ -204,19 +205,6 @@ async def _each(messages: list[dict]) -> AsyncIterator[dict]:
     """`messages` one by one, as a stream gives them."""
     for message in messages:
         yield message
-
-
-async def _read_body(receive: Receive) -> bytes:
-    """The whole request body (already bounded by `BodyLimit`)."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 def _is_event_stream(start: dict) -> bool:
