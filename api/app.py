@@ -50,6 +50,7 @@ from agent_kv.errors import (
 )
 from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import Policy, check_policy_precision, make_policy
+from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ToolCallStream
 from agent_kv.serving.chat_service import (
@@ -58,7 +59,6 @@ from agent_kv.serving.chat_service import (
     ChatTurn,
     QueueFullError,
 )
-from agent_kv.serving.protection import PinRules
 from agent_kv.serving.session_store import SessionBusyError
 from api.access import AccessControl
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
@@ -406,7 +406,7 @@ def _set_session_header(headers, session_id: str) -> None:
 def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
     if isinstance(request, TokenizeChat):
         try:
-            return service.prompt_ids([m.as_dict() for m in request.messages])
+            return service.render([m.as_dict() for m in request.messages]).token_ids
         except ConfigError as err:
             raise APIError(400, str(err), "messages", "invalid_value") from None
     tokenizer = service.engine.tokenizer

@@ -14,8 +14,8 @@ import pytest
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.pin_rules import MAX_PATTERN_CHARS, MAX_PATTERNS
 from agent_kv.serving.chat_service import ChatService
-from agent_kv.serving.protection import MAX_PATTERN_CHARS, MAX_PATTERNS
 from api.app import create_app
 
 HI = [{"role": "user", "content": "hi"}]
@@ -203,7 +203,7 @@ async def test_tokenize(client, service):
     assert plain["tokens"] == service.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == 8192
     chat = (await client.post("/tokenize", json={"messages": HI})).json()
-    assert chat["tokens"] == service.prompt_ids(HI)
+    assert chat["tokens"] == service.render(HI).token_ids
     for body in ({}, {"content": "a", "messages": HI}):
         response = await client.post("/tokenize", json=body)
         assert (

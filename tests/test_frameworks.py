@@ -61,7 +61,7 @@ async def test_a_rewritten_last_message_keeps_the_pinned_system_prompt_cached(cl
     rest."""
     headers = {"X-Session-Id": "browser-use"}
     system_tokens = len(
-        service.prompt_ids([{"role": "system", "content": BROWSER_USE_SYSTEM}])
+        service.render([{"role": "system", "content": BROWSER_USE_SYSTEM}]).token_ids
     )  # system turn plus the generation prompt's few tokens
     replies = []
     for step in (1, 2, 3):

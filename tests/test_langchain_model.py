@@ -55,7 +55,7 @@ def streamed(chunks) -> AIMessage:
 
 def test_invoke_reports_usage_and_kv(reference, service):
     assert reference.content and isinstance(reference.content, str)
-    prompt_tokens = len(service.prompt_ids(_dicts(QUESTION)))
+    prompt_tokens = len(service.render(_dicts(QUESTION)).token_ids)
     usage = reference.usage_metadata
     assert usage["input_tokens"] == prompt_tokens
     assert usage["input_token_details"] == {"cache_read": 0}

@@ -16,9 +16,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
+from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.tool_calls import ReplySpec
 from agent_kv.serving.langchain_chat import ChatAgentKV, _dicts
-from agent_kv.serving.protection import PinRules, protected_spans
 
 pytestmark = pytest.mark.model
 
@@ -81,7 +81,8 @@ def result_positions(service, messages: list) -> set[int]:
     only_results = PinRules(
         roles=frozenset(), latest_observations=0, tool_names=frozenset(t.name for t in TOOLS)
     )
-    spans = protected_spans(service.engine.tokenizer, _dicts(messages), only_results, tools)
+    dicts = _dicts(messages)
+    spans = protected_spans(service.render(dicts, tools), dicts, only_results)
     return {position for start, end in spans for position in range(start, end)}
 
 

@@ -61,7 +61,7 @@ def test_an_abandoned_stream_stops_decoding(live_service):
         quick = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert http.post("/chat", json=quick).status_code == 200
     with service.sessions.use("gone") as session:
-        prompt = len(service.prompt_ids(body["messages"]))
+        prompt = len(service.render(body["messages"]).token_ids)
         generated = len(session.token_ids) - prompt
     # decoding stopped soon after the client left, far short of max_tokens
     assert 3 <= generated < 100

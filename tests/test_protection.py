@@ -7,7 +7,8 @@ from helpers import random_tokens
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
-from agent_kv.serving.protection import PinRules, apply_pins, message_char_spans, protected_spans
+from agent_kv.runtime.chat_layout import render_placed
+from agent_kv.runtime.pin_rules import PinRules, apply_pins, protected_spans
 
 URL = "http://127.0.0.1:8000/item/42"
 MESSAGES = [
@@ -21,14 +22,17 @@ MESSAGES = [
 
 
 def pinned_text(tokenizer, spans) -> str:
-    text, _ = message_char_spans(tokenizer, MESSAGES)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = render_placed(tokenizer, MESSAGES).token_ids
     return "|".join(tokenizer.decode(ids[start:end]) for start, end in spans)
+
+
+def spans_of(tokenizer, messages, rules):
+    return protected_spans(render_placed(tokenizer, messages), messages, rules)
 
 
 def test_roles_flags_latest_observation_and_patterns(smollm):
     rules = PinRules(patterns=(r"http://\S+",))
-    spans = protected_spans(smollm.tokenizer, MESSAGES, rules)
+    spans = spans_of(smollm.tokenizer, MESSAGES, rules)
     pinned = pinned_text(smollm.tokenizer, spans)
     assert "You are a web agent" in pinned  # role system
     assert "Goal: buy the cheapest blue bike" in pinned  # "pin": true
@@ -39,20 +43,20 @@ def test_roles_flags_latest_observation_and_patterns(smollm):
     # two observations kept, and no rules at all
     two = PinRules(latest_observations=2)
     assert "Observation one" in pinned_text(
-        smollm.tokenizer, protected_spans(smollm.tokenizer, MESSAGES, two)
+        smollm.tokenizer, spans_of(smollm.tokenizer, MESSAGES, two)
     )
     every_tool = PinRules(roles=frozenset({"system", "tool"}), latest_observations=0)
     assert "Observation one" in pinned_text(
-        smollm.tokenizer, protected_spans(smollm.tokenizer, MESSAGES, every_tool)
+        smollm.tokenizer, spans_of(smollm.tokenizer, MESSAGES, every_tool)
     )
     none = PinRules(roles=frozenset(), latest_observations=0)
     plain = [{k: v for k, v in m.items() if k != "pin"} for m in MESSAGES]
-    assert protected_spans(smollm.tokenizer, plain, none) == []
+    assert spans_of(smollm.tokenizer, plain, none) == []
 
 
 def test_bad_rules_are_configuration_errors(smollm):
     with pytest.raises(ConfigError, match="not valid RE2 syntax"):
-        protected_spans(smollm.tokenizer, MESSAGES, PinRules(patterns=("(unclosed",)))
+        spans_of(smollm.tokenizer, MESSAGES, PinRules(patterns=("(unclosed",)))
     with pytest.raises(ConfigError, match="latest_observations"):
         PinRules(latest_observations=-1).validate()
 

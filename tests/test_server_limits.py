@@ -20,10 +20,10 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.kv.store.figures import StoreFigures
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import SequenceOutline
 from agent_kv.serving.chat_service import ChatService
-from agent_kv.serving.protection import PinRules, protected_spans
 from agent_kv.serving.session_store import SessionStore
 from api.app import create_app
 from tests.conftest import serving
@@ -124,8 +124,8 @@ def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8, monkey
         with service.sessions.use("s") as session:
             outline = SequenceOutline.describe(session)
         peak[0] = outline.footprint.allocated_bytes
-        prompt = service.prompt_ids(history)
-        spans = protected_spans(smollm.tokenizer, history, rules)
+        prompt = service.render(history).token_ids
+        spans = protected_spans(service.render(history), history, rules)
         pinned = sum(end - start for start, end in spans)
         bound = service.turn_kv_bound(policy, prompt, pinned, 12, outline)
         reply = service.run(history, SamplingParams(max_new_tokens=12), "s", rules)
@@ -168,7 +168,7 @@ def test_a_client_that_leaves_a_plain_request_stops_its_turn(live_service, caplo
         waited = time.perf_counter() - started
         metrics = http.get("/metrics").text
     with service.sessions.use("left") as session:
-        generated = len(session.token_ids) - len(service.prompt_ids(body["messages"]))
+        generated = len(session.token_ids) - len(service.render(body["messages"]).token_ids)
     print(
         f"after the client left: {generated} tokens generated, next request waited {waited:.2f} s"
     )

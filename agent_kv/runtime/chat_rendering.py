@@ -73,16 +73,31 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=generation_prompt,
         )
-    rendered = [_generic_message(message) for message in messages]
-    if tools:
-        block = tools_block(tools)
-        if rendered and rendered[0]["role"] == "system":
-            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{block}"}
-        else:
-            rendered.insert(0, {"role": "system", "content": block})
+    rendered = _generic_messages(messages, tools)
+    if tools and not (messages and messages[0]["role"] == "system"):
+        rendered.insert(0, {"role": "system", "content": tools_block(tools)})
     return tokenizer.apply_chat_template(
         rendered, tokenize=False, add_generation_prompt=generation_prompt
     )
+
+
+def content_as_rendered(tokenizer, messages: list[dict], tools: Sequence[Tool] = ()) -> list[str]:
+    """Each message's content as `render_chat` hands it to the template: as given with the
+    template's own tool support; in the generic format with an assistant's calls written
+    after its text, and the tools' description after the first system message's text."""
+    if template_takes_tools(tokenizer):
+        return [message["content"] for message in messages]
+    return [message["content"] for message in _generic_messages(messages, tools)]
+
+
+def _generic_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
+    """The messages in the generic format, one per message: calls after an assistant's text,
+    the tools' description at the end of a first system message."""
+    rendered = [_generic_message(message) for message in messages]
+    if tools and rendered and rendered[0]["role"] == "system":
+        block = tools_block(tools)
+        rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{block}"}
+    return rendered
 
 
 def _generic_message(message: dict) -> dict:

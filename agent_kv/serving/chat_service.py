@@ -3,7 +3,8 @@
 
 A turn renders the messages with the model's chat template, matches the tokens against the
 session's history so only what is new is prefilled (`prepare_history`), pins what the rules
-protect (`protection`), and decodes the reply.
+protect (`agent_kv.runtime.pin_rules`), and decodes the reply. The chat is rendered and
+tokenized once per turn (`agent_kv.runtime.chat_layout`).
 
 Which session a turn runs in:
 - a turn naming a session id runs in that session (created on first use);
@@ -41,13 +42,13 @@ from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.store import WINDOW_SLACK
 from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.runtime.chat_layout import RenderedChat, render_placed
 from agent_kv.runtime.engine import Engine, Generation
+from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import SequenceOutline, StepRecord
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
-from agent_kv.serving.protection import PinRules, protected_spans
 from agent_kv.serving.session_store import (
     HistorySync,
     SessionStore,
@@ -279,22 +280,22 @@ class ChatService:
             self._waiting += 1
         return Admission(self)
 
-    def prompt_ids(self, messages: list[dict], tools: Sequence[Tool] = ()) -> list[int]:
-        """The tokens of `messages` (`{"role", "content"}` dicts, see
-        `agent_kv.runtime.chat_rendering`) rendered with the chat template, the `tools`
-        offered, and the generation prompt.
+    def render(self, messages: list[dict], tools: Sequence[Tool] = ()) -> RenderedChat:
+        """`messages` (`{"role", "content"}` dicts, see `agent_kv.runtime.chat_rendering`)
+        rendered with the chat template, the `tools` offered and the generation prompt, once,
+        tokenized once, each message placed (`render_placed`).
 
         Raises:
             ConfigError: a message whose content is not a string of valid Unicode (a lone
-                UTF-16 surrogate), which no tokenizer takes.
+                UTF-16 surrogate), which no tokenizer takes, or a chat template that
+                re-renders earlier messages when one is added.
         """
         for i, message in enumerate(messages):
             content = message.get("content")
             if not isinstance(content, str):
                 raise ConfigError(f"messages[{i}].content must be a string")
             check_unicode(content, f"messages[{i}].content")
-        prompt = render_chat(self.engine.tokenizer, messages, tools, generation_prompt=True)
-        return self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return render_placed(self.engine.tokenizer, messages, tools)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, policy: Policy | None = None):
         """Refuse, before any compute, a turn that cannot fit the model's context: with
@@ -363,8 +364,6 @@ class ChatService:
             params.validate(self.engine.model.config.vocab_size)
             rules = rules or self.rules
             rules.validate()
-            if policy is not None:
-                check_policy_precision(policy, self.engine.store_options["int8"])
             reply = reply or ReplySpec()
             params = reply.scope_stop(params)
             if params.grammar is None:
@@ -372,9 +371,10 @@ class ChatService:
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             messages = self.issued_calls.restore(messages)
-            prompt_ids = self.prompt_ids(messages, reply.tools)
+            chat = self.render(messages, reply.tools)
+            prompt_ids = chat.token_ids
             self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
-            pins = protected_spans(self.engine.tokenizer, messages, rules, reply.tools)
+            pins = protected_spans(chat, messages, rules)
             deadline = time.monotonic() + self.queue_timeout_s
             turn = self._run_turn(
                 messages, params, session_id, policy or self.engine.policy, on_text, cancel,

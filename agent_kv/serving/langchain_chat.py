@@ -60,10 +60,10 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agent_kv.errors import AgentKVError, ConfigError
+from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ReplySpec, ToolCall, ToolCallStream
 from agent_kv.serving.chat_service import ChatService, ChatTurn
-from agent_kv.serving.protection import PinRules
 
 BASE_URL_ENV = "AGENT_KV_BASE_URL"
 """Read for `base_url` when neither `service` nor `base_url` is given."""

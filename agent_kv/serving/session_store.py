@@ -42,8 +42,8 @@ from pathlib import Path
 
 from agent_kv.errors import AgentKVError, KVCapacityError, QueueTimeoutError, TurnCancelled
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.pin_rules import apply_pins
 from agent_kv.runtime.sequence import Sequence, SequenceOutline
-from agent_kv.serving.protection import apply_pins
 from agent_kv.serving.session_checkpoints import SessionCheckpoints
 
 log = logging.getLogger(__name__)

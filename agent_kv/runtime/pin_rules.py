@@ -16,24 +16,23 @@ rendered with the model's chat template. Rules pin, in token positions of that r
   text, so no pattern can backtrack catastrophically (RE2 has no backreferences or
   lookaround); at most `MAX_PATTERNS` patterns of at most `MAX_PATTERN_CHARS` characters.
 `protected_spans` computes the spans from scratch for the whole conversation, so applying
-them (`apply_pins`) after each request both pins the new and releases the superseded.
+them (`apply_pins`) after each request both pins the new and releases the superseded; the
+append-only `Conversation` applies the same rules turn by turn. Messages are placed by
+`agent_kv.runtime.chat_layout`, from one rendering of the chat.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import jinja2
 import re2
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
 from agent_kv.kv.store.pins import flag_runs
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN, Tool
+from agent_kv.runtime.chat_layout import RenderedChat
+from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN
 from agent_kv.valid_text import check_unicode
 
 MAX_PATTERNS = 16
@@ -126,6 +125,43 @@ class PinRules:
         for pattern in self.patterns:
             compile_pattern(pattern)
 
+    def pinned_messages(self, messages: list[dict]) -> list[int]:
+        """The indices of the messages the rules pin, ascending: by role, by their own
+        `"pin": True`, as tool calls or results of the tools named, and the latest
+        observations."""
+        called = {
+            call.id: call.name for message in messages for call in message.get("tool_calls") or []
+        }
+        chosen = {
+            i
+            for i, message in enumerate(messages)
+            if message["role"] in self.roles
+            or message.get("pin")
+            or (self.tool_calls and message.get("tool_calls"))
+            or called.get(message.get("tool_call_id")) in self.tool_names
+        }
+        if self.latest_observations:
+            observations = [
+                i for i, message in enumerate(messages) if message["role"] in self.observation_roles
+            ]
+            chosen.update(observations[-self.latest_observations :])
+        return sorted(chosen)
+
+    def text_spans(
+        self, text: str, preamble_chars: int = 0, start: int = 0
+    ) -> list[tuple[int, int]]:
+        """The character spans of `text[start:]` the rules pin apart from whole messages: every
+        non-empty match of `patterns`, and the tools' description the rendering opens with
+        (its first `preamble_chars` characters) when system messages are pinned."""
+        spans = [(0, preamble_chars)] if preamble_chars and "system" in self.roles else []
+        for pattern in self.patterns:
+            spans += [
+                match.span()
+                for match in compile_pattern(pattern).finditer(text, start)
+                if match.end() > match.start()
+            ]
+        return spans
+
 
 @lru_cache(maxsize=256)
 def compile_pattern(pattern: str):
@@ -150,91 +186,24 @@ def compile_pattern(pattern: str):
         raise ConfigError(f"pin pattern {pattern!r} is not valid RE2 syntax: {reason}") from None
 
 
-def message_char_spans(
-    tokenizer, messages: list[dict], tools: Sequence[Tool] = ()
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation (`render_chat`, with the `tools` offered and the generation
-    prompt) and each message's character span in it (the first message's span starts at 0,
-    so it holds whatever the template puts before it, the tools' description included).
-
-    Raises:
-        ConfigError: the chat template does not render the conversation append-only (each
-            message's rendering a prefix of the next), so messages have no fixed place.
-    """
-    spans, previous = [], ""
-    for i in range(len(messages)):
-        text = render_chat(tokenizer, messages[: i + 1], tools)
-        if not text.startswith(previous):
-            raise ConfigError(
-                "the model's chat template re-renders earlier messages when one is added; "
-                "message spans cannot be pinned"
-            )
-        spans.append((len(previous), len(text)))
-        previous = text
-    return render_chat(tokenizer, messages, tools, generation_prompt=True), spans
-
-
 def protected_spans(
-    tokenizer, messages: list[dict], rules: PinRules, tools: Sequence[Tool] = ()
+    chat: RenderedChat, messages: list[dict], rules: PinRules
 ) -> list[tuple[int, int]]:
-    """Token spans `[start, end)` of the rendered conversation that the rules pin, sorted and
-    merged. Positions count tokens of `tokenizer(text, add_special_tokens=False)` of the
-    rendering `message_char_spans` returns.
+    """Token spans `[start, end)` of `chat` (the rendering of `messages`, `render_placed`)
+    that the rules pin, sorted and merged: the tokens overlapping the characters the rules
+    choose.
 
     Raises:
-        ConfigError: invalid rules, or a chat template that is not append-only.
+        ConfigError: invalid rules.
     """
     rules.validate()
-    text, spans = message_char_spans(tokenizer, messages, tools)
-    called = {
-        call.id: call.name for message in messages for call in message.get("tool_calls") or []
-    }
-    chosen = [
-        span
-        for span, message in zip(spans, messages, strict=True)
-        if message["role"] in rules.roles
-        or message.get("pin")
-        or (rules.tool_calls and message.get("tool_calls"))
-        or called.get(message.get("tool_call_id")) in rules.tool_names
-    ]
-    observations = [
-        span
-        for span, message in zip(spans, messages, strict=True)
-        if message["role"] in rules.observation_roles
-    ]
-    if rules.latest_observations:
-        chosen += observations[-rules.latest_observations :]
-    if tools and "system" in rules.roles:
-        chosen += _tools_preamble(tokenizer, text, tools)
-    for pattern in rules.patterns:
-        chosen += [
-            match.span()
-            for match in compile_pattern(pattern).finditer(text)
-            if match.end() > match.start()
-        ]
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
-        "offset_mapping"
-    ]
-    token_starts = [start for start, _ in offsets]
-    token_ends = [end for _, end in offsets]
-    pinned = [False] * len(offsets)
-    for start, end in chosen:  # the tokens that overlap [start, end) characters
-        first = bisect.bisect_right(token_ends, start)
-        last = bisect.bisect_left(token_starts, end)
+    chosen = [chat.message_chars[i] for i in rules.pinned_messages(messages)]
+    chosen += rules.text_spans(chat.text, chat.preamble_chars)
+    pinned = [False] * len(chat.token_ids)
+    for start, end in chosen:
+        first, last = chat.token_span(start, end)
         pinned[first:last] = [True] * max(last - first, 0)
     return flag_runs(pinned)
-
-
-def _tools_preamble(tokenizer, text: str, tools: Sequence[Tool]) -> list[tuple[int, int]]:
-    """The character span of the tools' description when the rendering puts it before the
-    first message, in a system message of its own (`render_chat`'s generic format without a
-    system message): it is pinned as system messages are. Elsewhere it lies inside the
-    system message, or the template places it, and nothing is added."""
-    try:
-        preamble = render_chat(tokenizer, [], tools)
-    except (jinja2.TemplateError, ValueError, TypeError, IndexError):  # needs a message
-        return []
-    return [(0, len(preamble))] if preamble and text.startswith(preamble) else []
 
 
 def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> None:

@@ -1,0 +1,136 @@
+"""Messages placed in a chat from one rendering: the same spans as rendering each prefix, for
+both bundled models' templates, with and without tools; one rendering and one tokenization
+per `/chat` turn."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from agent_kv.errors import ConfigError
+from agent_kv.kv.policies import make_policy
+from agent_kv.runtime import bundled_models
+from agent_kv.runtime.chat_layout import message_char_spans, place_messages, render_placed
+from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.model_cache import converted_dir
+from agent_kv.runtime.model_loading import convert
+from agent_kv.runtime.tool_calls import Tool, ToolCall
+from agent_kv.serving.chat_service import ChatService
+from api.app import create_app
+
+TOOLS = (Tool("click", "Click an element.", {"type": "object", "properties": {"id": {}}}),)
+CALL = ToolCall(id="call_1", name="click", arguments='{"id": 3}')
+CHATS = {
+    "plain": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "  spaced  "},
+    ],
+    "no system": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "<|im_start|>user\nyo"},  # a header inside content
+    ],
+    "one message": [{"role": "user", "content": "only"}],
+    "tool calls": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "page text", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "ok", "tool_calls": [CALL]},
+        {"role": "tool", "content": "r1", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "next"},
+    ],
+}
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", bundled_models.DEFAULT_MODEL])
+def tokenizer(request):
+    gguf = bundled_models.resolve(request.param)
+    converted = converted_dir(gguf)
+    return AutoTokenizer.from_pretrained(converted if converted.is_dir() else convert(gguf))
+
+
+class Counted:
+    """Counts a tokenizer's chat renderings and tokenizer calls (patched on its class)."""
+
+    def __init__(self, monkeypatch, tokenizer):
+        self.renders = self.tokenizations = 0
+        cls = type(tokenizer)
+        render, call = cls.apply_chat_template, cls.__call__
+
+        def counted_render(tok, *args, **kwargs):
+            self.renders += 1
+            return render(tok, *args, **kwargs)
+
+        def counted_call(tok, *args, **kwargs):
+            self.tokenizations += 1
+            return call(tok, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "apply_chat_template", counted_render)
+        monkeypatch.setattr(cls, "__call__", counted_call)
+
+
+CASES = [
+    (name, tools)
+    for name, messages in CHATS.items()
+    for tools in ((), TOOLS)
+    if tools or not any(m.get("tool_calls") for m in messages)  # calls need their tools
+]
+
+
+@pytest.mark.parametrize("name,tools", CASES, ids=[f"{n}-{len(t)} tools" for n, t in CASES])
+def test_one_rendering_places_messages_as_prefix_renderings_do(tokenizer, name, tools, monkeypatch):
+    messages = CHATS[name]
+    reference = message_char_spans(tokenizer, messages, tools)
+    render_placed(tokenizer, messages, tools)  # learns the template's frame once
+    counted = Counted(monkeypatch, tokenizer)
+    chat = render_placed(tokenizer, messages, tools)
+    assert chat.message_chars == reference
+    assert (counted.renders, counted.tokenizations) == (1, 1)
+    assert chat.text == render_chat(tokenizer, messages, tools, generation_prompt=True)
+    for i, (start, end) in enumerate(chat.message_chars):
+        assert messages[i]["content"].strip() in chat.text[start:end]
+
+
+def test_a_chat_the_frame_cannot_place_falls_back_to_prefix_renderings(tokenizer):
+    """Two tool results in a row: Qwen's template merges them into one turn (re-rendering the
+    first when the second comes: refused as before); SmolLM2's generic format places them."""
+    messages = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "one", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "two", "tool_call_id": "call_1"},
+    ]
+    text = render_chat(tokenizer, messages, TOOLS, generation_prompt=True)
+    try:
+        reference = message_char_spans(tokenizer, messages, TOOLS)
+    except ConfigError:
+        with pytest.raises(ConfigError, match="re-renders earlier messages"):
+            place_messages(tokenizer, messages, TOOLS, text)
+    else:
+        assert place_messages(tokenizer, messages, TOOLS, text) == reference
+
+
+async def test_a_chat_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypatch):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
+    app = create_app(ChatService(engine), "smollm2-135m")
+    transport = httpx.ASGITransport(app=app)
+    messages = [{"role": "system", "content": "Answer in one word."}]
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as http:
+        counts = []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn}: a colour?"})
+            counted = Counted(monkeypatch, smollm.tokenizer)
+            body = {"messages": messages, "session_id": "s", "max_tokens": 4}
+            response = await http.post("/chat", json=body)
+            assert response.status_code == 200, response.text
+            counts.append((counted.renders, counted.tokenizations))
+            messages.append(response.json()["message"])
+            monkeypatch.undo()
+    assert counts[1:] == [(1, 1), (1, 1)]  # the first turn also learns the template's frame
+    assert counts[0][1] == 1
