@@ -12,8 +12,11 @@ from agent_kv.errors import ConfigError
 from agent_kv.harness.agent import AgentConfig, run_episode
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.kv.store.pins import flag_runs
+from agent_kv.runtime.chat_layout import render_placed
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
 from envs.browser_env import BrowserEnv, StepResult
 from envs.server import SiteServers
@@ -40,25 +43,70 @@ def test_each_turn_prefills_only_the_new_suffix(smollm):
     assert len(chat.sequence.token_ids) == store.seen_tokens
 
 
-def test_pins_follow_messages(smollm):
+def test_pin_rules_follow_messages(smollm):
     policy = make_policy("window", budget=40)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=16)
-    chat = Conversation(engine)
-    chat.add("system", "Remember the code word: heliotrope. " * 3, pin=True)
-    chat.add("user", "Filler text about nothing in particular. " * 8, pin=True)
+    latest = PinRules(latest_observations=1, observation_roles=frozenset({"user"}))
+    chat = Conversation(engine, rules=latest)
+    chat.add("system", "Remember the code word: heliotrope. " * 3)
+    chat.add("user", "Filler text about nothing in particular. " * 8)
     chat.reply(SamplingParams(max_new_tokens=4))
     system_span, user_span = chat.spans[0], chat.spans[1]
     kept = set(kept_positions(chat.sequence.store, 0))
     assert set(range(*system_span)) <= kept and set(range(*user_span)) <= kept
-    chat.unpin_message(1)
-    chat.add("user", "Short question?")
+    chat.add("user", "Short question?")  # the newer observation releases the filler
     chat.reply(SamplingParams(max_new_tokens=4))
     kept = set(kept_positions(chat.sequence.store, 0))
     assert set(range(*system_span)) <= kept
+    assert chat.sequence.store.pins.positions()[chat.spans[3][0] : chat.spans[3][1]].all()
     # once unpinned, the filler competes for a 40-token window with newer turns and loses
     assert len(kept & set(range(*user_span))) < (user_span[1] - user_span[0]) // 2
-    with pytest.raises(KeyError):
-        chat.unpin_message(99)
+
+
+def test_a_conversation_pins_what_the_servers_rules_pin(smollm):
+    """The same rules over the same messages pin the same tokens in a `Conversation` (turn
+    by turn) as in a server's turn (`protected_spans` over the whole rendering)."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    rules = PinRules(
+        latest_observations=1, observation_roles=frozenset({"user"}), patterns=("#\\d+",)
+    )
+    chat = Conversation(engine, rules=rules)
+    chat.add("system", "Track order #41.")
+    chat.add("user", "Where is order #52?")
+    chat.force_reply("It ships today.")
+    chat.add("user", "And #63, pinned by hand?", pin=True)
+    chat.add("user", "Last question.")
+    chat.prefill()
+    rendered = render_placed(smollm.tokenizer, chat.messages)
+    assert rendered.token_ids == chat.sequence.token_ids
+    expected = protected_spans(rendered, chat.messages, rules)
+    assert flag_runs(chat.sequence.store.pins.positions().tolist()) == expected
+    pinned = "".join(smollm.tokenizer.decode(rendered.token_ids[a:b]) for a, b in expected)
+    assert "#52" in pinned and "Where is order" not in pinned  # a match in a released turn
+    assert "And #63, pinned by hand?" in pinned and "Last question." in pinned
+
+
+def test_a_conversation_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypatch):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    chat = Conversation(engine, rules=PinRules())
+    chat.add("system", "Answer in one word.")
+    chat.add("user", "A colour?")
+    chat.reply(SamplingParams(max_new_tokens=3))  # the first turn also learns the frame
+    cls = type(smollm.tokenizer)
+    render, call = cls.apply_chat_template, cls.__call__
+    renders, calls = [], []
+    monkeypatch.setattr(
+        cls, "apply_chat_template", lambda *a, **k: renders.append(1) or render(*a, **k)
+    )
+    monkeypatch.setattr(cls, "__call__", lambda *a, **k: calls.append(1) or call(*a, **k))
+    counts = []
+    for question in ("A fruit?", "A tree?"):
+        renders.clear()
+        calls.clear()
+        chat.add("user", question)
+        chat.reply(SamplingParams(max_new_tokens=3))
+        counts.append((len(renders), len(calls)))
+    assert counts == [(1, 1), (1, 1)]
 
 
 @pytest.mark.parametrize("reencode", [False, True])

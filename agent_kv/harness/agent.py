@@ -26,6 +26,7 @@ from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.weight_formats import weight_format
 from envs.actions import ActionParseError
@@ -35,6 +36,14 @@ from envs.tasks import Task
 
 OBSERVATION_TEMPLATE = "Page:\n{observation}\nGoal: {intent}"
 TRUNCATION_NOTE = "\n[observation truncated]"
+AGENT_PIN_RULES = PinRules(
+    roles=frozenset({"system"}),
+    latest_observations=1,
+    observation_roles=frozenset({"user", "tool"}),
+)
+"""What an episode pins: the system message (instructions, goal, tools), the messages added
+with `pin` (the example turns), and the latest observation (a user or tool turn: an example
+comes before every observation, so the newest of these is the page the agent acts on)."""
 
 
 @dataclass
@@ -173,11 +182,11 @@ def open_conversation(
     fmt: ActionFormat = TEXT_ACTIONS,
     few_shot: Sequence[tuple[str, str]] | None = None,
 ) -> Conversation:
-    """An episode's conversation in the action format `fmt`: its system prompt with the goal
-    and its tools, and the example turns (user text, assistant reply; the format's own
-    unless given), all pinned."""
-    chat = Conversation(engine, tools=fmt.tools)
-    chat.add("system", fmt.system_prompt.format(intent=intent), pin=True)
+    """An episode's conversation in the action format `fmt`, pinned by `AGENT_PIN_RULES`: its
+    system prompt with the goal and its tools, and the example turns (user text, assistant
+    reply; the format's own unless given), pinned for good."""
+    chat = Conversation(engine, tools=fmt.tools, rules=AGENT_PIN_RULES)
+    chat.add("system", fmt.system_prompt.format(intent=intent))
     for example, action in fmt.few_shot() if few_shot is None else few_shot:
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
@@ -185,21 +194,13 @@ def open_conversation(
 
 
 def add_observation(
-    chat: Conversation,
-    observation: str,
-    intent: str,
-    config: AgentConfig,
-    previous: int | None,
-    role: str = "user",
+    chat: Conversation, observation: str, intent: str, config: AgentConfig, role: str = "user"
 ) -> str:
     """Queue a page as the latest observation turn of `role`: truncated to
-    `config.max_obs_tokens`, in `OBSERVATION_TEMPLATE`, pinned; the pin of the previous
-    observation (message index `previous`, if any) is released. Returns the page text as the
-    agent sees it."""
+    `config.max_obs_tokens`, in `OBSERVATION_TEMPLATE`; `AGENT_PIN_RULES` pin it while it is
+    the latest. Returns the page text as the agent sees it."""
     text = truncate_tokens(chat.engine.tokenizer, observation, config.max_obs_tokens)
-    if previous is not None:
-        chat.unpin_message(previous)
-    chat.add(role, OBSERVATION_TEMPLATE.format(observation=text, intent=intent), pin=True)
+    chat.add(role, OBSERVATION_TEMPLATE.format(observation=text, intent=intent))
     return text
 
 
@@ -248,9 +249,7 @@ def run_episode(
         for step in range(1, config.max_steps + 1):
             step_started, first_token = time.perf_counter(), chat.sequence.store.seen_tokens
             role = observation_role(fmt, previous_observation)
-            text = add_observation(
-                chat, observation["text"], task.intent, config, previous_observation, role
-            )
+            text = add_observation(chat, observation["text"], task.intent, config, role)
             previous_observation = len(chat.messages) - 1
             decoding = fmt.decoding(
                 engine, config.sampling, text, len(observation["tabs"]), config.constrain

@@ -138,7 +138,7 @@ def replay_agreement(
         distributions = {}
         for name, chat in chats.items():
             role = observation_role(fmt, previous)
-            text = add_observation(chat, step.observation, intent, config, previous, role)
+            text = add_observation(chat, step.observation, intent, config, role)
             chat.prefill()
             if name == "policy":
                 decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)

@@ -324,9 +324,7 @@ def run_recall_task(
         for number, action in enumerate(script, start=1):
             if on_page is not None:
                 on_page(number, len(script))
-            shown = add_observation(
-                chat, fmt.page_text(observation["text"]), task.intent, config, previous
-            )
+            shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
             previous = len(chat.messages) - 1
             page_messages.append(previous)
             page = {"step": number, "url": observation["url"], "observation": shown}

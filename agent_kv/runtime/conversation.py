@@ -1,32 +1,29 @@
 """An append-only chat over one sequence: messages in, replies out, one KV cache throughout.
 
 The conversation is rendered with the tokenizer's chat template (with the tools it offers,
-`agent_kv.runtime.chat_rendering`); what the cache already holds is a text prefix of the new
-rendering, so each turn prefills only the new suffix. Messages flagged `pin` have their
-tokens pinned in the store (exempt from eviction). A reply is kept as the text generated,
-calls included, so it renders as the cache holds it.
+`agent_kv.runtime.chat_rendering`) once per turn; what the cache already holds is a text
+prefix of the new rendering, so each turn tokenizes and prefills only the new suffix. The pin
+rules (`agent_kv.runtime.pin_rules`, the server's rules) pin tokens in the store (exempt from
+eviction). A reply is kept as the text generated, calls included, so it renders as the cache
+holds it.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.runtime.chat_layout import place_messages, preamble_chars
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine, Generation
+from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence
 from agent_kv.runtime.tool_calls import Tool
-
-
-@dataclass
-class _Pending:
-    ids: list[int]
-    pin: bool
-    message: int | None  # index in `messages`; None for the assistant header
 
 
 @dataclass
@@ -50,77 +47,116 @@ class ForcedReply:
         return all(self.hits)
 
 
+MESSAGE_FLAGS_ONLY = PinRules(roles=frozenset(), latest_observations=0)
+"""`Conversation`'s default rules: pin the messages added with `pin` and nothing else."""
+
+
 class Conversation:
     """One conversation whose whole history stays in one managed KV cache.
+
+    Messages added wait for the next reply; then the chat is rendered once (with the
+    generation prompt), only the text past what the cache holds is tokenized, each new
+    message is placed in it (`agent_kv.runtime.chat_layout`), and the pin rules are applied
+    turn by turn: a message the rules stop choosing (an observation superseded by a newer
+    one) is released, and pattern matches in the new text are pinned.
 
     Args:
         engine: the engine (model, tokenizer, policy).
         sequence: an existing sequence to continue; a new empty one by default.
         tools: the tools offered throughout, rendered into the prompt (none by default).
+        rules: what to pin (`PinRules`); by default only the messages added with `pin`.
+
+    Raises:
+        ConfigError: invalid `rules`.
     """
 
     def __init__(
-        self, engine: Engine, sequence: Sequence | None = None, tools: tuple[Tool, ...] = ()
+        self,
+        engine: Engine,
+        sequence: Sequence | None = None,
+        tools: tuple[Tool, ...] = (),
+        rules: PinRules = MESSAGE_FLAGS_ONLY,
     ):
+        rules.validate()
         self.engine = engine
         self.sequence = sequence or engine.new_sequence()
         self.tools = tools
-        self.messages: list[dict[str, str]] = []
+        self.rules = rules
+        self.messages: list[dict] = []
         self.spans: dict[int, tuple[int, int]] = {}  # message index -> token positions [start, end)
-        self._rendered = ""  # template text of everything queued or cached
-        self._pending: list[_Pending] = []
-
-    def _render(self, generation_prompt: bool) -> str:
-        return render_chat(self.engine.tokenizer, self.messages, self.tools, generation_prompt)
-
-    def _queue_delta(self, rendered: str, pin: bool, message: int | None) -> None:
-        if not rendered.startswith(self._rendered):
-            raise ConfigError(
-                "the chat template re-rendered earlier turns differently; "
-                "this template cannot be extended append-only"
-            )
-        delta = rendered[len(self._rendered) :]
-        if delta:
-            ids = self.engine.tokenizer(delta, add_special_tokens=False)["input_ids"]
-            self._pending.append(_Pending(ids, pin, message))
-        self._rendered = rendered
+        self._rendered = ""  # template text the cache holds
+        self._pinned: set[int] = set()  # messages the rules pin now
+        self._text_pins: list[tuple[int, int]] = []  # token spans of pattern matches
 
     def add(self, role: str, content: str, pin: bool = False) -> None:
-        """Append a message; its tokens are prefilled with the next `reply`.
+        """Append a message; it is placed and prefilled with the next reply.
 
         Args:
             role: "system", "user", "assistant" or "tool".
             content: the message text.
-            pin: pin the message's tokens (never evicted).
+            pin: pin the message's tokens for good (what `PinRules` does with `"pin": True`).
         """
-        self.messages.append({"role": role, "content": content})
-        self._queue_delta(self._render(generation_prompt=False), pin, len(self.messages) - 1)
-
-    def unpin_message(self, index: int) -> None:
-        """Release the pin on message `index` (already prefilled); its tokens become evictable.
-
-        Raises:
-            KeyError: the message has not been prefilled yet.
-        """
-        start, end = self.spans[index]
-        self.sequence.store.pins.unpin(start, end)
+        self.messages.append({"role": role, "content": content} | ({"pin": True} if pin else {}))
 
     def _take_prompt(self) -> list[int]:
-        """Queue the assistant header, pin and place the queued messages' tokens, and return
-        them all as the prompt to prefill (the queue is emptied)."""
-        self._queue_delta(self._render(generation_prompt=True), pin=False, message=None)
-        store = self.sequence.store
-        prompt: list[int] = []
-        for item in self._pending:
-            start = store.seen_tokens + len(prompt)
-            span = (start, start + len(item.ids))
-            if item.message is not None:
-                self.spans[item.message] = span
-            if item.pin:
-                store.pins.pin(*span)
-            prompt.extend(item.ids)
-        self._pending.clear()
-        return prompt
+        """The new messages and the assistant header as the prompt to prefill: the chat
+        rendered once, the text past what the cache holds tokenized once, each new message's
+        token span recorded and the pin rules applied.
+
+        Raises:
+            ConfigError: the chat template re-rendered earlier turns differently (it cannot
+                be extended append-only).
+        """
+        tokenizer = self.engine.tokenizer
+        text = render_chat(tokenizer, self.messages, self.tools, generation_prompt=True)
+        if not text.startswith(self._rendered):
+            raise ConfigError(
+                "the chat template re-rendered earlier turns differently; "
+                "this template cannot be extended append-only"
+            )
+        new_from = len(self._rendered)
+        encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
+        starts = [new_from + start for start, _ in encoded["offset_mapping"]]
+        ends = [new_from + end for _, end in encoded["offset_mapping"]]
+        base = self.sequence.store.seen_tokens
+        placed = place_messages(tokenizer, self.messages, self.tools, text)
+        first_new = len(self.spans)
+        if first_new:  # the last message's footer, rendered only now, extends its span
+            start, end = self.spans[first_new - 1]
+            self.spans[first_new - 1] = (
+                start,
+                max(end, base + bisect.bisect_left(starts, placed[first_new - 1][1])),
+            )
+        for i in range(first_new, len(self.messages)):
+            start, end = placed[i]
+            self.spans[i] = (
+                base + bisect.bisect_left(starts, max(start, new_from)),
+                base + bisect.bisect_left(starts, end),
+            )
+        preamble = preamble_chars(tokenizer, self.tools, text) if new_from == 0 else 0
+        self._apply_rules(text, preamble, new_from, starts, ends, base)
+        self._rendered = text
+        return list(encoded["input_ids"])
+
+    def _apply_rules(self, text, preamble, new_from, starts, ends, base) -> None:
+        """Pin what the rules choose now and release the messages they no longer choose, as
+        `protected_spans` over the whole chat would: pattern matches (and the tools'
+        description) in the new text `text[new_from:]`, whose tokens start at characters
+        `starts` and end at `ends` from position `base`, are pinned for good."""
+        pins = self.sequence.store.pins
+        chosen = set(self.rules.pinned_messages(self.messages))
+        for i in sorted(self._pinned - chosen):
+            pins.unpin(*self.spans[i])
+        for i in sorted(chosen):
+            pins.pin(*self.spans[i])
+        self._pinned = chosen
+        for start, end in self.rules.text_spans(text, preamble, new_from):
+            first = bisect.bisect_right(ends, start)
+            last = bisect.bisect_left(starts, end)
+            if last > first:
+                self._text_pins.append((base + first, base + last))
+        for span in self._text_pins:
+            pins.pin(*span)
 
     def prefill(self) -> torch.Tensor:
         """Prefill the queued messages and the assistant header now, as `reply` would first;
@@ -132,11 +168,12 @@ class Conversation:
     def fork(self) -> Conversation:
         """An independent copy of this conversation: the sequence (store, pins, logits) is
         deep-copied, the engine shared. What one copy replies does not reach the other."""
-        twin = Conversation(self.engine, copy.deepcopy(self.sequence), self.tools)
+        twin = Conversation(self.engine, copy.deepcopy(self.sequence), self.tools, self.rules)
         twin.messages = copy.deepcopy(self.messages)
         twin.spans = dict(self.spans)
         twin._rendered = self._rendered
-        twin._pending = list(self._pending)
+        twin._pinned = set(self._pinned)
+        twin._text_pins = list(self._text_pins)
         return twin
 
     def reply(self, params: SamplingParams, pin: bool = False) -> Generation:
