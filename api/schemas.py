@@ -392,7 +392,7 @@ class PinRulesBody(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields, ReplyFields):
-    """`POST /v1/chat/completions` body (the subset this server implements; see the README)."""
+    """`POST /v1/chat/completions` body (the subset this server implements; docs/server.md, "OpenAI fields")."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -14,7 +14,7 @@ packed layouts are read at a higher rate than the BLAS `mm` reads one row's prod
   intermediate sums); int32 accumulation (`torch.ops.quantized.linear_dynamic`, dynamic
   quantization: Jacob et al. 2018, "Quantization and Training of Neural Networks for
   Efficient Integer-Arithmetic-Only Inference", §2). One scale over a whole prefill chunk is
-  what costs this format its accuracy (README, "Weights").
+  what costs this format its accuracy (docs/models.md, "Weights").
 
 A pack is an opaque fbgemm object, which `torch.compile` cannot trace; `PackedLinear` keeps it
 in a process-wide table and, under compile, calls it through the custom op

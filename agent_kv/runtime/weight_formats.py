@@ -13,7 +13,7 @@ into one of them.
   norms, attention and the KV store stay float32.
 
 `benchmarks/weight_formats.py` measures each against fp32 (decode and prefill speed, and the
-quality cost), which is how the default was chosen (README, "Weights").
+quality cost), which is how the default was chosen (docs/models.md, "Weights").
 """
 
 from __future__ import annotations
