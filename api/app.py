@@ -48,8 +48,9 @@ from agent_kv.errors import (
     QueueTimeoutError,
     TurnCancelled,
 )
-from agent_kv.kv.cold_tier import ColdConfig
-from agent_kv.kv.policies import Policy, check_policy_precision, make_policy
+from agent_kv.kv.policies import Policy
+from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.runtime.engine import policy_from_spec
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ToolCallStream
@@ -422,14 +423,19 @@ def _pin_rules(request: NativeChatRequest | ChatCompletionRequest) -> PinRules:
 
 
 def _policy(request: NativeChatRequest, service: ChatService) -> Policy:
-    """The request's policy override; a 422 for one that cannot be built or cannot run on
-    the server's store."""
+    """The request's policy override (`PolicySpec.checked`, built for the engine's model); a
+    422 for one that cannot be built or cannot run on the server's store."""
     spec = request.policy
+    engine = service.engine
     try:
-        recall = None if spec.recall is None else ColdConfig.from_params(spec.recall)
-        policy = make_policy(spec.name, spec.budget, recall=recall, **spec.params)
-        check_policy_precision(policy, service.engine.store_options["int8"])
-        return policy
+        checked = PolicySpec.checked(
+            spec.name,
+            spec.budget,
+            params=spec.params,
+            int8=engine.store_options["int8"],
+            recall=spec.recall,
+        )
+        return policy_from_spec(checked, engine.model)
     except ConfigError as err:
         raise APIError(422, str(err), "policy", "unprocessable") from None
 

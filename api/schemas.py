@@ -392,7 +392,8 @@ class PinRulesBody(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields, ReplyFields):
-    """`POST /v1/chat/completions` body (the subset this server implements; docs/server.md, "OpenAI fields")."""
+    """`POST /v1/chat/completions` body (the subset this server implements: docs/server.md,
+    "OpenAI fields")."""
 
     model_config = ConfigDict(extra="allow")
 

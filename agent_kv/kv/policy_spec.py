@@ -81,41 +81,81 @@ class PolicySpec:
 
         params = {**parse_params(extra or []), "tau": tau, "protect_recent": protect_recent}
         params = {key: value for key, value in params.items() if value is not None}
-        if budget is not None and budget_bytes is not None:
-            raise ConfigError("give --budget or --budget-bytes, not both")
         if positions not in ("original", "rerotate"):
             raise ConfigError(f"--positions must be original or rerotate, got {positions!r}")
         if fp_window is not None and not int8:
             raise ConfigError("--fp-window sets the INT8 window: it needs --int8")
         check_policy_name(name)
-        name, reencode = split_reencode(name)
-        name, named_recall = split_recall(name)
-        if reencode and recall:
-            raise ConfigError(
-                f"{REENCODE_SUFFIX} starts a fresh cache without the cold tier that --recall "
-                "reads; choose one of the two"
-            )
+        named_recall = split_recall(split_reencode(name)[0])[1]
         recall_items = parse_params(recall_params or [], "--recall-param")
         if recall_items and not (recall or named_recall):
             raise ConfigError("--recall-param sets the cold tier: it needs --recall")
-        size = None if budget_bytes is None else parse_bytes(budget_bytes)
-
-        from agent_kv.kv.cold_tier import ColdConfig
-        from agent_kv.kv.policies import check_policy_precision, make_policy
-        from agent_kv.kv.store import Int8Config
-
-        cold = ColdConfig.from_params(recall_items) if recall or named_recall else None
-
         int8_config = None
         if int8:
+            from agent_kv.kv.store import Int8Config
+
             int8_config = Int8Config() if fp_window is None else Int8Config(fp_window=fp_window)
             int8_config.validate()
-        spec = cls(name, budget, size, params, int8_config, positions == "rerotate", cold, reencode)
+        return cls.checked(
+            name,
+            budget,
+            None if budget_bytes is None else parse_bytes(budget_bytes),
+            params,
+            int8_config,
+            positions == "rerotate",
+            recall_items if recall or named_recall else None,
+        )
+
+    @classmethod
+    def checked(
+        cls,
+        name: str,
+        budget: int | None = None,
+        budget_bytes: int | None = None,
+        params: dict | None = None,
+        int8: Int8Config | None = None,
+        rerotate: bool = False,
+        recall: dict | None = None,
+    ) -> PolicySpec:
+        """The settings, checked as far as they can be before the model loads: the one way a
+        policy is built from what a user gives (the command line through `parse`, the API's
+        per-turn `policy`, the LangChain model), then `build` (or
+        `agent_kv.runtime.engine.policy_from_spec`) once the model is known.
+
+        Args:
+            name: a policy name, with `+recall` or `+reencode` if wanted.
+            budget: unpinned tokens per layer; or `budget_bytes`, KV bytes (not both).
+            params: the policy's dataclass fields.
+            int8: the store's INT8 settings (the policy must not manage precision itself).
+            rerotate: rotate kept keys to contiguous positions.
+            recall: the cold tier's settings (`ColdConfig.from_params`); given, even empty,
+                it turns recall on, as a `+recall` name does.
+
+        Raises:
+            ConfigError: both budgets, an unknown policy, invalid policy or recall settings,
+                `int8` with a policy that quantizes by its own rule, or a `+reencode` name
+                with recall.
+        """
+        from agent_kv.kv.cold_tier import ColdConfig
+        from agent_kv.kv.policies import check_policy_precision, make_policy
+
+        if budget is not None and budget_bytes is not None:
+            raise ConfigError("give --budget or --budget-bytes, not both")
+        check_policy_name(name)
+        name, reencode = split_reencode(name)
+        name, named_recall = split_recall(name)
+        if reencode and recall is not None:
+            raise ConfigError(
+                f"{REENCODE_SUFFIX} starts a fresh cache without the cold tier that recall "
+                "reads; choose one of the two"
+            )
+        cold = ColdConfig.from_params(recall or {}) if recall is not None or named_recall else None
+        spec = cls(name, budget, budget_bytes, params or {}, int8, rerotate, cold, reencode)
         # a byte budget becomes tokens only once the model is known: check the rest now with
         # a budget no conversion can exceed, the real one again in `build`
-        placeholder = UNCHECKED_BUDGET if spec.budget_bytes is not None else budget
+        placeholder = UNCHECKED_BUDGET if budget_bytes is not None else budget
         check_policy_precision(
-            make_policy(name, budget=placeholder, recall=cold, **params), int8_config
+            make_policy(name, budget=placeholder, recall=cold, **spec.params), int8
         )
         return spec
 

@@ -201,7 +201,8 @@ class ChatAgentKV(BaseChatModel):
             model_path: a bundled model's name, a Hugging Face model directory or a `.gguf`
                 file; None for the default bundled model (`load_model`).
             policy: the KV policy's name (`agent_kv.kv.policies.POLICIES`).
-            budget: unpinned tokens per layer (`make_policy`); None for the policy's default.
+            budget: unpinned tokens per layer (`PolicySpec.checked`); None for the policy's
+                default.
             weights: the weight format (`agent_kv.runtime.weight_formats`); None for the
                 default.
             **fields: further fields (`session_id`, `max_tokens`, ...).
@@ -211,14 +212,14 @@ class ChatAgentKV(BaseChatModel):
                 `$AGENT_KV_THREADS` (before the model loads).
             ModelNotFoundError: the model cannot be loaded.
         """
-        from agent_kv.kv.policies import make_policy
-        from agent_kv.runtime.engine import Engine
+        from agent_kv.kv.policy_spec import PolicySpec
+        from agent_kv.runtime.engine import Engine, policy_from_spec
         from agent_kv.runtime.model_loading import load_model
         from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS
 
-        kv_policy = make_policy(policy, budget=budget)
+        spec = PolicySpec.checked(policy, budget)
         loaded = load_model(model_path, weights or DEFAULT_WEIGHTS)
-        engine = Engine(loaded.model, loaded.tokenizer, kv_policy)
+        engine = Engine(loaded.model, loaded.tokenizer, policy_from_spec(spec, loaded.model))
         return cls(service=ChatService(engine), model_name=loaded.name, **fields)
 
     @classmethod
