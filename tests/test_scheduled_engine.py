@@ -14,6 +14,7 @@ from agent_kv.errors import ConfigError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime.batch_scheduler import BatchScheduler
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.grammar import Grammar
@@ -109,6 +110,7 @@ def test_scheduler_feed_refuses_as_engine_feed_and_stops_when_cancelled(smollm):
     base = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=CHUNK)
     scheduler = BatchScheduler(base)
     view = ScheduledEngine(scheduler, make_policy("window", budget=64))
+    assert isinstance(view, ChatEngine) and isinstance(base, ChatEngine)  # both declare it
     sequence = view.new_sequence()
     with pytest.raises(ValueError, match="at least one token"):
         view.feed(sequence, [])

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.grammar import Grammar
 from agent_kv.runtime.sampling import SamplingParams
 from envs.action_grammar import ActionGrammarError, action_grammar, element_ids
@@ -39,7 +39,7 @@ class ActionDecoding:
 
 
 def action_decoding(
-    engine: Engine, base: SamplingParams, observation_text: str, tabs: int, constrain: bool
+    engine: ChatEngine, base: SamplingParams, observation_text: str, tabs: int, constrain: bool
 ) -> ActionDecoding:
     """The decoding of the agent's next action on a page.
 

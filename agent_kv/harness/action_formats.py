@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from agent_kv.errors import GrammarError
 from agent_kv.harness.action_decoding import ActionDecoding, action_decoding
 from agent_kv.harness.action_tools import ACTION_TOOLS, action_call, call_action, page_tools
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, parse_reply, render_calls
 from envs.action_grammar import TEXT_CHARS, URL_CHARS, element_ids
@@ -99,7 +99,7 @@ class ActionFormat:
 
     def decoding(
         self,
-        engine: Engine,
+        engine: ChatEngine,
         base: SamplingParams,
         observation_text: str,
         tabs: int,

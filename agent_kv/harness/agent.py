@@ -24,8 +24,8 @@ from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
 from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.weight_formats import weight_format
@@ -177,7 +177,7 @@ def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
 
 
 def open_conversation(
-    engine: Engine,
+    engine: ChatEngine,
     intent: str,
     fmt: ActionFormat = TEXT_ACTIONS,
     few_shot: Sequence[tuple[str, str]] | None = None,
@@ -212,7 +212,7 @@ def observation_role(fmt: ActionFormat, previous: int | None) -> str:
 
 def run_episode(
     task: Task,
-    engine: Engine,
+    engine: ChatEngine,
     env: BrowserEnv,
     trace_dir: Path,
     model_name: str,

@@ -29,7 +29,7 @@ import torch
 from agent_kv.harness.action_formats import ActionFormat
 from agent_kv.harness.agent import AgentConfig, add_observation, observation_role, open_conversation
 from agent_kv.harness.reply_pins import reply_pin
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.chat_engine import ChatEngine
 from envs.actions import ActionParseError, parse_action
 
 
@@ -104,8 +104,8 @@ class StepAgreement:
 def replay_agreement(
     intent: str,
     trajectory: list[ReferenceStep],
-    engine: Engine,
-    reference: Engine,
+    engine: ChatEngine,
+    reference: ChatEngine,
     config: AgentConfig | None = None,
 ) -> list[StepAgreement]:
     """Replay `trajectory` under `engine`'s policy and `reference` (full KV) side by side.

@@ -43,8 +43,8 @@ from agent_kv.harness.agent import (
     open_conversation,
 )
 from agent_kv.harness.reply_pins import reply_pin
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.weight_formats import weight_format
 from envs.browser_env import ActionError, BrowserEnv
@@ -284,7 +284,7 @@ def _notes_kept(store, notes: dict[str, tuple[int, int]]) -> dict[str, float]:
 
 def run_recall_task(
     task: Task,
-    engine: Engine,
+    engine: ChatEngine,
     env: BrowserEnv,
     trace_dir: Path,
     model_name: str = "",
@@ -408,7 +408,7 @@ def run_recall_task(
 
 def run_recall(
     tasks: Iterable[Task],
-    engine: Engine | Callable[[], Engine],
+    engine: ChatEngine | Callable[[], ChatEngine],
     env: BrowserEnv,
     out_dir: Path,
     model_name: str = "",
@@ -441,7 +441,7 @@ def run_recall(
     records = []
     with (out_dir / RESULTS).open("a", encoding="utf-8") as results:
         for task in tasks:
-            current = engine if isinstance(engine, Engine) else engine()
+            current = engine if isinstance(engine, ChatEngine) else engine()
             trace = out_dir / f"task{task.task_id}"
             record = run_recall_task(task, current, env, trace, model_name, fmt, decode)
             results.write(json.dumps(asdict(record)) + "\n")
@@ -454,7 +454,7 @@ def run_recall(
 
 def scripted_episode(
     task: Task,
-    engine: Engine,
+    engine: ChatEngine,
     env: BrowserEnv,
     trace_dir: Path,
     model_name: str,

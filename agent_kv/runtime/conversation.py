@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from agent_kv.errors import ConfigError
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.chat_layout import place_messages, preamble_chars
 from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.pin_rules import PinRules
+from agent_kv.runtime.reply_decoding import Generation
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence
 from agent_kv.runtime.tool_calls import Tool
@@ -72,7 +73,7 @@ class Conversation:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ChatEngine,
         sequence: Sequence | None = None,
         tools: tuple[Tool, ...] = (),
         rules: PinRules = MESSAGE_FLAGS_ONLY,

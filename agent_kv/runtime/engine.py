@@ -32,6 +32,7 @@ from agent_kv.kv.prefix_cache import PrefixCache
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 from agent_kv.kv.store.pins import flag_runs
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.model_call import run_call
@@ -47,7 +48,7 @@ VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
 layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
 
 
-class Engine:
+class Engine(ChatEngine):
     """Runs a causal LM over `Sequence`s whose KV stores a `Policy` manages.
 
     Args:

@@ -7,8 +7,7 @@ of the scheduler's next packed forward call, beside the other episodes' rows (co
 batching, `agent_kv.runtime.batch_scheduler`). Only the scheduler's thread runs the model.
 
 It offers what `Conversation`, the web agent, the recall runner, the agreement replay and
-the reference replay use of an `Engine`: `feed`, `generate`, `new_sequence`, `tokenizer`,
-`model`, `policy`, `grammars`, `matcher`, `eos_ids`, `prefill_chunk`, `store_options`. The
+the reference replay use of an `Engine`, the interface both declare (`ChatEngine`). The
 `Engine` methods that would run the model on the caller's thread (`decode`,
 `generate_batch`, `score`, `step_packed`, `warm_up`) are not offered.
 
@@ -29,6 +28,7 @@ from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.batch_scheduler import BatchScheduler
+from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.engine import check_store_options, policy_from_spec
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.reply_decoding import Generation
@@ -40,7 +40,7 @@ _GRAMMARS_LOCK = threading.Lock()
 starting together build it once."""
 
 
-class ScheduledEngine:
+class ScheduledEngine(ChatEngine):
     """One episode's engine over a shared `BatchScheduler` (module docstring).
 
     Args:
