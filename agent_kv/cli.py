@@ -284,8 +284,9 @@ class ReplicaRouter(StrEnum):
 
 
 def _check_mode(mode: str) -> None:
-    """Raises ConfigError for a `--mode` other than `harness.bench.MODES` (free, scripted)."""
-    from agent_kv.harness.bench import MODES
+    """Raises ConfigError for a `--mode` other than `harness.sweep.settings.MODES` (free,
+    scripted)."""
+    from agent_kv.harness.sweep.settings import MODES
 
     if mode not in MODES:
         raise ConfigError(f"--mode must be {' or '.join(MODES)}, got {mode!r}")
@@ -468,34 +469,43 @@ def bench_command(
     """Sweep tasks x policies x budgets on Ray actors (a local Ray instance, or the cluster
     at --ray-address); write results.jsonl, summary.md and success_vs_memory.png under --out
     and print the summary table."""
-    from agent_kv.harness import bench
     from agent_kv.harness.reply_pins import check_pin_replies
+    from agent_kv.harness.sweep.runner import RayActors, check_ray_address
+    from agent_kv.harness.sweep.settings import (
+        AGREEMENT_PLOT,
+        PLOT,
+        SUMMARY,
+        BenchSettings,
+        make_jobs,
+        parse_list,
+        select_tasks,
+    )
     from envs.browser_env import ChromiumNotFoundError, check_observation_mode, find_chromium
     from envs.tasks import TaskError
 
     try:
         thread_setting.choose(threads)  # the Ray actors get it through the environment
-        task_list = bench.select_tasks(tasks)
+        task_list = select_tasks(tasks)
         bundled_models.locate(model)
         check_weight_format(weights)
         check_observation_mode(observation)
-        names = bench.parse_list(policies, "--policies")
+        names = parse_list(policies, "--policies")
         try:
-            sizes = [int(b) for b in bench.parse_list(budgets, "--budgets")]
+            sizes = [int(b) for b in parse_list(budgets, "--budgets")]
         except ValueError:
             raise ConfigError(
                 f"--budgets must be comma-separated integers, got {budgets!r}"
             ) from None
         _check_mode(mode)
         check_pin_replies(pin_replies)
-        agent_list = bench.parse_list(agents, "--agents")
+        agent_list = parse_list(agents, "--agents")
         for agent in agent_list:
             _check_agent(agent, "--agents")
         if mode == "scripted":
             _check_scripted_agents(agent_list, "--agents")
         if ray_address is not None:
-            bench.check_ray_address(ray_address)
-        jobs = bench.make_jobs(task_list, names, sizes, int8, agent_list)  # imports torch
+            check_ray_address(ray_address)
+        jobs = make_jobs(task_list, names, sizes, int8, agent_list)  # imports torch
         for job in {(j.policy, j.budget, j.precision): j for j in jobs}.values():
             PolicySpec.parse(
                 job.policy, job.budget, None, int8=job.precision == "int8", positions=positions
@@ -504,7 +514,7 @@ def bench_command(
         _writable_dir(out)
     except (TaskError, ChromiumNotFoundError, AgentKVError, ValueError) as err:
         fail(str(err))
-    settings = bench.BenchSettings(
+    settings = BenchSettings(
         max_steps=max_steps,
         max_obs_tokens=max_obs_tokens,
         prefill_chunk=prefill_chunk,
@@ -519,17 +529,21 @@ def bench_command(
         weights=weights,
         pin_replies=pin_replies,
     )
-    actors = bench.RayActors(workers, ray_address)
+    actors = RayActors(workers, ray_address)
+    # Ray: imported once the options are checked, so a usage error comes without it
+    from agent_kv.harness.sweep.report import write_report
+    from agent_kv.harness.sweep.schedule import run_bench
+
     try:  # a missing model or broken Chromium fails as the actors start, once
-        bench.run_bench(task_list, jobs, out, actors, settings, retry_errors=retry_errors)
-        table = bench.write_report(out)
+        run_bench(task_list, jobs, out, actors, settings, retry_errors=retry_errors)
+        table = write_report(out)
     except (AgentKVError, ChromiumNotFoundError) as err:
         fail(str(err))
     except OSError as err:
         fail(f"cannot write under {out}: {err.strerror or err}")
     typer.echo(table)
     typer.echo(
-        f"\nwrote {out / bench.SUMMARY}, {out / bench.PLOT}, {out / bench.AGREEMENT_PLOT}",
+        f"\nwrote {out / SUMMARY}, {out / PLOT}, {out / AGREEMENT_PLOT}",
         err=True,
     )
 
@@ -812,7 +826,7 @@ def serve_command(
             recall_params=recall_param,
         )
         if ray_address is not None:
-            from agent_kv.harness.bench import check_ray_address
+            from agent_kv.harness.sweep.runner import check_ray_address
 
             check_ray_address(ray_address)
         if spill_dir is not None:
