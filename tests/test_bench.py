@@ -23,9 +23,30 @@ from typer.testing import CliRunner
 
 from agent_kv.cli import app
 from agent_kv.errors import ConfigError, ModelNotFoundError
-from agent_kv.harness import bench
 from agent_kv.harness.agreement import canonical
-from agent_kv.harness.bench import Job
+from agent_kv.harness.sweep import episodes, ray_pool, schedule
+from agent_kv.harness.sweep.aggregate import aggregate, row_label
+from agent_kv.harness.sweep.episodes import EpisodeRunner
+from agent_kv.harness.sweep.ray_pool import ray_session
+from agent_kv.harness.sweep.report import format_table, per_task_table, recall_table, write_report
+from agent_kv.harness.sweep.runner import (
+    CONNECT_TIMEOUT_S,
+    RayActors,
+    check_ray_address,
+    next_ready,
+)
+from agent_kv.harness.sweep.schedule import StepProgress, run_bench
+from agent_kv.harness.sweep.settings import (
+    RESULTS,
+    SUMMARY,
+    BenchSettings,
+    Job,
+    full_job,
+    make_jobs,
+    read_results,
+    record_key,
+    select_tasks,
+)
 from envs.tasks import TaskError, load_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,9 +120,9 @@ HAND_WRITTEN = [
 
 def test_aggregate_from_hand_written_results(tmp_path: Path):
     _write(tmp_path / "results.jsonl", HAND_WRITTEN)
-    rows = bench.aggregate(bench.read_results(tmp_path / "results.jsonl"))
-    by_label = {bench.row_label(r): r for r in rows}
-    assert [bench.row_label(r) for r in rows] == ["full", "window 512", "conf-kv 512"]
+    rows = aggregate(read_results(tmp_path / "results.jsonl"))
+    by_label = {row_label(r): r for r in rows}
+    assert [row_label(r) for r in rows] == ["full", "window 512", "conf-kv 512"]
 
     full = by_label["full"]
     assert full["episodes"] == 4 and full["success_rate"] == 0.5
@@ -131,7 +152,7 @@ def test_aggregate_from_hand_written_results(tmp_path: Path):
     assert conf["peak_cold_kv_mb"] == pytest.approx(4.0)  # 8 MB and 0, kept apart from hot
     assert conf["peak_kv_mb"] == pytest.approx(25.0)
 
-    table = bench.format_table(rows)
+    table = format_table(rows)
     lines = table.splitlines()
     assert len(lines) == 2 + 3
     assert window["agreement"] == pytest.approx(4 / 6)  # step-weighted over both episodes
@@ -166,8 +187,8 @@ def test_each_agent_is_compared_with_its_own_full_kv():
         tools(_record(1, "h2o", 256, False, 40e6)),
         tools(_record(2, "h2o", 256, True, 40e6)),
     ]
-    rows = bench.aggregate(records)
-    labels = [bench.row_label(r) for r in rows]
+    rows = aggregate(records)
+    labels = [row_label(r) for r in rows]
     assert labels == ["full", "full tools", "h2o 256", "h2o 256 tools"]
     by_label = dict(zip(labels, rows, strict=True))
     assert by_label["h2o 256"]["relative_success"] == 1.0  # task 1: both solved it
@@ -175,33 +196,31 @@ def test_each_agent_is_compared_with_its_own_full_kv():
     # 1 of 2 against its own full KV's 2 of 2 (against the text agent's 1 of 2 it would be 1.0)
     assert by_label["h2o 256 tools"]["relative_success"] == 0.5
     assert by_label["h2o 256 tools"]["reduction_vs_full"] == pytest.approx(3.0)
-    assert "| h2o | 256 | fp | tools | 2 |" in bench.format_table(rows)
-    assert bench.record_key(records[0])[-1] == "text"  # records without an agent: text
+    assert "| h2o | 256 | fp | tools | 2 |" in format_table(rows)
+    assert record_key(records[0])[-1] == "text"  # records without an agent: text
 
 
 def test_make_jobs_runs_every_agent_with_its_own_full_kv(two_tasks):
-    jobs = bench.make_jobs(two_tasks[:1], ["full", "h2o"], [256], agents=["text", "tools"])
+    jobs = make_jobs(two_tasks[:1], ["full", "h2o"], [256], agents=["text", "tools"])
     assert [(j.policy, j.agent) for j in jobs] == [
         ("full", "text"),
         ("full", "tools"),
         ("h2o", "text"),
         ("h2o", "tools"),
     ]
-    assert jobs[1].name.endswith("full-tools") and jobs[1] == bench.full_job(
-        jobs[1].task_id, "tools"
-    )
+    assert jobs[1].name.endswith("full-tools") and jobs[1] == full_job(jobs[1].task_id, "tools")
     with pytest.raises(ValueError, match="unknown agent 'voice'"):
-        bench.make_jobs(two_tasks, ["full"], [], agents=["voice"])
+        make_jobs(two_tasks, ["full"], [], agents=["voice"])
 
 
 def test_relative_success_is_none_when_full_never_succeeds():
     records = [_record(1, "full", None, False, 10e6), _record(1, "h2o", 256, True, 5e6)]
-    rows = bench.aggregate(records)
+    rows = aggregate(records)
     assert rows[1]["relative_success"] is None
     assert rows[1]["reduction_vs_full"] == pytest.approx(2.0)
-    assert "| n/a (full KV solved none) |" in bench.format_table(rows)
-    alone = bench.aggregate([_record(1, "h2o", 256, True, 5e6)])
-    assert "| n/a (no full KV run) |" in bench.format_table(alone)
+    assert "| n/a (full KV solved none) |" in format_table(rows)
+    alone = aggregate([_record(1, "h2o", 256, True, 5e6)])
+    assert "| n/a (no full KV run) |" in format_table(alone)
 
 
 def test_per_task_table_links_rendered_traces(tmp_path: Path):
@@ -213,7 +232,7 @@ def test_per_task_table_links_rendered_traces(tmp_path: Path):
         {**_record(1, "h2o", 256, False, 1e6), "end_reason": "repeated_action"},
         {**_record(2, "h2o", 256, False, None), "end_reason": "error"},
     ]
-    table = bench.per_task_table(records, tmp_path).splitlines()
+    table = per_task_table(records, tmp_path).splitlines()
     assert table[0] == "| task | full | h2o 256 |"
     assert table[2] == "| 1 | [✓](traces/task1-full/trace.html) | ✗ repeated_action |"
     assert table[3] == "| 2 |  | error |"
@@ -222,20 +241,20 @@ def test_per_task_table_links_rendered_traces(tmp_path: Path):
 def test_results_written_with_the_old_names_aggregate_alike(tmp_path: Path):
     _write(tmp_path / "results.jsonl", [with_old_names(r) for r in HAND_WRITTEN])
     assert '"peak_kv_bytes"' in (tmp_path / "results.jsonl").read_text()
-    records = bench.read_results(tmp_path / "results.jsonl")
+    records = read_results(tmp_path / "results.jsonl")
     assert records == HAND_WRITTEN
-    assert bench.aggregate(records) == bench.aggregate(HAND_WRITTEN)
+    assert aggregate(records) == aggregate(HAND_WRITTEN)
 
 
 @pytest.mark.parametrize("sweep", ["agent-sweep", "recall-qwen05"])
 def test_committed_results_with_the_old_names_give_their_committed_tables(sweep: str):
     out = ROOT / "docs" / "results" / sweep
-    records = bench.read_results(out / bench.RESULTS)
+    records = read_results(out / RESULTS)
     assert records and all(r["peak_kv_allocated_bytes"] > 0 for r in records)
     assert not any("peak_kv_bytes" in r or "full_kv_bytes" in r for r in records)
-    summary = (out / bench.SUMMARY).read_text()
-    assert bench.format_table(bench.aggregate(records)) in summary
-    assert bench.recall_table(records) in summary
+    summary = (out / SUMMARY).read_text()
+    assert format_table(aggregate(records)) in summary
+    assert recall_table(records) in summary
 
 
 def test_read_results_keeps_last_record_per_job_and_skips_a_torn_line(tmp_path: Path):
@@ -243,7 +262,7 @@ def test_read_results_keeps_last_record_per_job_and_skips_a_torn_line(tmp_path: 
     _write(path, [_record(1, "full", None, False, 1e6), _record(1, "full", None, True, 1e6)])
     with path.open("a") as handle:
         handle.write('{"task_id": 2, "pol')
-    records = bench.read_results(path)
+    records = read_results(path)
     assert len(records) == 1 and records[0]["success"] is True
 
 
@@ -253,12 +272,12 @@ class FakeRunner:
     raises for the jobs named in `crash`; ends its process at once (`os._exit`, as a
     segfault or the OOM killer would) for those in `die`; logs every call.
 
-    `settings` makes it a `bench.RunnerFactory`: `functools.partial(FakeRunner, ...)` builds
+    `settings` makes it a `runner.RunnerFactory`: `functools.partial(FakeRunner, ...)` builds
     one inside each Ray actor."""
 
     def __init__(
         self,
-        settings: bench.BenchSettings | None = None,
+        settings: BenchSettings | None = None,
         crash: set[tuple] = frozenset(),
         die: set[tuple] = frozenset(),
         seconds: float = 0.0,
@@ -314,7 +333,7 @@ class OverlappingRunner(FakeRunner):
 
 def _spans(records: list[dict]) -> dict[tuple, tuple[float, float]]:
     """Job key -> (started, ended) of the records of `OverlappingRunner`."""
-    return {bench.record_key(r): (r["started"], r["ended"]) for r in records if "started" in r}
+    return {record_key(r): (r["started"], r["ended"]) for r in records if "started" in r}
 
 
 def _most_at_once(spans) -> int:
@@ -343,7 +362,7 @@ def local_ray():
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = time.perf_counter()
-    with bench.ray_session(num_cpus=2):
+    with ray_session(num_cpus=2):
         print(f"\nlocal Ray instance up in {time.perf_counter() - started:.1f} s")
         yield
     assert not ray.is_initialized()
@@ -355,14 +374,14 @@ def two_tasks():
 
 
 def test_sweep_records_a_crash_and_finishes_the_rest(tmp_path: Path, two_tasks):
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512, 1024])
+    jobs = make_jobs(two_tasks, ["full", "window"], [512, 1024])
     assert len(jobs) == 2 * 3
     crashing = Job(2, "window", 512).key
     runner = FakeRunner(crash={crashing})
-    written = bench.run_bench(two_tasks, jobs, tmp_path, runner, progress=False)
+    written = run_bench(two_tasks, jobs, tmp_path, runner, progress=False)
     assert len(written) == 6 and len(runner.calls) == 6
     assert runner.started == [["classifieds"]]  # once, before the first job
-    records = {bench.record_key(r): r for r in bench.read_results(tmp_path / "results.jsonl")}
+    records = {record_key(r): r for r in read_results(tmp_path / "results.jsonl")}
     assert len(records) == 6
     crashed = records[crashing]
     assert crashed["end_reason"] == "error" and "browser died" in crashed["error"]
@@ -374,41 +393,41 @@ def test_sweep_records_a_crash_and_finishes_the_rest(tmp_path: Path, two_tasks):
 
 
 def test_rerun_skips_finished_episodes(tmp_path: Path, two_tasks):
-    jobs = bench.make_jobs(two_tasks, ["full", "h2o"], [256])
+    jobs = make_jobs(two_tasks, ["full", "h2o"], [256])
     first = FakeRunner(crash={Job(1, "h2o", 256).key})
-    bench.run_bench(two_tasks, jobs[:3], tmp_path, first, progress=False)
+    run_bench(two_tasks, jobs[:3], tmp_path, first, progress=False)
     assert len(first.calls) == 3
 
     second = FakeRunner()
-    written = bench.run_bench(two_tasks, jobs, tmp_path, second, progress=False)
+    written = run_bench(two_tasks, jobs, tmp_path, second, progress=False)
     assert [job.key for job in second.calls] == [Job(2, "h2o", 256).key]
     assert len(written) == 1
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == 4  # earlier results stay written
 
     third = FakeRunner()
-    bench.run_bench(two_tasks, jobs, tmp_path, third, progress=False, retry_errors=True)
+    run_bench(two_tasks, jobs, tmp_path, third, progress=False, retry_errors=True)
     assert [job.key for job in third.calls] == [Job(1, "h2o", 256).key]
-    records = bench.read_results(tmp_path / "results.jsonl")
+    records = read_results(tmp_path / "results.jsonl")
     assert len(records) == 4 and all(r["end_reason"] != "error" for r in records)
 
     idle = FakeRunner()  # every job has its record: nothing starts
-    assert bench.run_bench(two_tasks, jobs, tmp_path, idle, progress=False) == []
+    assert run_bench(two_tasks, jobs, tmp_path, idle, progress=False) == []
     assert idle.started == [] and idle.calls == []
 
 
 def test_a_rerun_with_other_settings_is_refused(tmp_path: Path, two_tasks):
-    jobs = bench.make_jobs(two_tasks[:1], ["full"], [])
-    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=bench.BenchSettings())
+    jobs = make_jobs(two_tasks[:1], ["full"], [])
+    run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=BenchSettings())
     assert json.loads((tmp_path / "settings.json").read_text())["max_steps"] == 6
-    other = bench.BenchSettings(max_steps=3, reference_accuracy=False)
+    other = BenchSettings(max_steps=3, reference_accuracy=False)
     with pytest.raises(ConfigError, match="max_steps 6 -> 3, reference_accuracy True -> False"):
-        bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
+        run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
 
 
 def test_report_writes_summary_and_png(tmp_path: Path):
     _write(tmp_path / "results.jsonl", HAND_WRITTEN)
-    table = bench.write_report(tmp_path)
+    table = write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert table in summary and "| conf-kv | 512 |" in summary
     png = (tmp_path / "success_vs_memory.png").read_bytes()
@@ -416,18 +435,18 @@ def test_report_writes_summary_and_png(tmp_path: Path):
 
 
 def test_make_jobs_full_once_and_int8_for_the_others(two_tasks):
-    jobs = bench.make_jobs(two_tasks[:1], ["full", "conf-kv"], [512, 512, 1024], int8=True)
+    jobs = make_jobs(two_tasks[:1], ["full", "conf-kv"], [512, 512, 1024], int8=True)
     assert [job.name for job in jobs] == [
         "task1-full",
         "task1-conf-kv-512-int8",
         "task1-conf-kv-1024-int8",
     ]
     with pytest.raises(ValueError, match="unknown policy"):
-        bench.make_jobs(two_tasks, ["nope"], [512])
+        make_jobs(two_tasks, ["nope"], [512])
 
 
 def test_make_jobs_runs_arkv_in_its_own_format_and_base_quant_once(two_tasks):
-    jobs = bench.make_jobs(two_tasks[:1], ["arkv", "base-quant", "window"], [256], int8=True)
+    jobs = make_jobs(two_tasks[:1], ["arkv", "base-quant", "window"], [256], int8=True)
     assert [job.name for job in jobs] == [
         "task1-arkv-256-fp8",
         "task1-base-quant-fp8",
@@ -436,14 +455,14 @@ def test_make_jobs_runs_arkv_in_its_own_format_and_base_quant_once(two_tasks):
 
 
 def test_select_tasks_by_suite_ids_and_glob(tmp_path: Path):
-    assert [t.task_id for t in bench.select_tasks("1,3-4,3")] == [1, 3, 4]
-    assert len(bench.select_tasks("classifieds")) >= 4
+    assert [t.task_id for t in select_tasks("1,3-4,3")] == [1, 3, 4]
+    assert len(select_tasks("classifieds")) >= 4
     (tmp_path / "t.json").write_text(load_task(2).model_dump_json())
-    assert [t.task_id for t in bench.select_tasks(str(tmp_path / "*.json"))] == [2]
+    assert [t.task_id for t in select_tasks(str(tmp_path / "*.json"))] == [2]
     with pytest.raises(TaskError):
-        bench.select_tasks("no-such-suite")
+        select_tasks("no-such-suite")
     with pytest.raises(TaskError, match="no file matches"):
-        bench.select_tasks(str(tmp_path / "missing*.json"))
+        select_tasks(str(tmp_path / "missing*.json"))
 
 
 @pytest.mark.parametrize(
@@ -467,10 +486,10 @@ def test_bench_cli_bad_input_is_one_error_line(tmp_path: Path, args, message):
 @pytest.mark.model
 def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     task = load_task(1)
-    jobs = bench.make_jobs([task], ["full", "window"], [256])
-    settings = bench.BenchSettings(max_steps=1, model="smollm2-135m")
-    bench.run_bench([task], jobs, tmp_path, settings=settings, progress=False)
-    records = bench.read_results(tmp_path / "results.jsonl")
+    jobs = make_jobs([task], ["full", "window"], [256])
+    settings = BenchSettings(max_steps=1, model="smollm2-135m")
+    run_bench([task], jobs, tmp_path, settings=settings, progress=False)
+    records = read_results(tmp_path / "results.jsonl")
     assert len(records) == 2
     for record in records:
         assert record["end_reason"] != "error", record
@@ -486,7 +505,7 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
     assert window["agreement_steps"][0]["reference"] == canonical(
         json.loads((Path(full["trace_dir"]) / "step_001.json").read_text())["reply"]
     )
-    table = bench.write_report(tmp_path)
+    table = write_report(tmp_path)
     assert "| window | 256 |" in table
     summary = (tmp_path / "summary.md").read_text()
     assert "## Per task" in summary and "trace.html)" in summary
@@ -498,10 +517,10 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
 @pytest.mark.model
 def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, local_ray):
     task = load_task(413)
-    jobs = bench.make_jobs([task], ["full", "conf-kv"], [160])
-    settings = bench.BenchSettings(model="smollm2-135m", mode="scripted", agreement=False)
-    bench.run_bench([task], jobs, tmp_path, settings=settings, progress=False)
-    records = bench.read_results(tmp_path / "results.jsonl")
+    jobs = make_jobs([task], ["full", "conf-kv"], [160])
+    settings = BenchSettings(model="smollm2-135m", mode="scripted", agreement=False)
+    run_bench([task], jobs, tmp_path, settings=settings, progress=False)
+    records = read_results(tmp_path / "results.jsonl")
     full, conf_kv = sorted(records, key=lambda r: r["policy"] != "full")
     for record in records:
         assert record["end_reason"] == "stop" and record["steps"] == 1, record
@@ -521,7 +540,7 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
     ]
     assert pages[0] == pages[1] and len(pages[0]) == 2
     assert abs(conf_kv["history_tokens"] - full["history_tokens"]) <= 8
-    bench.write_report(tmp_path)
+    write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
 
@@ -542,7 +561,7 @@ class RecordingBar:
 
 def test_progress_moves_per_step_and_by_the_steps_an_episode_did_not_take():
     bar = RecordingBar()
-    progress = bench.StepProgress(bar, max_steps=6, episodes=2)
+    progress = StepProgress(bar, max_steps=6, episodes=2)
     early, failed = Job(1, "full", None), Job(2, "window", 512)
     for step in (1, 2, 3):
         progress.step(early, step)
@@ -559,25 +578,25 @@ def _spy_on_progress(monkeypatch) -> list[tuple]:
     """Log `("step", job key, n, time)` and `("finish", job key, None, time)` as the sweep's
     `StepProgress` is told them, letting them through."""
     events: list[tuple] = []
-    step, finish = bench.StepProgress.step, bench.StepProgress.finish
+    step, finish = StepProgress.step, StepProgress.finish
 
     def spy_step(self, job, n):
         events.append(("step", job.key, n, time.perf_counter()))
         step(self, job, n)
 
     def spy_finish(self, record):
-        events.append(("finish", bench.record_key(record), None, time.perf_counter()))
+        events.append(("finish", record_key(record), None, time.perf_counter()))
         finish(self, record)
 
-    monkeypatch.setattr(bench.StepProgress, "step", spy_step)
-    monkeypatch.setattr(bench.StepProgress, "finish", spy_finish)
+    monkeypatch.setattr(StepProgress, "step", spy_step)
+    monkeypatch.setattr(StepProgress, "finish", spy_finish)
     return events
 
 
 def test_an_in_process_sweep_reports_every_step(tmp_path: Path, two_tasks, monkeypatch):
     events = _spy_on_progress(monkeypatch)
-    jobs = bench.make_jobs(two_tasks, ["full"], [])
-    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(steps=3), progress=False)
+    jobs = make_jobs(two_tasks, ["full"], [])
+    run_bench(two_tasks, jobs, tmp_path, FakeRunner(steps=3), progress=False)
     assert [e[:3] for e in events] == [
         *(("step", jobs[0].key, n) for n in (1, 2, 3)),
         ("finish", jobs[0].key, None),
@@ -597,23 +616,21 @@ def test_jobs_wait_for_their_tasks_full_kv_reference():
         ]
     )
     references = {(1, "text")}
-    assert bench._next_ready(work, references)[1] == Job(1, "h2o", 64, agent="tools")
-    assert bench._next_ready(work, references)[1] == Job(2, "h2o", 64)
-    assert bench._next_ready(work, references)[1] == Job(1, "full", None)
-    assert bench._next_ready(work, references) is None  # task 1's full KV still runs
+    assert next_ready(work, references)[1] == Job(1, "h2o", 64, agent="tools")
+    assert next_ready(work, references)[1] == Job(2, "h2o", 64)
+    assert next_ready(work, references)[1] == Job(1, "full", None)
+    assert next_ready(work, references) is None  # task 1's full KV still runs
     references.discard((1, "text"))
-    assert bench._next_ready(work, references)[1] == Job(1, "h2o", 64)
+    assert next_ready(work, references)[1] == Job(1, "h2o", 64)
 
 
 def test_two_ray_actors_run_every_job(tmp_path: Path, two_tasks, local_ray):
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
+    jobs = make_jobs(two_tasks, ["full", "window"], [512])
     factory = functools.partial(FakeRunner, crash={Job(1, "window", 512).key}, seconds=0.3)
-    written = bench.run_bench(
-        two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False
-    )
-    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    written = run_bench(two_tasks, jobs, tmp_path, RayActors(2, factory=factory), progress=False)
+    assert sorted(record_key(r) for r in written) == sorted(job.key for job in jobs)
     errors = [r for r in written if r["end_reason"] == "error"]
-    assert [bench.record_key(r) for r in errors] == [Job(1, "window", 512).key]
+    assert [record_key(r) for r in errors] == [Job(1, "window", 512).key]
     assert errors[0]["error"] == "RuntimeError: browser died"  # as in-process
     pids = {r["pid"] for r in written if "pid" in r}
     assert len(pids) == 2 and os.getpid() not in pids  # both actors ran episodes
@@ -622,11 +639,11 @@ def test_two_ray_actors_run_every_job(tmp_path: Path, two_tasks, local_ray):
 def test_ray_actors_report_steps_while_their_episodes_run(
     tmp_path: Path, two_tasks, local_ray, monkeypatch
 ):
-    monkeypatch.setattr(bench, "STEP_POLL_S", 0.05)
+    monkeypatch.setattr(ray_pool, "STEP_POLL_S", 0.05)
     events = _spy_on_progress(monkeypatch)
-    jobs = bench.make_jobs(two_tasks, ["full"], [])
+    jobs = make_jobs(two_tasks, ["full"], [])
     factory = functools.partial(FakeRunner, seconds=1.5, steps=3)
-    bench.run_bench(two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False)
+    run_bench(two_tasks, jobs, tmp_path, RayActors(2, factory=factory), progress=False)
     for job in jobs:
         mine = [e for e in events if e[1] == job.key]
         assert [e[0] for e in mine] == ["step", "step", "step", "finish"]
@@ -638,23 +655,21 @@ def test_ray_actors_report_steps_while_their_episodes_run(
 def test_a_killed_ray_worker_is_one_error_record_and_the_sweep_finishes(
     tmp_path: Path, two_tasks, local_ray
 ):
-    jobs = bench.make_jobs(two_tasks, ["full", "window", "h2o"], [512, 1024])
+    jobs = make_jobs(two_tasks, ["full", "window", "h2o"], [512, 1024])
     assert len(jobs) == 2 * 5
-    bench.run_bench(two_tasks, jobs[:2], tmp_path, FakeRunner(), progress=False)
+    run_bench(two_tasks, jobs[:2], tmp_path, FakeRunner(), progress=False)
     before = (tmp_path / "results.jsonl").read_text()
     dying = jobs[2].key  # the first job handed out by this run
     factory = functools.partial(FakeRunner, die={dying}, seconds=0.3)
     started = time.perf_counter()
-    written = bench.run_bench(
-        two_tasks, jobs, tmp_path, bench.RayActors(2, factory=factory), progress=False
-    )
+    written = run_bench(two_tasks, jobs, tmp_path, RayActors(2, factory=factory), progress=False)
     print(f"\n8 episodes on 2 actors, one killed, in {time.perf_counter() - started:.1f} s")
-    assert sorted(bench.record_key(r) for r in written) == sorted(j.key for j in jobs[2:])
-    died = next(r for r in written if bench.record_key(r) == dying)
+    assert sorted(record_key(r) for r in written) == sorted(j.key for j in jobs[2:])
+    died = next(r for r in written if record_key(r) == dying)
     assert died["end_reason"] == "error" and died["success"] is False
     assert died["error"].startswith("ActorDiedError: The actor died unexpectedly")
     assert "worker process has died" in died["error"]
-    others = [r for r in written if bench.record_key(r) != dying]
+    others = [r for r in written if record_key(r) != dying]
     assert all(r["end_reason"] == "stop" for r in others)
     # the dead actor wrote nothing; its replacement and the other actor ran the rest
     assert len({r["pid"] for r in others}) == 2
@@ -662,38 +677,38 @@ def test_a_killed_ray_worker_is_one_error_record_and_the_sweep_finishes(
     assert text.startswith(before)  # earlier records unchanged
     lines = text.splitlines()
     assert len(lines) == len(jobs)
-    assert [bench.record_key(json.loads(line)) for line in lines[:2]] == [j.key for j in jobs[:2]]
+    assert [record_key(json.loads(line)) for line in lines[:2]] == [j.key for j in jobs[:2]]
 
 
 def test_a_runner_that_cannot_start_stops_the_sweep_with_its_error(
     tmp_path: Path, two_tasks, local_ray
 ):
-    jobs = bench.make_jobs(two_tasks, ["full"], [])
-    actors = bench.RayActors(2, factory=NoModelRunner)
+    jobs = make_jobs(two_tasks, ["full"], [])
+    actors = RayActors(2, factory=NoModelRunner)
     with pytest.raises(ModelNotFoundError, match="^no model at /nowhere$"):
-        bench.run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
-    assert bench.read_results(tmp_path / "results.jsonl") == []
+        run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
+    assert read_results(tmp_path / "results.jsonl") == []
 
 
 def test_more_actors_than_the_cluster_has_cpus_is_refused(tmp_path: Path, two_tasks, local_ray):
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
-    actors = bench.RayActors(3, factory=FakeRunner)
+    jobs = make_jobs(two_tasks, ["full", "window"], [512])
+    actors = RayActors(3, factory=FakeRunner)
     with pytest.raises(ConfigError, match="has 2 CPUs; 3 actors need 1 each"):
-        bench.run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
+        run_bench(two_tasks, jobs, tmp_path, actors, progress=False)
 
 
 def test_ray_address_is_checked_quickly():
-    bench.check_ray_address("auto")  # Ray looks it up itself
+    check_ray_address("auto")  # Ray looks it up itself
     with pytest.raises(ConfigError, match="must be auto, HOST:PORT or ray://HOST:PORT"):
-        bench.check_ray_address("head-node")
+        check_ray_address("head-node")
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.perf_counter()
     for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
         with pytest.raises(ConfigError, match=f"no Ray cluster answers at {address}: "):
-            bench.check_ray_address(address)
-    assert time.perf_counter() - started < 2 * bench.CONNECT_TIMEOUT_S
+            check_ray_address(address)
+    assert time.perf_counter() - started < 2 * CONNECT_TIMEOUT_S
 
 
 @pytest.mark.parametrize(
@@ -750,7 +765,7 @@ def test_aggregate_reports_the_live_peak_beside_the_allocated_one():
         _record(1, "full", None, True, 200e6, peak_kv_live_bytes=150e6),
         _record(1, "window", 512, True, 60e6, peak_kv_live_bytes=50e6),
     ]
-    window = {bench.row_label(r): r for r in bench.aggregate(records)}["window 512"]
+    window = {row_label(r): r for r in aggregate(records)}["window 512"]
     assert window["peak_kv_mb"] == pytest.approx(60.0)  # allocated: the headline
     assert window["peak_kv_live_mb"] == pytest.approx(50.0)
     assert window["reduction_vs_full"] == pytest.approx(200 / 60)  # allocated over allocated
@@ -765,7 +780,7 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
         {**_record(403, "h2o", 256, True, 3e6), "k": 1},
     ]
     # full KV solved task 401 (k=1) only; h2o lost it, and solved 403, which full did not run
-    assert bench.recall_table(records).splitlines() == [
+    assert recall_table(records).splitlines() == [
         "| policy | k=1 | k=4 | of full KV's solved | first k lost |",
         "| --- | --- | --- | --- | --- |",
         "| full | 1/1 | 0/1 | 1/1 | – |",
@@ -774,14 +789,14 @@ def test_recall_sweep_reports_success_per_k_and_names_its_mode(tmp_path: Path):
     # the reduction is against a full cache of each task's own history
     histories = {401: 9e6, 402: 12e6, 403: 6e6}
     sized = [{**r, "full_kv_allocated_bytes": histories[r["task_id"]]} for r in records]
-    assert bench.recall_table(sized).splitlines()[2:] == [
+    assert recall_table(sized).splitlines()[2:] == [
         "| full | 1/1 (1.0x) | 0/1 (1.3x) | 1/1 | – |",
         "| h2o 256 | 1/2 (2.5x) | 0/1 (4.0x) | 0/1 | 1 |",
     ]
-    assert bench.recall_table([_record(1, "full", None, True, 1e6)]) == ""
+    assert recall_table([_record(1, "full", None, True, 1e6)]) == ""
     _write(tmp_path / "results.jsonl", records)
     (tmp_path / "settings.json").write_text(json.dumps({"mode": "scripted"}))
-    bench.write_report(tmp_path)
+    write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
     assert "agreement vs memory" not in summary
@@ -795,18 +810,18 @@ def test_episodes_per_engine_runs_jobs_at_once_in_process(tmp_path: Path, two_ta
     barrier), a task's replaying jobs start only once its own full-KV episode ended (task
     2's while task 1's still runs), a crash is its own error record, and every step is
     reported before its episode's record."""
-    monkeypatch.setattr(bench, "STEP_POLL_S", 0.05)
+    monkeypatch.setattr(schedule, "STEP_POLL_S", 0.05)
     events = _spy_on_progress(monkeypatch)
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512, 1024])
-    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    jobs = make_jobs(two_tasks, ["full", "window"], [512, 1024])
+    full1, full2 = full_job(1).key, full_job(2).key
     crashing = Job(2, "window", 512).key
     runner = OverlappingRunner(
         meet={full1, full2}, hold={full1: 1.0}, crash={crashing}, seconds=0.1, steps=2
     )
-    settings = bench.BenchSettings(episodes_per_engine=3)
-    written = bench.run_bench(two_tasks, jobs, tmp_path, runner, settings, progress=False)
-    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
-    records = {bench.record_key(r): r for r in bench.read_results(tmp_path / "results.jsonl")}
+    settings = BenchSettings(episodes_per_engine=3)
+    written = run_bench(two_tasks, jobs, tmp_path, runner, settings, progress=False)
+    assert sorted(record_key(r) for r in written) == sorted(job.key for job in jobs)
+    records = {record_key(r): r for r in read_results(tmp_path / "results.jsonl")}
     assert len(records) == 6
     assert records[crashing]["end_reason"] == "error"
     assert "browser died" in records[crashing]["error"]
@@ -814,7 +829,7 @@ def test_episodes_per_engine_runs_jobs_at_once_in_process(tmp_path: Path, two_ta
     spans = _spans(written)
     for job in jobs:
         if job.policy != "full" and job.key != crashing:
-            full = bench.full_job(job.task_id).key
+            full = full_job(job.task_id).key
             assert spans[job.key][0] >= spans[full][1], job  # after its reference ended
     assert spans[Job(2, "window", 1024).key][0] < spans[full1][1]  # not after task 1's
     assert 2 <= _most_at_once(spans.values()) <= 3
@@ -829,32 +844,32 @@ def test_episodes_per_engine_runs_jobs_at_once_in_process(tmp_path: Path, two_ta
 def test_a_sweep_recorded_before_episodes_per_engine_resumes(tmp_path: Path, two_tasks):
     """A settings.json without a setting added since takes it at its default; another value
     is refused like any other changed setting."""
-    jobs = bench.make_jobs(two_tasks[:1], ["full"], [])
-    recorded = dataclasses.asdict(bench.BenchSettings())
+    jobs = make_jobs(two_tasks[:1], ["full"], [])
+    recorded = dataclasses.asdict(BenchSettings())
     del recorded["episodes_per_engine"]
     (tmp_path / "settings.json").write_text(json.dumps(recorded))
-    bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), progress=False)
-    assert len(bench.read_results(tmp_path / "results.jsonl")) == 1
-    other = bench.BenchSettings(episodes_per_engine=2)
+    run_bench(two_tasks, jobs, tmp_path, FakeRunner(), progress=False)
+    assert len(read_results(tmp_path / "results.jsonl")) == 1
+    other = BenchSettings(episodes_per_engine=2)
     with pytest.raises(ConfigError, match="episodes_per_engine 1 -> 2"):
-        bench.run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
+        run_bench(two_tasks, jobs, tmp_path, FakeRunner(), settings=other)
 
 
 def test_a_ray_actor_runs_episodes_per_engine_at_once(tmp_path: Path, two_tasks, local_ray):
     """One actor, two episodes at a time (a threaded actor): the two full-KV episodes meet
     in it, and each replaying job starts after its task's full-KV episode ended."""
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512])
-    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    jobs = make_jobs(two_tasks, ["full", "window"], [512])
+    full1, full2 = full_job(1).key, full_job(2).key
     factory = functools.partial(OverlappingRunner, meet={full1, full2}, seconds=0.2)
-    settings = bench.BenchSettings(episodes_per_engine=2)
-    actors = bench.RayActors(1, factory=factory)
-    written = bench.run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
-    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    settings = BenchSettings(episodes_per_engine=2)
+    actors = RayActors(1, factory=factory)
+    written = run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
+    assert sorted(record_key(r) for r in written) == sorted(job.key for job in jobs)
     assert all(r["end_reason"] == "stop" for r in written), written
     assert len({r["pid"] for r in written}) == 1 and os.getpid() not in {r["pid"] for r in written}
     spans = _spans(written)
     for task_id in (1, 2):
-        assert spans[Job(task_id, "window", 512).key][0] >= spans[bench.full_job(task_id).key][1]
+        assert spans[Job(task_id, "window", 512).key][0] >= spans[full_job(task_id).key][1]
     assert _most_at_once(spans.values()) == 2
 
 
@@ -863,16 +878,16 @@ def test_a_killed_ray_worker_fails_every_episode_it_ran_and_is_replaced_once(
 ):
     """An actor running two episodes dies during them: both are error records, one fresh
     actor takes its place and runs the rest."""
-    jobs = bench.make_jobs(two_tasks, ["full", "window"], [512, 1024])
-    full1, full2 = bench.full_job(1).key, bench.full_job(2).key
+    jobs = make_jobs(two_tasks, ["full", "window"], [512, 1024])
+    full1, full2 = full_job(1).key, full_job(2).key
     factory = functools.partial(
         OverlappingRunner, meet={full1, full2}, die={full1}, hold={full2: 3.0}, seconds=0.1
     )
-    settings = bench.BenchSettings(episodes_per_engine=2)
-    actors = bench.RayActors(1, factory=factory)
-    written = bench.run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
-    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
-    errors = {bench.record_key(r): r for r in written if r["end_reason"] == "error"}
+    settings = BenchSettings(episodes_per_engine=2)
+    actors = RayActors(1, factory=factory)
+    written = run_bench(two_tasks, jobs, tmp_path, actors, settings, progress=False)
+    assert sorted(record_key(r) for r in written) == sorted(job.key for job in jobs)
+    errors = {record_key(r): r for r in written if r["end_reason"] == "error"}
     assert set(errors) == {full1, full2}
     assert all(r["error"].startswith("ActorDiedError") for r in errors.values())
     others = [r for r in written if r["end_reason"] != "error"]
@@ -887,26 +902,24 @@ def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smoll
     (the window's with its agreement replay: its engine and full KV's both scheduled), and
     only the scheduler's thread ran the model. Short observations and no reference replay
     (`force_reply` through the scheduler: `test_scheduled_engine.py`) keep it quick."""
-    import agent_kv.runtime.model_loading as model_loading
-
-    monkeypatch.setattr(model_loading, "load_model", lambda model=None, weights=None: smollm)
+    monkeypatch.setattr(episodes, "load_model", lambda model=None, weights=None: smollm)
     threads_seen: set[str] = set()
     hook = smollm.model.register_forward_pre_hook(
         lambda module, args: threads_seen.add(threading.current_thread().name)
     )
     tasks = [load_task(1), load_task(2)]
-    jobs = [*bench.make_jobs(tasks, ["full"], []), Job(1, "window", 64)]
-    settings = bench.BenchSettings(
+    jobs = [*make_jobs(tasks, ["full"], []), Job(1, "window", 64)]
+    settings = BenchSettings(
         max_steps=1, max_obs_tokens=200, reference_accuracy=False, episodes_per_engine=2
     )
-    runner = bench.EpisodeRunner(settings)
+    runner = EpisodeRunner(settings)
     try:
-        written = bench.run_bench(tasks, jobs, tmp_path, runner, settings, progress=False)
+        written = run_bench(tasks, jobs, tmp_path, runner, settings, progress=False)
         scheduler = runner._scheduler
     finally:
         runner.close()
         hook.remove()
-    assert sorted(bench.record_key(r) for r in written) == sorted(job.key for job in jobs)
+    assert sorted(record_key(r) for r in written) == sorted(job.key for job in jobs)
     for record in written:
         assert record["end_reason"] != "error", record
         assert record["peak_kv_allocated_bytes"] > 0 and record["steps"] == 1

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent_kv.errors import ConfigError
-from agent_kv.harness.bench import make_jobs
+from agent_kv.harness.sweep.settings import make_jobs
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.forward_call import ForwardCall

@@ -158,8 +158,8 @@ def test_an_upward_or_sideways_import_is_caught(tmp_path):
         "agent_kv/runtime/__init__.py": "",
         "agent_kv/runtime/engine.py": "from ..kv import store\n",
         "agent_kv/harness/__init__.py": "",
-        "agent_kv/harness/bench.py": "from agent_kv.cli import PolicySpec\n",
-        "agent_kv/evals/__init__.py": "from agent_kv.harness import bench\n",
+        "agent_kv/harness/sweep/settings.py": "from agent_kv.cli import PolicySpec\n",
+        "agent_kv/evals/__init__.py": "from agent_kv.harness import sweep\n",
         "agent_kv/scheduler.py": "",
     }
     for name, text in files.items():
@@ -169,7 +169,7 @@ def test_an_upward_or_sideways_import_is_caught(tmp_path):
         (tmp_path / package).mkdir()
     assert layer_violations(tmp_path) == [
         "agent_kv.evals (layer 4) imports agent_kv.harness (agent_kv.harness, layer 4)",
-        "agent_kv.harness.bench (layer 4) imports agent_kv.cli (agent_kv.cli, layer 6)",
+        "agent_kv.harness.sweep.settings (layer 4) imports agent_kv.cli (agent_kv.cli, layer 6)",
         "agent_kv.kv.policies (layer 2) imports agent_kv.runtime.engine "
         "(agent_kv.runtime, layer 3)",
         "agent_kv.scheduler lies in no layer: add its package to LAYERS",

@@ -225,7 +225,7 @@ def test_a_relayed_stream_left_early_tells_the_app_its_client_went_away():
 
 
 def test_the_commands_router_names_are_the_routers_the_cluster_knows():
-    from agent_kv.cli import ReplicaRouter
+    from agent_kv.cli.serve import ReplicaRouter
     from api.cluster.launch import ROUTERS
 
     assert {router.value for router in ReplicaRouter} == set(ROUTERS)

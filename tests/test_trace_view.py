@@ -349,7 +349,7 @@ def test_trace_cli(fake_trace: Path, tmp_path: Path):
 @pytest.mark.browser
 @pytest.mark.model
 def test_html_trace_from_a_real_one_step_episode(tmp_path: Path):
-    from agent_kv.cli import _run
+    from agent_kv.cli.episode import _run
     from agent_kv.harness.agent import AgentConfig
     from agent_kv.kv.policy_spec import PolicySpec
     from envs.tasks import load_task

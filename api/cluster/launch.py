@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from agent_kv.errors import ConfigError
-from agent_kv.harness.bench import ray_session
+from agent_kv.harness.sweep.ray_pool import ray_session
 from api.body_limit import MAX_BODY_BYTES
 from api.cluster.directory import ReplicaDirectory
 from api.cluster.gateway import Gateway, GatewaySettings
