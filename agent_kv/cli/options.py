@@ -104,8 +104,8 @@ WeightsOption = Annotated[
     typer.Option(
         help="How the model holds its weights: fp32 (as loaded), fp16 (fp16 weights packed for "
         "fbgemm, fp32 math), bf16 (bfloat16 model) or int8 (INT8 weights and inputs, fbgemm's "
-        "dynamic quantization: fastest, least accurate). The KV cache stays fp32. README, "
-        '"Weights", has the measurements behind the default.',
+        "dynamic quantization: fastest, least accurate). The KV cache stays fp32. "
+        'docs/models.md, "Weights", has the measurements behind the default.',
     ),
 ]
 MaxStepsOption = Annotated[int, typer.Option(min=1, help="Actions before an episode is cut off.")]

@@ -85,7 +85,7 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
     observation = env.reset(task)
     for reference in task.reference_actions:
         role = observation_role(fmt, previous)
-        add_observation(chat, observation["text"], task.intent, config, previous, role)
+        add_observation(chat, observation["text"], task.intent, config, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
         forced = chat.force_reply(fmt.reply(concrete), pin=reply_pin(config.pin_replies))
