@@ -264,6 +264,15 @@ def _visible_limit(len_ptr, b, token, q_len, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(base, slots, stride_slot, dims, stride_dim, mask):
+    """The float32 tile `[len(slots), len(dims)]` at `base + slot * stride_slot +
+    dim * stride_dim`, 0 where `mask` is False."""
+    return tl.load(
+        base + slots[:, None] * stride_slot + dims[None, :] * stride_dim, mask=mask, other=0.0
+    ).to(tl.float32)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, idx_ptr, len_ptr,
     acc_ptr, max_ptr, sum_ptr, score_ptr,
@@ -311,25 +320,13 @@ def _split_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < stop
         tile = col_ok[:, None] & dim_ok[None, :]
-        keys = tl.load(
-            k_base + cols[:, None] * stride_kl + dims[None, :] * stride_kd, mask=tile, other=0.0
-        ).to(tl.float32)
-        values = tl.load(
-            v_base + cols[:, None] * stride_vl + dims[None, :] * stride_vd, mask=tile, other=0.0
-        ).to(tl.float32)
+        keys = _load_tile(k_base, cols, stride_kl, dims, stride_kd, tile)
+        values = _load_tile(v_base, cols, stride_vl, dims, stride_vd, tile)
         if QUANTIZED:
             scale_row = tl.load(idx_ptr + b * stride_ib + cols * stride_il, mask=col_ok, other=0)
             scale_row = scale_row.to(tl.int32)  # 32-bit offsets into the small scale table
-            keys *= tl.load(
-                ks_base + scale_row[:, None] * stride_kss + dims[None, :] * stride_ksd,
-                mask=tile,
-                other=0.0,
-            ).to(tl.float32)
-            values *= tl.load(
-                vs_base + scale_row[:, None] * stride_vss + dims[None, :] * stride_vsd,
-                mask=tile,
-                other=0.0,
-            ).to(tl.float32)
+            keys *= _load_tile(ks_base, scale_row, stride_kss, dims, stride_ksd, tile)
+            values *= _load_tile(vs_base, scale_row, stride_vss, dims, stride_vsd, tile)
         scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         tl.store(
             score_base + rows[:, None] * width + cols[None, :],
