@@ -25,7 +25,7 @@ dequantization inside an online softmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -257,13 +257,7 @@ def segmented_attention(
     group = check_segments(query, segments)
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim).float()  # [B, Hkv, G*q, D]
     grouped = grouped * scaling
-    running_max = normaliser = acc = None  # [B, Hkv, G*q, 1], same, [B, Hkv, G*q, D]
-    sink = extras.sink_logits(kv_heads, q_len)
-    if sink is not None:  # the sink is a first "slot" of logit `sink` and no value
-        running_max = sink.expand(batch, -1, -1, -1)
-        normaliser = torch.ones_like(running_max)
-        acc = grouped.new_zeros(batch, kv_heads, group * q_len, head_dim)
-    blocks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (unnormalised probs, their shift)
+    softmax = _OnlineSoftmax.seeded(extras.sink_logits(kv_heads, q_len), grouped)
     for segment in segments:
         visible = _visibility(segment, q_len, group)  # [B, 1, G*q, width]
         width = segment.keys.shape[2]
@@ -273,35 +267,74 @@ def segmented_attention(
             end = min(start + step, width)
             keys, values = segment.read(start, end)
             logits = extras.cap(torch.matmul(grouped, keys.transpose(-1, -2)))  # [B, Hkv, G*q, n]
-            logits = logits.masked_fill(~visible[..., start:end], float("-inf"))
-            block_max = logits.amax(dim=-1, keepdim=True)
-            if running_max is None:
-                # a row that sees nothing yet has max -inf; shifting by -1e30 keeps exp at 0
-                running_max = block_max.clamp_min(-1e30)
-                probs = torch.exp(logits - running_max)
-                normaliser = probs.sum(dim=-1, keepdim=True)
-                acc = torch.matmul(probs, values)
-            else:
-                new_max = torch.maximum(running_max, block_max)
-                rescale = torch.exp(running_max - new_max)
-                probs = torch.exp(logits - new_max)
-                normaliser = normaliser * rescale + probs.sum(dim=-1, keepdim=True)
-                acc = acc * rescale + torch.matmul(probs, values)
-                running_max = new_max
-            blocks.append((probs, running_max))
-    out = (acc / normaliser).to(query.dtype)  # [B, Hkv, G*q, D]
+            softmax.fold(logits.masked_fill(~visible[..., start:end], float("-inf")), values)
+    out = (softmax.acc / softmax.normaliser).to(query.dtype)  # [B, Hkv, G*q, D]
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2)  # [B, q, Hq, D]
-    # mass_j = sum over query rows of exp(shift - m) / l * probs_j: one [1, G*q] x [G*q, n]
-    # product per block, no second exp over the logits
-    mass = torch.cat(
-        [
-            torch.matmul((torch.exp(shift - running_max) / normaliser).transpose(-1, -2), probs)
-            for probs, shift in blocks
-        ],
-        dim=-1,
-    ).squeeze(-2)  # [B, Hkv, sum of widths]
-    widths = [segment.keys.shape[2] for segment in segments]
-    return out, list(mass.split(widths, dim=-1))
+    return out, softmax.masses([segment.keys.shape[2] for segment in segments])
+
+
+@dataclass
+class _OnlineSoftmax:
+    """`segmented_attention`'s online softmax over one call's grouped query rows.
+
+    Attributes:
+        running_max: `[B, Hkv, G*q, 1]`, the largest logit folded so far (`m`), or None before
+            the first block (without sinks).
+        normaliser: `[B, Hkv, G*q, 1]`, the sum of `exp(logit - m)` so far (`l`), or None.
+        acc: `[B, Hkv, G*q, D]`, the unnormalised output, or None.
+        blocks: each block's unnormalised probabilities `[B, Hkv, G*q, n]` with the maximum
+            `[B, Hkv, G*q, 1]` they were taken against.
+    """
+
+    running_max: torch.Tensor | None = None
+    normaliser: torch.Tensor | None = None
+    acc: torch.Tensor | None = None
+    blocks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def seeded(cls, sink: torch.Tensor | None, grouped: torch.Tensor) -> _OnlineSoftmax:
+        """The state before any block for the scaled grouped queries `grouped`
+        `[B, Hkv, G*q, D]`: empty, or with sinks (`sink` `[1, Hkv, G*q, 1]`) a first "slot"
+        of logit `sink` and no value (`m = sink`, `l = 1`, `acc = 0`)."""
+        if sink is None:
+            return cls()
+        running_max = sink.expand(grouped.shape[0], -1, -1, -1)
+        return cls(running_max, torch.ones_like(running_max), grouped.new_zeros(grouped.shape))
+
+    def fold(self, logits: torch.Tensor, values: torch.Tensor) -> None:
+        """Fold in a block of masked logits `[B, Hkv, G*q, n]` (-inf where not visible) and
+        its float32 values `[B, Hkv, n, D]`, rescaling the state by `exp(m_old - m_new)`."""
+        block_max = logits.amax(dim=-1, keepdim=True)
+        if self.running_max is None:
+            # a row that sees nothing yet has max -inf; shifting by -1e30 keeps exp at 0
+            self.running_max = block_max.clamp_min(-1e30)
+            probs = torch.exp(logits - self.running_max)
+            self.normaliser = probs.sum(dim=-1, keepdim=True)
+            self.acc = torch.matmul(probs, values)
+        else:
+            new_max = torch.maximum(self.running_max, block_max)
+            rescale = torch.exp(self.running_max - new_max)
+            probs = torch.exp(logits - new_max)
+            self.normaliser = self.normaliser * rescale + probs.sum(dim=-1, keepdim=True)
+            self.acc = self.acc * rescale + torch.matmul(probs, values)
+            self.running_max = new_max
+        self.blocks.append((probs, self.running_max))
+
+    def masses(self, widths: list[int]) -> list[torch.Tensor]:
+        """float32 mass per slot, `[B, Hkv, width]` per segment of `widths`, from the final
+        `m` and `l`: `mass_j = sum over query rows of exp(shift - m) / l * probs_j`, one
+        `[1, G*q] x [G*q, n]` product per block, no second exp over the logits."""
+        mass = torch.cat(
+            [
+                torch.matmul(
+                    (torch.exp(shift - self.running_max) / self.normaliser).transpose(-1, -2),
+                    probs,
+                )
+                for probs, shift in self.blocks
+            ],
+            dim=-1,
+        ).squeeze(-2)  # [B, Hkv, sum of widths]
+        return list(mass.split(widths, dim=-1))
 
 
 def single_pass_attention(

@@ -118,15 +118,9 @@ def segmented_attention(
             that is not a positive multiple of `BLOCK_N`, or tensors the kernels cannot run on
             (`kernels.triton_device.require_launchable`).
     """
+    _check_call(query, segments, split)
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
-    check_segments(query, segments)
-    reason = unsupported(query, segments)
-    if reason is not None:
-        raise ValueError(f"the Triton decode kernel does not take {reason}")
-    if split is not None and (split <= 0 or split % BLOCK_N):
-        raise ValueError(f"split must be a positive multiple of {BLOCK_N}, got {split}")
-    require_launchable(_split_kernel, query, *(s.keys for s in segments))
     device = query.device
     rows = q_heads // kv_heads * q_len
     programs = batch * kv_heads
@@ -144,54 +138,106 @@ def segmented_attention(
     total = sum(counts)
     partial_acc = torch.empty(programs, total, shape["BLOCK_M"], shape["BLOCK_D"], device=device)
     partial_max = torch.empty(programs, total, shape["BLOCK_M"], device=device)
-    partial_sum = torch.empty_like(partial_max)
+    partials = (partial_acc, partial_max, torch.empty_like(partial_max))  # (acc, m, l)
     scores = [torch.empty(programs, rows, s.keys.shape[2], device=device) for s in segments]
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
     offset = 0
     for segment, seg_lengths, size, count, seg_scores in zip(
         segments, lengths, splits, counts, scores, strict=True
     ):
         if count:
-            quantized = segment.scale_index is not None
-            tables = (
-                (segment.key_scales, segment.value_scales, segment.scale_index)
-                if quantized
-                else (segment.keys, segment.values, seg_lengths)  # unread placeholders
-            )
-            table_strides = (
-                (*segment.key_scales.stride(), *segment.value_scales.stride())
-                if quantized
-                else (0,) * 8
-            )
-            _split_kernel[(programs, count)](
-                query, segment.keys, segment.values, *tables, seg_lengths,
-                partial_acc, partial_max, partial_sum, seg_scores,
-                *query.stride(), *segment.keys.stride(), *segment.values.stride(),
-                *table_strides, *(segment.scale_index.stride() if quantized else (0, 0)),
-                kv_heads, q_len, head_dim, segment.keys.shape[2], size, offset, total, scaling,
-                CAUSAL=segment.causal, QUANTIZED=quantized, PRECISION=precision,
-                BLOCK_N=BLOCK_N, **shape, num_warps=SPLIT_WARPS,
+            _launch_split(
+                query, segment, seg_lengths, seg_scores, partials, scaling,
+                kv_heads=kv_heads, size=size, count=count, offset=offset, total=total,
+                shape=shape,
             )  # fmt: skip
         offset += count
     out = torch.empty(batch, q_len, q_heads, head_dim, dtype=query.dtype, device=device)
     final_max = torch.empty(programs, shape["BLOCK_M"], device=device)
     final_sum = torch.empty_like(final_max)
     _combine_kernel[(programs,)](
-        partial_acc, partial_max, partial_sum, out, final_max, final_sum,
+        *partials, out, final_max, final_sum,
         *out.stride(), kv_heads, q_len, head_dim, total, **shape,
     )  # fmt: skip
+    return out, _masses(query, segments, lengths, scores, final_max, final_sum, shape)
+
+
+def _check_call(query: torch.Tensor, segments: list[Segment], split: int | None) -> None:
+    """Refuse what `segmented_attention` cannot run (its Raises)."""
+    check_segments(query, segments)
+    reason = unsupported(query, segments)
+    if reason is not None:
+        raise ValueError(f"the Triton decode kernel does not take {reason}")
+    if split is not None and (split <= 0 or split % BLOCK_N):
+        raise ValueError(f"split must be a positive multiple of {BLOCK_N}, got {split}")
+    require_launchable(_split_kernel, query, *(s.keys for s in segments))
+
+
+def _launch_split(
+    query: torch.Tensor,
+    segment: Segment,
+    seg_lengths: torch.Tensor,
+    seg_scores: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scaling: float,
+    *,
+    kv_heads: int,
+    size: int,
+    count: int,
+    offset: int,
+    total: int,
+    shape: dict[str, int],
+) -> None:
+    """Launch `_split_kernel` over one segment: `count` splits of `size` slots for each
+    (batch row, KV head), writing partials `(acc, m, l)` at splits `offset` to
+    `offset + count` of `total`, and the segment's scores `seg_scores` `[B * Hkv, ROWS, L_s]`.
+    `seg_lengths` is int32 `[B]`; `shape` the kernel's `ROWS`, `BLOCK_M` and `BLOCK_D`."""
+    batch, _, q_len, head_dim = query.shape
+    quantized = segment.scale_index is not None
+    tables = (
+        (segment.key_scales, segment.value_scales, segment.scale_index)
+        if quantized
+        else (segment.keys, segment.values, seg_lengths)  # unread placeholders
+    )
+    table_strides = (
+        (*segment.key_scales.stride(), *segment.value_scales.stride()) if quantized else (0,) * 8
+    )
+    _split_kernel[(batch * kv_heads, count)](
+        query, segment.keys, segment.values, *tables, seg_lengths, *partials, seg_scores,
+        *query.stride(), *segment.keys.stride(), *segment.values.stride(),
+        *table_strides, *(segment.scale_index.stride() if quantized else (0, 0)),
+        kv_heads, q_len, head_dim, segment.keys.shape[2], size, offset, total, scaling,
+        CAUSAL=segment.causal, QUANTIZED=quantized,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_N=BLOCK_N, **shape, num_warps=SPLIT_WARPS,
+    )  # fmt: skip
+
+
+def _masses(
+    query: torch.Tensor,
+    segments: list[Segment],
+    lengths: torch.Tensor,
+    scores: list[torch.Tensor],
+    final_max: torch.Tensor,
+    final_sum: torch.Tensor,
+    shape: dict[str, int],
+) -> list[torch.Tensor]:
+    """Launch `_mass_kernel` over each segment for `query` `[B, Hq, q, D]`: its mass
+    `[B, Hkv, L_s]` float32 from its scores and the final `(m, l)` `[B * Hkv, BLOCK_M]` per
+    query row; `lengths` is int32 `[segments, B]`."""
+    batch, q_len = query.shape[0], query.shape[2]
+    kv_heads = segments[0].keys.shape[1]
     masses = []
     for segment, seg_lengths, seg_scores in zip(segments, lengths, scores, strict=True):
         width = segment.keys.shape[2]
-        mass = torch.empty(batch, kv_heads, width, device=device)
+        mass = torch.empty(batch, kv_heads, width, device=query.device)
         if width:
-            _mass_kernel[(programs, triton.cdiv(width, BLOCK_L))](
+            _mass_kernel[(batch * kv_heads, triton.cdiv(width, BLOCK_L))](
                 seg_scores, final_max, final_sum, seg_lengths, mass, *mass.stride(),
                 kv_heads, q_len, width, CAUSAL=segment.causal, BLOCK_L=BLOCK_L,
-                ROWS=rows, BLOCK_M=shape["BLOCK_M"],
+                ROWS=shape["ROWS"], BLOCK_M=shape["BLOCK_M"],
             )  # fmt: skip
         masses.append(mass)
-    return out, masses
+    return masses
 
 
 def _split_tokens(live: int, programs: int, device: torch.device) -> int:
@@ -215,6 +261,15 @@ def _visible_limit(len_ptr, b, token, q_len, CAUSAL: tl.constexpr):
     if CAUSAL:
         return length - q_len + 1 + token
     return length + token * 0
+
+
+@triton.jit
+def _load_tile(base, slots, stride_slot, dims, stride_dim, mask):
+    """The float32 tile `[len(slots), len(dims)]` at `base + slot * stride_slot +
+    dim * stride_dim`, 0 where `mask` is False."""
+    return tl.load(
+        base + slots[:, None] * stride_slot + dims[None, :] * stride_dim, mask=mask, other=0.0
+    ).to(tl.float32)
 
 
 @triton.jit
@@ -265,25 +320,13 @@ def _split_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < stop
         tile = col_ok[:, None] & dim_ok[None, :]
-        keys = tl.load(
-            k_base + cols[:, None] * stride_kl + dims[None, :] * stride_kd, mask=tile, other=0.0
-        ).to(tl.float32)
-        values = tl.load(
-            v_base + cols[:, None] * stride_vl + dims[None, :] * stride_vd, mask=tile, other=0.0
-        ).to(tl.float32)
+        keys = _load_tile(k_base, cols, stride_kl, dims, stride_kd, tile)
+        values = _load_tile(v_base, cols, stride_vl, dims, stride_vd, tile)
         if QUANTIZED:
             scale_row = tl.load(idx_ptr + b * stride_ib + cols * stride_il, mask=col_ok, other=0)
             scale_row = scale_row.to(tl.int32)  # 32-bit offsets into the small scale table
-            keys *= tl.load(
-                ks_base + scale_row[:, None] * stride_kss + dims[None, :] * stride_ksd,
-                mask=tile,
-                other=0.0,
-            ).to(tl.float32)
-            values *= tl.load(
-                vs_base + scale_row[:, None] * stride_vss + dims[None, :] * stride_vsd,
-                mask=tile,
-                other=0.0,
-            ).to(tl.float32)
+            keys *= _load_tile(ks_base, scale_row, stride_kss, dims, stride_ksd, tile)
+            values *= _load_tile(vs_base, scale_row, stride_vss, dims, stride_vsd, tile)
         scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         tl.store(
             score_base + rows[:, None] * width + cols[None, :],

@@ -253,15 +253,44 @@ def _recall_settings(ctx: EvalContext) -> str:
 def _report(
     ctx: EvalContext, size: Size, labels: list[str], trials: list[dict], policies: list[str]
 ) -> Report:
-    def picked(**match) -> list[dict]:
-        return [t for t in trials if all(t[k] == v for k, v in match.items())]
+    """The run's report: the accuracy, peak-KV and recall-cost tables, the heatmap, the setup
+    and notes, and in `data` every trial and policy x length x depth cell."""
+    cells = _cells(size, labels, trials, policies)
+    tables, overall = _tables(size, labels, trials, policies)
+    figure = _heatmap(ctx, size, labels, cells, policies)
+    return Report(
+        experiment="needle",
+        title="Needle in a haystack: pass-key retrieval at equal KV budget",
+        setup=_setup(ctx, size, labels),
+        tables=tables,
+        figures=[figure],
+        notes=_notes(ctx, size, labels),
+        data={
+            "budget": size.budget,
+            "lengths": labels,
+            "depths": list(size.depths),
+            "seeds": size.seeds,
+            "recall": None if ctx.recall is None else vars(ctx.recall),
+            "overall": overall,
+            "cells": cells,
+            "trials": trials,
+        },
+    )
 
-    cells = [
+
+def _picked(trials: list[dict], **match) -> list[dict]:
+    """The trials whose fields equal `match`'s values."""
+    return [t for t in trials if all(t[k] == v for k, v in match.items())]
+
+
+def _cells(size: Size, labels: list[str], trials: list[dict], policies: list[str]) -> list[dict]:
+    """Per policy x length x depth: its trials, how many were right, and the accuracy."""
+    return [
         {
             "policy": name,
             "length": label,
             "depth": depth,
-            "trials": len(hits := picked(policy=name, length=label, depth=depth)),
+            "trials": len(hits := _picked(trials, policy=name, length=label, depth=depth)),
             "right": sum(t["right"] for t in hits),
             "accuracy": _accuracy(hits),
         }
@@ -269,6 +298,13 @@ def _report(
         for label in labels
         for depth in size.depths
     ]
+
+
+def _tables(
+    size: Size, labels: list[str], trials: list[dict], policies: list[str]
+) -> tuple[list[Table], dict[str, float | None]]:
+    """`([accuracy, peak KV, recall cost], overall accuracy per policy)`: a row per policy
+    (the recall cost's for `+recall` policies only), a column per length."""
     accuracy = Table(
         f"Retrieval accuracy by context length (budget {size.budget} tokens per layer)",
         ["policy", *labels, "overall", "paper (up to 32K)"],
@@ -282,19 +318,24 @@ def _report(
     )
     overall = {}
     for name in policies:
-        per_length = [_accuracy(picked(policy=name, length=label)) for label in labels]
-        overall[name] = _accuracy(picked(policy=name))
+        per_length = [_picked(trials, policy=name, length=label) for label in labels]
+        overall[name] = _accuracy(_picked(trials, policy=name))
         accuracy.add(
-            name, *map(_percent, per_length), _percent(overall[name]), PAPER.get(name, "-")
+            name,
+            *(_percent(_accuracy(hits)) for hits in per_length),
+            _percent(overall[name]),
+            PAPER.get(name, "-"),
         )
-        peaks.add(name, *(_peak_mb(picked(policy=name, length=label)) for label in labels))
+        peaks.add(name, *map(_peak_mb, per_length))
         if split_recall(name)[1]:
-            recall_cost.add(
-                name, *(_recall_share(picked(policy=name, length=label)) for label in labels)
-            )
-    figure = _heatmap(ctx, size, labels, cells, policies)
+            recall_cost.add(name, *map(_recall_share, per_length))
+    return [accuracy, peaks, recall_cost], overall
+
+
+def _setup(ctx: EvalContext, size: Size, labels: list[str]) -> str:
+    """The report's setup paragraph: model, needle, question, depths, lengths and budget."""
     per_cell = f"{size.seeds} trial{'s' if size.seeds > 1 else ''}"
-    setup = (
+    return (
         f"{ctx.loaded.name}, greedy. Each trial hides a 5-digit pass key "
         f'("{NEEDLE.strip().format(key="58213")}") in a slice of the long text (by default the '
         f"Debian licence texts) at a "
@@ -309,7 +350,12 @@ def _report(
         f"the same for every policy; window, h2o and conf-kv at `--budget {size.budget}` "
         f"(unpinned tokens per layer), prefill in chunks of {size.prefill_chunk} tokens."
     )
-    notes = [
+
+
+def _notes(ctx: EvalContext, size: Size, labels: list[str]) -> list[str]:
+    """The report's notes: how the setup differs from the paper's, what equal budget means
+    for each policy, what `+recall` adds, and what the overall accuracy covers."""
+    return [
         f"Not the paper's setup: {ctx.loaded.name}, contexts up to {labels[-1]} (a "
         "rerotate row is past the model's context), a licence-text haystack; the paper's "
         "budget and needle format are not given, so its "
@@ -328,24 +374,6 @@ def _report(
         "The cold tier's bytes are shown apart from the hot ones.",
         "Overall accuracy is over every cell a policy ran; full KV's excludes the rerotate rows.",
     ]
-    return Report(
-        experiment="needle",
-        title="Needle in a haystack: pass-key retrieval at equal KV budget",
-        setup=setup,
-        tables=[accuracy, peaks, recall_cost],
-        figures=[figure],
-        notes=notes,
-        data={
-            "budget": size.budget,
-            "lengths": labels,
-            "depths": list(size.depths),
-            "seeds": size.seeds,
-            "recall": None if ctx.recall is None else vars(ctx.recall),
-            "overall": overall,
-            "cells": cells,
-            "trials": trials,
-        },
-    )
 
 
 def _heatmap(

@@ -30,7 +30,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -313,58 +313,19 @@ def run_recall_task(
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
     chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
-    pages: list[dict[str, Any]] = []
-    notes: dict[str, tuple[int, int]] = {}  # step -> the note's token positions
-    page_messages: list[int] = []  # each page's message index
-    decoded, error, hits, history = Decoded("", None), None, 0, 0
+    replay = _Replay(chat)
+    decoded, error, history = Decoded("", None), None, 0
     observation = env.reset(task)
-    previous: int | None = None
-    script = [*task.reference_actions[:-1], None]
     try:
-        for number, action in enumerate(script, start=1):
-            if on_page is not None:
-                on_page(number, len(script))
-            shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
-            previous = len(chat.messages) - 1
-            page_messages.append(previous)
-            page = {"step": number, "url": observation["url"], "observation": shown}
-            pages.append(page)
-            if action is None:
-                break
-            try:
-                concrete = env.concrete_action(action)
-            except ActionError as error:
-                raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
-            reply = fmt.reply(action, concrete)
-            note = NOTE.match(reply)
-            note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
-            forced = chat.force_reply(reply, pin=reply_pin(pin_replies, note_tokens))
-            hits += forced.greedy
-            if note:
-                start = chat.spans[len(chat.messages) - 1][0]
-                notes[str(number)] = (start, start + note_tokens)
-            page.update(
-                action=reply,
-                greedy=forced.greedy,
-                tokens_seen=chat.sequence.store.seen_tokens,
-                notes_kept=_notes_kept(chat.sequence.store, notes),
-            )
-            observation = env.step(concrete).observation
-            if observation["error"] is not None:
-                raise ActionError(
-                    f"task {task.task_id} step {number} {action}: {observation['error']}"
-                )
+        _replay_script(replay, task, env, observation, fmt, config, pin_replies, on_page)
         chat.prefill()
         history = chat.sequence.store.seen_tokens
-        notes_kept = _notes_kept(chat.sequence.store, notes)
-        for page, message in zip(pages, page_messages, strict=True):
-            page["kept_at_answer"] = _kept(chat.sequence.store, chat.spans[message])
-            if message + 1 in chat.spans:
-                page["reply_kept_at_answer"] = _kept(chat.sequence.store, chat.spans[message + 1])
+        notes_kept = replay.notes_kept()
+        replay.mark_kept_at_answer()
         decoded = decode(chat)
     except ContextOverflowError as err:
         error, history = str(err), chat.sequence.store.seen_tokens
-        notes_kept = _notes_kept(chat.sequence.store, notes)
+        notes_kept = replay.notes_kept()
     if error is None:
         verdict = evaluate(task, decoded.answer, env.url, env.servers, env.read_page)
         score = verdict.score
@@ -380,15 +341,8 @@ def run_recall_task(
         answer=decoded.answer,
         reply=decoded.reply,
         history_tokens=history,
-        reference_hits=hits,
-        peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
-        peak_kv_live_bytes=store.figures.peak_bytes,
-        full_kv_allocated_bytes=store.full_kv_allocated_nbytes(),
-        full_kv_live_bytes=store.full_kv_nbytes(),
-        kv_shared_bytes=store.prefix.nbytes(),
-        peak_cold_kv_bytes=store.recall.peak_bytes,
-        evicted_tokens=store.figures.evicted_tokens,
-        reencoded_tokens=store.figures.reencoded_tokens,
+        reference_hits=replay.hits,
+        **_kv_figures(store),
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         pin_replies=pin_replies,
@@ -401,9 +355,127 @@ def run_recall_task(
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
     )
-    trace = {"intent": task.intent, "pages": pages, "record": asdict(record)}
+    trace = {"intent": task.intent, "pages": replay.pages, "record": asdict(record)}
     (trace_dir / TRACE_JSON).write_text(json.dumps(trace, indent=2, default=str))
     return record
+
+
+@dataclass
+class _Replay:
+    """A recall task's replay so far (what a context overflow leaves is kept too).
+
+    Attributes:
+        chat: the conversation.
+        pages: each page's trace entry, in order.
+        page_messages: each page's message index in `chat`.
+        notes: per step (as a string) whose forced reply begins with a note, the note's token
+            positions `(start, end)`.
+        hits: scripted actions that were the model's greedy choice.
+    """
+
+    chat: Conversation
+    pages: list[dict[str, Any]] = field(default_factory=list)
+    page_messages: list[int] = field(default_factory=list)
+    notes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    hits: int = 0
+
+    def notes_kept(self) -> dict[str, float]:
+        """Per step, the share of its note's tokens the store holds now."""
+        return _notes_kept(self.chat.sequence.store, self.notes)
+
+    def mark_kept_at_answer(self) -> None:
+        """Set on each page's trace entry the share of its tokens (`kept_at_answer`) and of its
+        reply's, when it has one (`reply_kept_at_answer`), the store holds now."""
+        store, spans = self.chat.sequence.store, self.chat.spans
+        for page, message in zip(self.pages, self.page_messages, strict=True):
+            page["kept_at_answer"] = _kept(store, spans[message])
+            if message + 1 in spans:
+                page["reply_kept_at_answer"] = _kept(store, spans[message + 1])
+
+
+def _replay_script(
+    replay: _Replay,
+    task: Task,
+    env: BrowserEnv,
+    observation: dict[str, Any],
+    fmt: RecallFormat,
+    config: AgentConfig,
+    pin_replies: str,
+    on_page: Callable[[int, int], None] | None,
+) -> None:
+    """Feed `task`'s pages into `replay.chat` from `observation` (the env's first page), each
+    scripted action but the last forced as the reply to its page and taken in `env`.
+
+    Raises:
+        envs.browser_env.ActionError: as `run_recall_task`.
+    """
+    chat = replay.chat
+    script = [*task.reference_actions[:-1], None]
+    for number, action in enumerate(script, start=1):
+        if on_page is not None:
+            on_page(number, len(script))
+        shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
+        replay.page_messages.append(len(chat.messages) - 1)
+        page = {"step": number, "url": observation["url"], "observation": shown}
+        replay.pages.append(page)
+        if action is None:
+            break
+        observation = _force_action(replay, task, env, fmt, pin_replies, number, action, page)
+
+
+def _force_action(
+    replay: _Replay,
+    task: Task,
+    env: BrowserEnv,
+    fmt: RecallFormat,
+    pin_replies: str,
+    number: int,
+    action: str,
+    page: dict[str, Any],
+) -> dict[str, Any]:
+    """Force scripted `action` of step `number` as the reply to the latest page, note it on
+    the page's trace entry `page`, take it in `env` and return the next observation.
+
+    Raises:
+        envs.browser_env.ActionError: as `run_recall_task`.
+    """
+    chat = replay.chat
+    try:
+        concrete = env.concrete_action(action)
+    except ActionError as error:
+        raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
+    reply = fmt.reply(action, concrete)
+    note = NOTE.match(reply)
+    note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
+    forced = chat.force_reply(reply, pin=reply_pin(pin_replies, note_tokens))
+    replay.hits += forced.greedy
+    if note:
+        start = chat.spans[len(chat.messages) - 1][0]
+        replay.notes[str(number)] = (start, start + note_tokens)
+    page.update(
+        action=reply,
+        greedy=forced.greedy,
+        tokens_seen=chat.sequence.store.seen_tokens,
+        notes_kept=replay.notes_kept(),
+    )
+    observation = env.step(concrete).observation
+    if observation["error"] is not None:
+        raise ActionError(f"task {task.task_id} step {number} {action}: {observation['error']}")
+    return observation
+
+
+def _kv_figures(store) -> dict[str, int]:
+    """The KV-memory fields of a `RecallRecord` for `store` as the episode ends."""
+    return {
+        "peak_kv_allocated_bytes": store.figures.peak_allocated_bytes,
+        "peak_kv_live_bytes": store.figures.peak_bytes,
+        "full_kv_allocated_bytes": store.full_kv_allocated_nbytes(),
+        "full_kv_live_bytes": store.full_kv_nbytes(),
+        "kv_shared_bytes": store.prefix.nbytes(),
+        "peak_cold_kv_bytes": store.recall.peak_bytes,
+        "evicted_tokens": store.figures.evicted_tokens,
+        "reencoded_tokens": store.figures.reencoded_tokens,
+    }
 
 
 def run_recall(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -362,8 +363,6 @@ def kv_plot_svg(
     if not kv_steps:
         return ""
     steps = steps or []
-    left, right, top, bottom = 60, 50, 14, 62
-    plot_w, plot_h = width - left - right, height - top - bottom
     n = len(kv_steps)
     per_token = next((s["kv_bytes_per_token"] for s in steps if "kv_bytes_per_token" in s), 0)
     appended = [r.get("appended_kv_live_bytes", r.get("kv_live_bytes", 0)) / 1e6 for r in kv_steps]
@@ -372,35 +371,77 @@ def kv_plot_svg(
     full = [r.get("seen_tokens", 0) * per_token / 1e6 for r in kv_steps]
     budget = _budget_mb(kv_steps, steps, per_token) if per_token else [None] * n
     top_mb = max(*appended, *kept, *allocated, *full, *(b or 0 for b in budget)) or 1.0
-
-    def x(i: float) -> float:
-        return left + (plot_w * i / max(n - 1, 1))
-
-    def y_mb(v: float | None) -> float | None:
-        return None if v is None else top + plot_h * (1 - v / top_mb)
-
-    def y_conf(v: float) -> float:
-        return top + plot_h * (1 - min(max(v, 0.0), 1.0))
-
-    xs = [x(i) for i in range(n)]
+    area = _PlotArea(width, height, n, top_mb)
+    xs = [area.x(i) for i in range(n)]
     saw = " ".join(
-        f"{xs[i]:.1f},{y_mb(a):.1f} {xs[i]:.1f},{y_mb(k):.1f}"
+        f"{xs[i]:.1f},{area.y_mb(a):.1f} {xs[i]:.1f},{area.y_mb(k):.1f}"
         for i, (a, k) in enumerate(zip(appended, kept, strict=True))
     )
-    conf = [y_conf(float(r.get("confidence", 0.0))) for r in kv_steps]
+    conf = [area.y_conf(float(r.get("confidence", 0.0))) for r in kv_steps]
     series = [  # (class, colour, dash, legend, polylines)
         ("live", "#1f77b4", "", "live KV: after append, after eviction", [saw]),
         ("allocated", "#2ca02c", "", "allocated KV: the most during each call",
-         _points(xs, [y_mb(v) for v in allocated]) if any(allocated) else []),
+         _points(xs, [area.y_mb(v) for v in allocated]) if any(allocated) else []),
         ("confidence", "#d62728", "", "confidence c (right axis)", _points(xs, conf)),
         ("full-kv", "#7f7f7f", "6 3", "full KV: tokens seen × FP bytes/token",
-         _points(xs, [y_mb(v) for v in full]) if per_token else []),
+         _points(xs, [area.y_mb(v) for v in full]) if per_token else []),
         ("budget", "#ff7f0e", "4 2", "budget: (budget + pinned) × FP bytes/token",
-         _points(xs, [y_mb(v) for v in budget])),
+         _points(xs, [area.y_mb(v) for v in budget])),
     ]  # fmt: skip
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        *_grid_svg(area),
+        *_step_marks_svg(area, xs, kv_steps, steps),
+        *_series_svg(area, [item for item in series if item[4]]),
+        *_axis_labels_svg(area),
+    ]
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class _PlotArea:
+    """`kv_plot_svg`'s geometry in SVG pixels: an image `width` x `height` whose plotting area
+    starts `left`, `top` from its corner and leaves `right`, `bottom` free; `calls` forward
+    calls along x, `top_mb` MB at the top of the left axis, confidence 0 to 1 on the right."""
+
+    width: int
+    height: int
+    calls: int
+    top_mb: float
+    left: int = 60
+    right: int = 50
+    top: int = 14
+    bottom: int = 62
+
+    @property
+    def plot_w(self) -> int:
+        """The plotting area's width."""
+        return self.width - self.left - self.right
+
+    @property
+    def plot_h(self) -> int:
+        """The plotting area's height."""
+        return self.height - self.top - self.bottom
+
+    def x(self, i: float) -> float:
+        """x of forward call `i` (0-based)."""
+        return self.left + (self.plot_w * i / max(self.calls - 1, 1))
+
+    def y_mb(self, v: float | None) -> float | None:
+        """y of `v` MB on the left axis; None for None."""
+        return None if v is None else self.top + self.plot_h * (1 - v / self.top_mb)
+
+    def y_conf(self, v: float) -> float:
+        """y of confidence `v` on the right axis, clipped to [0, 1]."""
+        return self.top + self.plot_h * (1 - min(max(v, 0.0), 1.0))
+
+
+def _grid_svg(area: _PlotArea) -> list[str]:
+    """The SVG's opening tag, the plotting area and its quarter grid lines, ticked in MB on the
+    left axis and in confidence on the right."""
+    left, top, plot_w, plot_h = area.left, area.top, area.plot_w, area.plot_h
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{area.width}" height="{area.height}" '
+        f'viewBox="0 0 {area.width} {area.height}" font-family="sans-serif" font-size="11">',
         f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#fafafa" '
         'stroke="#ccc"/>',
     ]
@@ -411,21 +452,36 @@ def kv_plot_svg(
         )
         parts.append(
             f'<text x="{left - 4}" y="{yy + 4:.1f}" text-anchor="end" fill="#1f77b4">'
-            f"{top_mb * frac:.1f}</text>"
+            f"{area.top_mb * frac:.1f}</text>"
         )
         parts.append(
             f'<text x="{left + plot_w + 4}" y="{yy + 4:.1f}" fill="#d62728">{frac:.2f}</text>'
         )
+    return parts
+
+
+def _step_marks_svg(
+    area: _PlotArea, xs: list[float], kv_steps: list[dict[str, Any]], steps: list[dict[str, Any]]
+) -> list[str]:
+    """A dashed vertical mark, labelled with the step, at the first forward call of each step
+    (`_step_of_calls`; none without step records); `xs` is each call's x."""
+    parts = []
     owners = _step_of_calls(kv_steps, steps) if steps else []
     for i, owner in enumerate(owners):
         if owner is not None and (i == 0 or owners[i - 1] != owner):
             parts.append(
-                f'<line class="step-mark" x1="{xs[i]:.1f}" x2="{xs[i]:.1f}" y1="{top}" '
-                f'y2="{top + plot_h}" stroke="#999" stroke-dasharray="2 3"/>'
-                f'<text x="{xs[i] + 3:.1f}" y="{top + 11}" fill="#666">'
+                f'<line class="step-mark" x1="{xs[i]:.1f}" x2="{xs[i]:.1f}" y1="{area.top}" '
+                f'y2="{area.top + area.plot_h}" stroke="#999" stroke-dasharray="2 3"/>'
+                f'<text x="{xs[i] + 3:.1f}" y="{area.top + 11}" fill="#666">'
                 f"step {steps[owner].get('step', owner + 1)}</text>"
             )
-    drawn = [item for item in series if item[4]]
+    return parts
+
+
+def _series_svg(area: _PlotArea, drawn: list[tuple[str, str, str, str, list[str]]]) -> list[str]:
+    """The polylines of each series drawn, `(class, colour, dash, legend, polylines)`, and
+    their legend below the axis, three to a row."""
+    parts = []
     for i, (name, colour, dash, label, lines) in enumerate(drawn):
         dashed = f' stroke-dasharray="{dash}"' if dash else ""
         width_px = 1 if name == "confidence" else 1.2
@@ -434,14 +490,21 @@ def kv_plot_svg(
             f'stroke-width="{width_px}"{dashed}/>'
             for line in lines
         ]
-        legend_x = left + plot_w * (i % 3) / 3
-        legend_y = top + plot_h + 32 + 14 * (i // 3)
+        legend_x = area.left + area.plot_w * (i % 3) / 3
+        legend_y = area.top + area.plot_h + 32 + 14 * (i // 3)
         parts.append(
             f'<text x="{legend_x:.0f}" y="{legend_y}" fill="{colour}">&#9632; {label}</text>'
         )
-    parts += [
+    return parts
+
+
+def _axis_labels_svg(area: _PlotArea) -> list[str]:
+    """The x axis's first and last call numbers and the three axis titles, and the SVG's
+    closing tag."""
+    left, top, plot_w, plot_h, width = area.left, area.top, area.plot_w, area.plot_h, area.width
+    return [
         f'<text x="{left}" y="{top + plot_h + 14}">forward call 1</text>',
-        f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end">{n}</text>',
+        f'<text x="{left + plot_w}" y="{top + plot_h + 14}" text-anchor="end">{area.calls}</text>',
         f'<text x="{left + plot_w / 2:.0f}" y="{top + plot_h + 14}" text-anchor="middle">'
         "forward calls (prefill chunks and decode tokens)</text>",
         f'<text x="12" y="{top + plot_h / 2:.0f}" fill="#1f77b4" text-anchor="middle" '
@@ -450,7 +513,6 @@ def kv_plot_svg(
         f'transform="rotate(90 {width - 8} {top + plot_h / 2:.0f})">confidence</text>',
         "</svg>",
     ]
-    return "\n".join(parts)
 
 
 def render_trace(trace_dir: Path) -> str:

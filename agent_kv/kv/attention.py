@@ -41,6 +41,7 @@ from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
 from kernels.dispatch import decode_attention
 from kernels.reference import (
+    Segment,
     attention_profile,
     fused_attention,
     read_whole,
@@ -121,42 +122,96 @@ def store_attention(
         raise ValueError("agent_kv attention is inference-only (dropout must be 0)")
     features = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
     if isinstance(kv_store, PackedCall):
-        outs = [
-            store_attention(
-                module, *(t[:, :, start:end] for t in (query, key, value)), None, scaling,
-                kv_store=call, **features,
-            )[0]
-            for call, (start, end) in zip(kv_store.calls, kv_store.spans, strict=True)
-        ]  # fmt: skip
-        return torch.cat(outs, dim=1), None
+        return _packed_attention(module, query, key, value, scaling, kv_store, features), None
     call = kv_store
     store = call.store
     if query.dtype != store.dtype:  # bfloat16 weights over a float32 cache: compute in its dtype
-        widened = [t.to(store.dtype) for t in (query, key, value)]
-        if s_aux is not None:
-            features["s_aux"] = s_aux.to(store.dtype)
-        out, _ = store_attention(module, *widened, None, scaling, kv_store=call, **features)
-        return out.to(query.dtype), None
+        return _widened_attention(module, query, key, value, scaling, call, features), None
     layer = module.layer_idx
     if sliding_window != store.windows[layer]:
-        raise ValueError(
-            f"layer {layer} attends through a sliding window of {sliding_window} tokens, but its "
-            f"store was made for {store.windows[layer]}: make the store with "
-            "KVStore.for_model(model) (windows from the config: agent_kv.kv.layer_windows)"
-        )
+        raise _window_mismatch(layer, sliding_window, store.windows[layer])
     extras = SoftmaxExtras(softcap, s_aux)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    query_len = query.shape[2]
     if call.plan.reconstruct:
         return _reconstruction_attention(call, layer, query, key, value, scale, extras), None
     if call.plan.vote:
         call.vote(layer, query, scale)
         segments = [*call.segments(layer), call.new_segment(key, value, layer)]
-        whole = read_whole(segments, query_len, query.device)
+        whole = read_whole(segments, query.shape[2], query.device)
         return fused_attention(query, segments, scale, whole, extras), None
+    return _recorded_attention(call, layer, query, key, value, scale, extras), None
+
+
+def _packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    packed: PackedCall,
+    features: dict,
+) -> torch.Tensor:
+    """`store_attention` of a `PackedCall`: each sequence's span of the packed row
+    (`query` `[1, Hq, q, D]`, `key`, `value` `[1, Hkv, q, D]`) through its own call, the
+    outputs `[1, q_s, Hq, D]` joined along the tokens into `[1, q, Hq, D]`."""
+    outs = [
+        store_attention(
+            module, *(t[:, :, start:end] for t in (query, key, value)), None, scaling,
+            kv_store=call, **features,
+        )[0]
+        for call, (start, end) in zip(packed.calls, packed.spans, strict=True)
+    ]  # fmt: skip
+    return torch.cat(outs, dim=1)
+
+
+def _widened_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    call: ForwardCall,
+    features: dict,
+) -> torch.Tensor:
+    """`store_attention` of a call whose tensors are narrower than the store's dtype
+    (bfloat16 weights over a float32 cache): query, key, value and the sinks (`s_aux`)
+    widened to the store's dtype, the output `[R, q, Hq, D]` cast back to `query`'s."""
+    dtype = call.store.dtype
+    widened = [t.to(dtype) for t in (query, key, value)]
+    if features["s_aux"] is not None:
+        features["s_aux"] = features["s_aux"].to(dtype)
+    out, _ = store_attention(module, *widened, None, scaling, kv_store=call, **features)
+    return out.to(query.dtype)
+
+
+def _window_mismatch(layer: int, window: int | None, stored: int | None) -> ValueError:
+    """The error for a layer that attends through `window` tokens over a store made for
+    `stored`."""
+    return ValueError(
+        f"layer {layer} attends through a sliding window of {window} tokens, but its "
+        f"store was made for {stored}: make the store with "
+        "KVStore.for_model(model) (windows from the config: agent_kv.kv.layer_windows)"
+    )
+
+
+def _recorded_attention(
+    call: ForwardCall,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    extras: SoftmaxExtras,
+) -> torch.Tensor:
+    """An ordinary call's attention (neither reconstruction nor vote): recall cold pages when
+    one is due, stage the new tokens, read the store and return the output `[R, q, Hq, D]`,
+    handing the store the attention mass (every query's up to `SCORED_QUERIES`, a strided
+    sample's beyond: `scored_offsets`) and, for a prefill call, what its plan asks
+    (`_record_prefill_statistics`)."""
     call.recall(layer, query, scale)
     call.stage(layer, key, value)
     segments = [*call.segments(layer), call.new_segment(key, value, layer)]
+    query_len = query.shape[2]
     whole = None  # the segments read whole, shared by the fused read, the mass and the profile
     offsets = None  # every query scored (the store's default)
     if query_len > SCORED_QUERIES:
@@ -167,17 +222,37 @@ def store_attention(
     else:
         out, masses = decode_attention(query, segments, scale, extras)
     call.record_attention(layer, masses, query.shape[1] // key.shape[1], offsets)
-    if query_len > 1 and call.plan.observation_window:
+    if query_len > 1:
+        _record_prefill_statistics(call, layer, query, segments, masses, scale, whole, extras)
+    return out
+
+
+def _record_prefill_statistics(
+    call: ForwardCall,
+    layer: int,
+    query: torch.Tensor,
+    segments: list[Segment],
+    masses: list[torch.Tensor],
+    scale: float,
+    whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    extras: SoftmaxExtras,
+) -> None:
+    """What a prefill call's plan asks for beyond the mass: the mass from the last
+    `observation_window` queries (`ForwardCall.record_window`; `masses`, the call's mass per
+    segment, when it covers exactly those queries) and the attention profile of the last
+    `PROFILED_QUERIES` (`attention_profile`, `KVStore.record_profile`). `whole` is the
+    segments read whole, or None when the call did not read them so."""
+    query_len = query.shape[2]
+    if call.plan.observation_window:
         observed = min(query_len, call.plan.observation_window)
         if observed != query_len or query_len > SCORED_QUERIES:
             last = [segment.last_queries(observed) for segment in segments]
             _, masses = segmented_attention(query[:, :, -observed:], last, scale, extras=extras)
         call.record_window(layer, masses, observed)
-    if query_len > 1 and call.plan.profile:
+    if call.plan.profile:
         window = query[:, :, -PROFILED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole, extras)
-        store.record_profile(layer, stats)
-    return out, None
+        call.store.record_profile(layer, stats)
 
 
 def _reconstruction_attention(

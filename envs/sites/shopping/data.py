@@ -20,6 +20,7 @@ rows on every machine; the bundled tasks' reference answers depend on seed 0.
 
 import datetime as dt
 import random
+import sqlite3
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -398,81 +399,111 @@ def build_template_db(path: str | Path, seed: int = 0) -> Path:
     products = generate_products(seed)
     reviews = generate_reviews(len(products), seed)
     orders = generate_orders(products, seed)
+    with seeding.template_db(path, SCHEMA) as db:
+        category_ids = seeding.insert_categories(db, CATEGORIES)
+        _insert_products(db, products, reviews, category_ids)
+        _insert_reviews(db, reviews)
+        _insert_users(db)
+        _insert_orders(db, orders, products)
+        _insert_cart(db, len(products), seed)
+    return Path(path)
+
+
+def _insert_products(
+    db: sqlite3.Connection, products: list[dict], reviews: list[dict], category_ids: dict[str, int]
+) -> None:
+    """Insert `products` (ids from 1, in order) with their mean rating (one decimal, None
+    without reviews) and review count from `reviews`."""
     by_product: dict[int, list[int]] = {}
     for review in reviews:
         by_product.setdefault(review["product_id"], []).append(review["rating"])
-    with seeding.template_db(path, SCHEMA) as db:
-        category_ids = seeding.insert_categories(db, CATEGORIES)
-        rows = []
-        for i, item in enumerate(products, start=1):
-            ratings = by_product.get(i, [])
-            rating = round(sum(ratings) / len(ratings) + 1e-9, 1) if ratings else None
-            rows.append(
-                (
-                    i,
-                    category_ids[item["category"]],
-                    item["title"],
-                    item["brand"],
-                    item["price"],
-                    item["description"],
-                    item["colour"],
-                    item["added"].isoformat(),
-                    rating,
-                    len(ratings),
-                )
+    rows = []
+    for i, item in enumerate(products, start=1):
+        ratings = by_product.get(i, [])
+        rating = round(sum(ratings) / len(ratings) + 1e-9, 1) if ratings else None
+        rows.append(
+            (
+                i,
+                category_ids[item["category"]],
+                item["title"],
+                item["brand"],
+                item["price"],
+                item["description"],
+                item["colour"],
+                item["added"].isoformat(),
+                rating,
+                len(ratings),
             )
-        db.executemany(
-            "INSERT INTO products (id, category_id, title, brand, price, description, colour,"
-            " added, rating, review_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            rows,
         )
-        db.executemany(
-            "INSERT INTO reviews (product_id, author, rating, title, body, posted)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
+    db.executemany(
+        "INSERT INTO products (id, category_id, title, brand, price, description, colour,"
+        " added, rating, review_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        rows,
+    )
+
+
+def _insert_reviews(db: sqlite3.Connection, reviews: list[dict]) -> None:
+    """Insert `reviews`, their dates as ISO text."""
+    db.executemany(
+        "INSERT INTO reviews (product_id, author, rating, title, body, posted)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            (r["product_id"], r["author"], r["rating"], r["title"], r["body"], r["posted"])
+            for r in ({**r, "posted": r["posted"].isoformat()} for r in reviews)
+        ],
+    )
+
+
+def _insert_users(db: sqlite3.Connection) -> None:
+    """Insert the test account as user 1 (with `ACCOUNT_PROFILE`), then `OTHER_USERS`."""
+    profile = ACCOUNT_PROFILE
+    users = [
+        (TEST_ACCOUNT["username"], TEST_ACCOUNT["password"], *profile.values()),
+        *OTHER_USERS,
+    ]
+    db.executemany(
+        "INSERT INTO users (id, username, password, name, address, city, zip)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        [(i, *user) for i, user in enumerate(users, start=1)],
+    )
+
+
+def _insert_orders(db: sqlite3.Connection, orders: list[dict], products: list[dict]) -> None:
+    """Insert `orders` (`generate_orders`) with their totals, and their items with each
+    product's title and price."""
+    for order in orders:
+        total = sum(products[pid - 1]["price"] * qty for pid, qty in order["items"])
+        db.execute(
+            "INSERT INTO orders (id, user_id, placed, status, ship_name, ship_address,"
+            " ship_city, ship_zip, total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
-                (r["product_id"], r["author"], r["rating"], r["title"], r["body"], r["posted"])
-                for r in ({**r, "posted": r["posted"].isoformat()} for r in reviews)
+                order["id"],
+                order["user_id"],
+                order["placed"].isoformat(),
+                order["status"],
+                order["ship_name"],
+                order["ship_address"],
+                order["ship_city"],
+                order["ship_zip"],
+                total,
             ],
         )
-        profile = ACCOUNT_PROFILE
-        users = [
-            (TEST_ACCOUNT["username"], TEST_ACCOUNT["password"], *profile.values()),
-            *OTHER_USERS,
-        ]
         db.executemany(
-            "INSERT INTO users (id, username, password, name, address, city, zip)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(i, *user) for i, user in enumerate(users, start=1)],
+            "INSERT INTO order_items (order_id, product_id, title, price, quantity)"
+            " VALUES (?, ?, ?, ?, ?)",
+            [
+                (order["id"], pid, products[pid - 1]["title"], products[pid - 1]["price"], qty)
+                for pid, qty in order["items"]
+            ],
         )
-        for order in orders:
-            total = sum(products[pid - 1]["price"] * qty for pid, qty in order["items"])
-            db.execute(
-                "INSERT INTO orders (id, user_id, placed, status, ship_name, ship_address,"
-                " ship_city, ship_zip, total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    order["id"],
-                    order["user_id"],
-                    order["placed"].isoformat(),
-                    order["status"],
-                    order["ship_name"],
-                    order["ship_address"],
-                    order["ship_city"],
-                    order["ship_zip"],
-                    total,
-                ],
-            )
-            db.executemany(
-                "INSERT INTO order_items (order_id, product_id, title, price, quantity)"
-                " VALUES (?, ?, ?, ?, ?)",
-                [
-                    (order["id"], pid, products[pid - 1]["title"], products[pid - 1]["price"], qty)
-                    for pid, qty in order["items"]
-                ],
-            )
-        cart_rng = random.Random(seed + 3)
-        cart = cart_rng.sample(range(1, len(products) + 1), 2)
-        db.executemany(
-            "INSERT INTO cart_items (user_id, product_id, quantity) VALUES (1, ?, ?)",
-            [(pid, qty) for pid, qty in zip(cart, (1, 2), strict=True)],
-        )
-    return Path(path)
+
+
+def _insert_cart(db: sqlite3.Connection, n_products: int, seed: int) -> None:
+    """Put two products drawn with `seed` in the test account's cart, one of the first and
+    two of the second."""
+    cart_rng = random.Random(seed + 3)
+    cart = cart_rng.sample(range(1, n_products + 1), 2)
+    db.executemany(
+        "INSERT INTO cart_items (user_id, product_id, quantity) VALUES (1, ?, ?)",
+        [(pid, qty) for pid, qty in zip(cart, (1, 2), strict=True)],
+    )
