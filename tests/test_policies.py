@@ -10,8 +10,9 @@ from agent_kv.errors import ConfigError
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
-from agent_kv.kv.policies import POLICIES, ConfKV, make_policy
-from agent_kv.kv.policy_names import POLICY_NAMES, UNBUDGETED_NAMES
+from agent_kv.kv.policies import POLICIES, make_policy
+from agent_kv.kv.policies.conf_kv import ConfKV
+from agent_kv.kv.policy_names import declared_policies
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
 
@@ -255,8 +256,11 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
 
 
 def test_the_torch_free_name_list_is_the_registry():
-    assert tuple(POLICIES) == POLICY_NAMES
-    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == set(UNBUDGETED_NAMES)
+    declared = declared_policies()
+    assert tuple(POLICIES) == tuple(declared)
+    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == {
+        name for name, takes_budget in declared.items() if not takes_budget
+    }
 
 
 def observed_store(mass: torch.Tensor, window: int) -> KVStore:

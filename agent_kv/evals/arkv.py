@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import POLICIES, make_policy
-from agent_kv.kv.policy_names import UNBUDGETED_NAMES, base_policy
+from agent_kv.kv.policy_names import base_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 
@@ -152,7 +152,7 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
 
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:
     """Row label -> (policy, budget), the unbudgeted policies first."""
-    rows = {name: (name, None) for name in UNBUDGETED_NAMES}
+    rows = {name: (name, None) for name, cls in POLICIES.items() if not cls.takes_budget}
     for budget in sizes.budgets:
         rows |= {f"{name} {budget}": (name, budget) for name in BUDGETED}
     return rows

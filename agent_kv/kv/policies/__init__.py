@@ -1,24 +1,23 @@
-"""KV-cache policies, one module each, one interface (`agent_kv.kv.policies.base.Policy`)."""
+"""KV-cache policies, one module each, one interface (`agent_kv.kv.policies.base.Policy`).
+
+A policy is one module in this package: its class sets `name` (and `summary`, `order`,
+`paper`) and registers itself as it is defined (`agent_kv.kv.policies.registry`); importing
+this package imports every module in it (`discover`), so `POLICIES`, `make_policy`, the docs'
+table (`agent_kv.kv.policies.table`) and the command line's names
+(`agent_kv.kv.policy_names`) all come from the classes themselves.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.cold_tier import ColdConfig
-from agent_kv.kv.policies.arkv import Arkv, BaseOrigin
 from agent_kv.kv.policies.base import Policy, check_budget
-from agent_kv.kv.policies.base_quant import BaseQuant
 from agent_kv.kv.policies.cold_recall import ColdRecall
-from agent_kv.kv.policies.conf_kv import ConfKV
-from agent_kv.kv.policies.conf_kv_arkv import ConfKVArkv
-from agent_kv.kv.policies.conf_kv_l import ConfKVL
-from agent_kv.kv.policies.full import FullKV
-from agent_kv.kv.policies.h2o import H2O
-from agent_kv.kv.policies.kvzip import KVzip
-from agent_kv.kv.policies.random_eviction import RandomEviction
-from agent_kv.kv.policies.snapkv import SnapKV
-from agent_kv.kv.policies.window import SlidingWindow
+from agent_kv.kv.policies.registry import POLICIES
 from agent_kv.kv.policy_names import (
     REENCODE_SUFFIX,
     check_policy_name,
@@ -27,13 +26,15 @@ from agent_kv.kv.policy_names import (
 )
 from agent_kv.kv.store import Int8Config, KVStore
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
-        FullKV, SlidingWindow, H2O, SnapKV, RandomEviction, ConfKV, ConfKVL,
-        Arkv, BaseQuant, BaseOrigin, ConfKVArkv, KVzip,
-    )
-}  # fmt: skip
+
+def discover() -> None:
+    """Import every module of this package (the directories of its `__path__`), so each
+    policy class defined in one registers itself in `POLICIES`."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+discover()
 
 
 def make_policy(
@@ -42,15 +43,12 @@ def make_policy(
     """Build and validate a policy by name.
 
     Args:
-        name: one of `POLICIES` (`full`, `window`, `h2o`, `snapkv`, `random`, `conf-kv`,
-            `conf-kv-l`, `arkv`, `base-quant`, `base-origin`, `conf-kv+arkv`, `kvzip`), optionally
-            with the suffix `+recall`: the policy wrapped in `ColdRecall`.
-        budget: unpinned tokens per layer, mapped by the policy's `budget_params`: the window
-            for `window`; the budget (half of it recent) for `h2o`; the budget for `snapkv`
-            and `random`;
-            `n_low`, with `n_high = budget // 2`, for `conf-kv`, `conf-kv-l` and
-            `conf-kv+arkv`; for `arkv` and `base-origin` the mean bytes per layer, counted in
-            full-precision tokens. `full` and `base-quant` take none.
+        name: a key of `POLICIES` (docs/policies.md lists them), optionally with the suffix
+            `+recall`: the policy wrapped in `ColdRecall`.
+        budget: unpinned tokens per layer, turned into the policy's fields by its
+            `budget_params` (e.g. the window of `window`; `n_low`, with `n_high = budget //
+            2`, for CONF-KV; ARKV's mean bytes per layer, counted in full-precision tokens);
+            a policy that evicts nothing (`takes_budget` false) takes none.
         recall: the cold tier's settings for a `+recall` name (default `ColdConfig()`); giving
             them wraps the policy in `ColdRecall` whatever the name.
         **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`);
@@ -61,7 +59,7 @@ def make_policy(
             policy that evicts nothing); a `+reencode` name (an engine setting:
             `PolicySpec.parse` and `Engine(reencode=True)`).
     """
-    check_policy_name(name)
+    check_policy_name(name, {policy: cls.takes_budget for policy, cls in POLICIES.items()})
     if split_reencode(name)[1]:
         raise ConfigError(
             f"{REENCODE_SUFFIX} is the engine's setting, not the policy's: build {name!r} with "
@@ -125,20 +123,9 @@ def check_policy_precision(
 
 __all__ = [
     "POLICIES",
-    "Arkv",
-    "BaseOrigin",
-    "BaseQuant",
-    "ConfKV",
-    "ConfKVArkv",
-    "ConfKVL",
     "ColdRecall",
-    "FullKV",
-    "H2O",
-    "KVzip",
     "Policy",
-    "RandomEviction",
-    "SlidingWindow",
-    "SnapKV",
     "check_policy_precision",
+    "discover",
     "make_policy",
 ]

@@ -293,6 +293,15 @@ class Arkv(TriState, FixedBudgetPolicy):
     """
 
     name = "arkv"
+    order = 70
+    summary = (
+        "ARKV's tri-state cache: per layer, the top tokens by heavy-hitter score `S = mu + gamma "
+        "* sigma^2` stay Original, the next are quantized, the rest evicted; the newest `W` "
+        "always Original; each layer's Original share and budget share set from its prefill "
+        "attention statistics (flatter layers keep more); the budget counts bytes, in FP tokens "
+        "per layer"
+    )
+    paper = "ARKV, Method"
 
 
 @dataclass
@@ -304,6 +313,9 @@ class BaseOrigin(Arkv):
     """
 
     name = "base-origin"
+    order = 90
+    summary = "ARKV with Original tokens only, at ARKV's bytes"
+    paper = "ARKV's baselines"
     oq_ratio: float = 1.0
     oq_spread: float = 0.0
 

@@ -26,6 +26,8 @@ import torch
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.call_plan import CallPlan
+from agent_kv.kv.policies.registry import POLICIES
+from agent_kv.kv.policy_names import is_policy_class
 from agent_kv.kv.store import KVStore
 from kernels.formats import QUANT_FORMATS
 
@@ -76,6 +78,16 @@ class Policy(ABC):
     """
 
     name: ClassVar[str]
+    """What `make_policy` and `--policy` take; a subclass that sets it registers itself
+    (`agent_kv.kv.policies.registry`)."""
+    order: ClassVar[int] = 1000
+    """Its place in `POLICIES` and every listing of the policies (ties by name)."""
+    summary: ClassVar[str]
+    """What the policy keeps and evicts, one phrase of the docs' table
+    (`agent_kv.kv.policies.table`); every registered policy sets its own."""
+    paper: ClassVar[str | None] = None
+    """The paper and section the policy follows, short (`H2O §3-4`); None for none. Read from
+    the class's own body: a subclass does not inherit its parent's."""
     takes_budget: ClassVar[bool] = True
     """Whether `--budget` means anything to the policy (see `budget_params`)."""
     manages_precision: ClassVar[bool] = False
@@ -91,6 +103,12 @@ class Policy(ABC):
     protect_recent: int = 0
     sinks: int = 0
     evict_slack: int = 32
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Register a subclass that sets its own `name` (`registry.PolicyRegistry.add`)."""
+        super().__init_subclass__(**kwargs)
+        if is_policy_class(cls):
+            POLICIES.add(cls)
 
     @classmethod
     def budget_params(cls, budget: int, params: dict) -> dict:

@@ -29,6 +29,9 @@ class BaseQuant(FullKV):
     """
 
     name = "base-quant"
+    order = 80
+    summary = "every token quantized (`fp8` or `int8`), nothing evicted: uniform quantization"
+    paper = "ARKV's baselines"
     manages_precision: ClassVar[bool] = True
     quantized: str = "fp8"
     group: int = 8

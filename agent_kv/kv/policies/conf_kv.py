@@ -93,6 +93,13 @@ class ConfKV(ConfidenceGate):
     """
 
     name = "conf-kv"
+    order = 50
+    summary = (
+        "per step, `N_high` tokens when the confidence `c >= tau`, else `N_low`; ranked by the "
+        "percentiles of EMA attention mass and of recency; the newest `P` unpinned tokens always "
+        "kept"
+    )
+    paper = "CONF-KV §1-3"
     statistics = frozenset({"scores"})
     recency_weight: float = 0.3
 

@@ -27,3 +27,5 @@ class ConfKVArkv(TriState, ConfidenceGate):
     """
 
     name = "conf-kv+arkv"
+    order = 100
+    summary = "CONF-KV's confidence-gated budget, spent by ARKV's tri-state assignment"

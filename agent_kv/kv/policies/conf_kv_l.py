@@ -27,6 +27,12 @@ class ConfKVL(ConfKV):
     """
 
     name = "conf-kv-l"
+    order = 60
+    summary = (
+        "CONF-KV with a linear pyramid of per-layer budgets, the same total with deep layers "
+        "smaller: the first layer `1 + pyramid` times the mean, the last `1 - pyramid` times it"
+    )
+    paper = "CONF-KV-L, after PyramidKV"
     pyramid: float = 0.5
 
     def validate(self) -> None:

@@ -13,6 +13,8 @@ class FullKV(Policy):
     """Never evicts; `budget` is None at every step."""
 
     name = "full"
+    order = 0
+    summary = "every token"
     takes_budget = False
     evict_slack: int = 0
 

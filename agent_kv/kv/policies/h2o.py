@@ -30,6 +30,12 @@ class H2O(FixedBudgetPolicy):
     """
 
     name = "h2o"
+    order = 20
+    summary = (
+        "heavy hitters by accumulated attention plus a recent window, half the budget unless "
+        "`protect_recent` is given"
+    )
+    paper = "H2O §3-4"
     statistics = frozenset({"accumulated"})
     protect_recent: int = 256
 

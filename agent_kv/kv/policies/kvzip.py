@@ -41,6 +41,13 @@ class KVzip(FixedBudgetPolicy):
     """
 
     name = "kvzip"
+    order = 110
+    summary = (
+        "the tokens a reconstruction of the context needs most: after each prefill chunk the "
+        "model is made to repeat that chunk, and each cached token scores the most attention any "
+        "repeat query gave it; about twice the prefill time"
+    )
+    paper = "KVzip §3"
     reconstructs: ClassVar[bool] = True
     protect_recent: int = 32
     sinks: int = 4

@@ -27,6 +27,9 @@ class RandomEviction(FixedBudgetPolicy):
     """
 
     name = "random"
+    order = 40
+    summary = "the budget's worth of tokens chosen at random, seeded: the ablation baseline"
+    paper = "CONF-KV's ablation"
     seed: int = 0
     _generator: torch.Generator = field(init=False, repr=False, compare=False)
 

@@ -51,6 +51,13 @@ class SnapKV(FixedBudgetPolicy):
     """
 
     name = "snapkv"
+    order = 30
+    summary = (
+        "after each prefill call, the tokens its last `observation_window` queries attend to most"
+        " (max-pooled along positions), plus that window; tokens generated since rank above them,"
+        " newest first"
+    )
+    paper = "SnapKV §4"
     observation_window: int = 32
     kernel: int = 7
 

@@ -25,6 +25,12 @@ class SlidingWindow(Policy):
     """
 
     name = "window"
+    order = 10
+    summary = (
+        "the first `sinks` tokens (attention sinks) and the newest ones, `window` in all per "
+        "layer; `sinks=0` gives the plain window"
+    )
+    paper = "StreamingLLM §3"
     sinks: int = 4
     window: int = 512
 
