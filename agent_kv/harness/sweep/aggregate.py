@@ -8,7 +8,7 @@ from typing import Any
 
 from agent_kv.harness.intervals import paired_difference_interval, success_interval
 from agent_kv.harness.sweep.settings import record_key
-from agent_kv.kv.policy_names import POLICY_NAMES, base_policy
+from agent_kv.kv.policy_names import base_policy, declared_policies
 
 
 def mean(values: Iterable[float]) -> float | None:
@@ -51,7 +51,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         agent = setting[-1]
         full = {r["task_id"]: r for r in groups.get(("full", None, "fp", agent), [])}
         rows.append(_row(setting, group, full))
-    order = {name: i for i, name in enumerate(POLICY_NAMES)}
+    order = {name: i for i, name in enumerate(declared_policies())}
     rows.sort(
         key=lambda r: (
             r["policy"] != "full",
