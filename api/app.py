@@ -50,7 +50,7 @@ from agent_kv.errors import (
 )
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.engine import policy_from_spec
+from agent_kv.runtime.policy_setup import policy_from_spec
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_calls import ToolCallStream

@@ -171,8 +171,9 @@ class ChatAgentKV(BaseChatModel):
             ModelNotFoundError: the model cannot be loaded.
         """
         from agent_kv.kv.policy_spec import PolicySpec
-        from agent_kv.runtime.engine import Engine, policy_from_spec
+        from agent_kv.runtime.engine import Engine
         from agent_kv.runtime.model_loading import load_model
+        from agent_kv.runtime.policy_setup import policy_from_spec
         from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS
 
         spec = PolicySpec.checked(policy, budget)
