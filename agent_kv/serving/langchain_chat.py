@@ -18,10 +18,10 @@ quantized); `pin` sets the turn's pin rules, as the API's `pin` does (e.g.
 and every call the model makes, which a LangGraph `ToolNode`'s messages cannot flag).
 
 `bind_tools` and `with_structured_output` set OpenAI's `tools`, `tool_choice`,
-`parallel_tool_calls` and `response_format` on every call (`REPLY_KWARGS`): in-process they
-become the turn's `ReplySpec`, against a server the request's fields. Calls come back as
-`AIMessage.tool_calls` (and `tool_call_chunks` when streamed), decoded under the tools'
-schemas (`agent_kv.runtime.tool_calls`).
+`parallel_tool_calls` and `response_format` on every call (`langchain_tools.REPLY_KWARGS`):
+in-process they become the turn's `ReplySpec`, against a server the request's fields. Calls
+come back as `AIMessage.tool_calls` (and `tool_call_chunks` when streamed), decoded under the
+tools' schemas (`agent_kv.runtime.tool_calls`).
 
 The model's parts: `langchain_messages` converts messages both ways, `langchain_local` runs
 an in-process turn, `langchain_server` sends one to a server (its errors are
