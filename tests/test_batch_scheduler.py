@@ -16,7 +16,8 @@ from agent_kv.errors import QueueTimeoutError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.engine import Engine, PackedPart
+from agent_kv.runtime.batched_calls import PackedPart
+from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 

@@ -16,7 +16,9 @@ from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.serving.chat_service import ChatService
-from agent_kv.serving.langchain_chat import ChatAgentKV, ServerError, _dicts
+from agent_kv.serving.langchain_chat import ChatAgentKV
+from agent_kv.serving.langchain_messages import chat_dicts
+from agent_kv.serving.langchain_server import ServerError
 
 pytestmark = pytest.mark.model
 
@@ -55,7 +57,7 @@ def streamed(chunks) -> AIMessage:
 
 def test_invoke_reports_usage_and_kv(reference, service):
     assert reference.content and isinstance(reference.content, str)
-    prompt_tokens = len(service.render(_dicts(QUESTION)).token_ids)
+    prompt_tokens = len(service.render(chat_dicts(QUESTION)).token_ids)
     usage = reference.usage_metadata
     assert usage["input_tokens"] == prompt_tokens
     assert usage["input_token_details"] == {"cache_read": 0}

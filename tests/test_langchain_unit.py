@@ -20,7 +20,9 @@ from langchain_core.messages import (
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from agent_kv.errors import ConfigError
-from agent_kv.serving.langchain_chat import ChatAgentKV, ServerError, _checked, _dicts, _sse_chunk
+from agent_kv.serving.langchain_chat import ChatAgentKV
+from agent_kv.serving.langchain_messages import chat_dicts
+from agent_kv.serving.langchain_server import ServerError, checked_response, sse_chunk
 
 BASE_URL = "http://127.0.0.1:9"
 
@@ -85,7 +87,7 @@ def test_messages_become_role_dicts_with_pins():
         ToolMessage("page text", tool_call_id="1"),
         ChatMessage(role="user", content="again"),
     ]
-    assert _dicts(messages) == [
+    assert chat_dicts(messages) == [
         {"role": "system", "content": "rules", "pin": True},
         {"role": "user", "content": "hi there", "pin": False},
         {"role": "assistant", "content": "hello", "pin": False},
@@ -93,11 +95,11 @@ def test_messages_become_role_dicts_with_pins():
         {"role": "user", "content": "again", "pin": False},
     ]
     with pytest.raises(ValueError, match="role 'critic'"):
-        _dicts([ChatMessage(role="critic", content="x")])
+        chat_dicts([ChatMessage(role="critic", content="x")])
     with pytest.raises(ValueError, match="FunctionMessage"):
-        _dicts([FunctionMessage(name="f", content="x")])
+        chat_dicts([FunctionMessage(name="f", content="x")])
     with pytest.raises(ValueError, match="non-text content"):
-        _dicts([HumanMessage([{"type": "image", "url": "http://x/a.png"}])])
+        chat_dicts([HumanMessage([{"type": "image", "url": "http://x/a.png"}])])
 
 
 def test_call_overrides_fields():
@@ -123,14 +125,14 @@ def test_call_overrides_fields():
 def test_error_bodies_raise_server_error():
     body = {"error": {"message": "only n=1 is supported", "type": "x", "param": "n", "code": "c"}}
     with pytest.raises(ServerError) as err:
-        _checked(httpx.Response(400, json=body))
+        checked_response(httpx.Response(400, json=body))
     assert (err.value.status_code, err.value.param, err.value.code) == (400, "n", "c")
     assert err.value.message == "only n=1 is supported"
     assert "only n=1 is supported" in str(err.value)
     with pytest.raises(ServerError, match="502: bad gateway"):
-        _checked(httpx.Response(502, text="bad gateway"))
+        checked_response(httpx.Response(502, text="bad gateway"))
     with pytest.raises(ServerError, match="internal error: boom"):
-        _sse_chunk('data: {"error": {"message": "internal error: boom", "type": "server_error"}}')
+        sse_chunk('data: {"error": {"message": "internal error: boom", "type": "server_error"}}')
 
 
 def sse(model="m", choices=(), **extra) -> str:
@@ -138,13 +140,13 @@ def sse(model="m", choices=(), **extra) -> str:
 
 
 def test_sse_lines_become_chunks():
-    assert _sse_chunk("") is None and _sse_chunk("data: [DONE]") is None
+    assert sse_chunk("") is None and sse_chunk("data: [DONE]") is None
     role = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-    assert _sse_chunk(sse(choices=[role])) is None
-    text = _sse_chunk(sse(choices=[{"delta": {"content": "Hi"}, "finish_reason": None}]))
+    assert sse_chunk(sse(choices=[role])) is None
+    text = sse_chunk(sse(choices=[{"delta": {"content": "Hi"}, "finish_reason": None}]))
     assert text.message.content == "Hi"
     kv = {"session_id": "auto-1", "kv_live_bytes": 1024}
-    end = _sse_chunk(sse(choices=[{"delta": {}, "finish_reason": "length"}], kv=kv))
+    end = sse_chunk(sse(choices=[{"delta": {}, "finish_reason": "length"}], kv=kv))
     assert end.message.response_metadata == {
         "finish_reason": "length",
         "model_name": "m",
@@ -152,7 +154,7 @@ def test_sse_lines_become_chunks():
     }
     usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
     usage["prompt_tokens_details"] = {"cached_tokens": 4}
-    last = _sse_chunk(sse(usage=usage)).message
+    last = sse_chunk(sse(usage=usage)).message
     assert last.chunk_position == "last"
     assert last.usage_metadata == {
         "input_tokens": 9,
@@ -175,12 +177,12 @@ def test_round_trips_through_load():
 
 def test_the_api_key_is_sent_as_a_bearer_token(monkeypatch):
     monkeypatch.delenv("AGENT_KV_API_KEY", raising=False)
-    assert "authorization" not in ChatAgentKV(base_url="http://x")._client().headers
+    assert "authorization" not in ChatAgentKV(base_url="http://x")._server()._client().headers
     given = ChatAgentKV(base_url="http://x", api_key="sk-given")
-    assert given._client().headers["authorization"] == "Bearer sk-given"
+    assert given._server()._client().headers["authorization"] == "Bearer sk-given"
     monkeypatch.setenv("AGENT_KV_API_KEY", "sk-env")
     from_env = ChatAgentKV(base_url="http://x")
-    assert from_env._async_client().headers["authorization"] == "Bearer sk-env"
+    assert from_env._server()._async_client().headers["authorization"] == "Bearer sk-env"
     assert "sk-env" not in repr(from_env) and "api_key" not in from_env.to_json()["kwargs"]
 
 
@@ -188,14 +190,14 @@ def test_tool_call_blocks_that_repeat_the_calls_are_not_content():
     call = {"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}
     use = {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}
     message = AIMessage([{"type": "text", "text": "adding"}, use], tool_calls=[call])
-    (entry,) = _dicts([message])
+    (entry,) = chat_dicts([message])
     assert entry["content"] == "adding"
     assert [(c.id, c.name, json.loads(c.arguments)) for c in entry["tool_calls"]] == [
         ("c1", "add", {"a": 1})
     ]
     stray = AIMessage(["text", {**use, "id": "c2"}], tool_calls=[call])
     with pytest.raises(ValueError, match="non-text content"):
-        _dicts([stray])
+        chat_dicts([stray])
 
 
 def test_pin_rules_are_sent_and_checked():

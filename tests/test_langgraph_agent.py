@@ -18,7 +18,8 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.tool_calls import ReplySpec
-from agent_kv.serving.langchain_chat import ChatAgentKV, _dicts
+from agent_kv.serving.langchain_chat import ChatAgentKV
+from agent_kv.serving.langchain_messages import chat_dicts
 
 pytestmark = pytest.mark.model
 
@@ -81,7 +82,7 @@ def result_positions(service, messages: list) -> set[int]:
     only_results = PinRules(
         roles=frozenset(), latest_observations=0, tool_names=frozenset(t.name for t in TOOLS)
     )
-    dicts = _dicts(messages)
+    dicts = chat_dicts(messages)
     spans = protected_spans(service.render(dicts, tools), dicts, only_results)
     return {position for start, end in spans for position in range(start, end)}
 

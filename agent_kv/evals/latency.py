@@ -38,7 +38,8 @@ import torch
 from agent_kv.errors import ConfigError
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import BatchGeneration, Engine
+from agent_kv.runtime.batched_calls import BatchGeneration
+from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence
 

@@ -239,57 +239,124 @@ def run_episode(
     (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
     chat = open_conversation(engine, task.intent, fmt)
-    answer, end_reason, steps, error = None, "max_steps", 0, None
-    ttfts: list[float] = []
-    rates: list[float] = []
-    step_times: list[float] = []
-    previous_observation: int | None = None  # message index of the pinned observation
+    episode = _Episode(task, env, trace_dir, config, fmt, chat, on_step)
+    error = None
     try:
-        observation = env.reset(task)
-        for step in range(1, config.max_steps + 1):
-            step_started, first_token = time.perf_counter(), chat.sequence.store.seen_tokens
-            role = observation_role(fmt, previous_observation)
-            text = add_observation(chat, observation["text"], task.intent, config, role)
-            previous_observation = len(chat.messages) - 1
-            decoding = fmt.decoding(
-                engine, config.sampling, text, len(observation["tabs"]), config.constrain
-            )
-            reply = chat.reply(decoding.params, pin=bool(reply_pin(config.pin_replies)))
-            ttfts.append(reply.ttft_s)
-            rates.append(reply.decode_tokens_per_s)
-            result = _act(env, fmt, reply.text)
-            steps = step
-            step_times.append(time.perf_counter() - step_started)
-            record = _write_step(
-                trace_dir,
-                step,
-                observation,
-                reply.text,
-                result,
-                chat.sequence.store,
-                decoding.record(),
-                step_times[-1],
-                step_cache_fields(chat, first_token, previous_observation),
-            )
-            if on_step is not None:
-                on_step(record)
-            if result.done:
-                answer, end_reason = result.answer, result.info.get("reason", "stop")
-                break
-            observation = result.observation
-        verdict = evaluate(task, answer, env.url, env.servers, env.read_page)
+        episode.play()
+        verdict = evaluate(task, episode.answer, env.url, env.servers, env.read_page)
         score, details = verdict.score, verdict.details
     except PlaywrightError as err:
         error = f"browser failed: {str(err).splitlines()[0]}"
-        end_reason, score, details = "error", 0.0, {"error": error}
+        episode.end_reason, score, details = "error", 0.0, {"error": error}
     except ContextOverflowError as err:
         error = str(err)
-        end_reason, score, details = "error", 0.0, {"error": error}
+        episode.end_reason, score, details = "error", 0.0, {"error": error}
     _write_kv_steps(trace_dir, chat.sequence.steps)
-    store = chat.sequence.store  # as the episode ends (`Engine.reencode` replaces it)
-    episode = EpisodeResult(
-        task_id=task.task_id,
-        agent=config.agent,
+    wall_s = time.perf_counter() - started
+    result = _episode_result(episode, engine, model_name, score, details, error, wall_s)
+    (trace_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+    return result
+
+
+@dataclass
+class _Episode:
+    """An episode under way: what it runs on, and what it has done so far.
+
+    Attributes:
+        task, env, trace_dir, config, on_step: as `run_episode` takes them.
+        fmt: the action format `config.agent` names.
+        chat: the episode's conversation (`open_conversation`).
+        answer: the answer the episode ended with (None: none yet, or none given).
+        end_reason: why it ended ("max_steps" until an action ends it).
+        steps: the steps taken.
+        ttfts, rates, step_times: per step, the reply's time to first token (seconds), its
+            decode rate (tokens per second) and the step's wall time (seconds).
+        observation_index: the message index of the pinned observation (None before the
+            first).
+    """
+
+    task: Task
+    env: BrowserEnv
+    trace_dir: Path
+    config: AgentConfig
+    fmt: ActionFormat
+    chat: Conversation
+    on_step: Callable[[dict[str, Any]], None] | None
+    answer: str | None = None
+    end_reason: str = "max_steps"
+    steps: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    observation_index: int | None = None
+
+    def play(self) -> None:
+        """Take steps from the task's first page until an action ends the episode (its
+        answer and reason noted) or `config.max_steps` were taken.
+
+        Raises:
+            PlaywrightError: the browser failed.
+            ContextOverflowError: the conversation outgrew the model's context.
+        """
+        observation = self.env.reset(self.task)
+        for step in range(1, self.config.max_steps + 1):
+            result = self._step(step, observation)
+            if result.done:
+                self.answer, self.end_reason = result.answer, result.info.get("reason", "stop")
+                return
+            observation = result.observation
+
+    def _step(self, step: int, observation: dict) -> StepResult:
+        """Step `step`: `observation` added as the latest (pinned) observation, the agent's
+        reply decoded (under the page's grammar with `config.constrain`), its action carried
+        out, the step's record written to the trace and handed to `on_step`. Returns the
+        environment's answer to the action."""
+        chat, config = self.chat, self.config
+        step_started, first_token = time.perf_counter(), chat.sequence.store.seen_tokens
+        role = observation_role(self.fmt, self.observation_index)
+        text = add_observation(chat, observation["text"], self.task.intent, config, role)
+        self.observation_index = len(chat.messages) - 1
+        decoding = self.fmt.decoding(
+            chat.engine, config.sampling, text, len(observation["tabs"]), config.constrain
+        )
+        reply = chat.reply(decoding.params, pin=bool(reply_pin(config.pin_replies)))
+        self.ttfts.append(reply.ttft_s)
+        self.rates.append(reply.decode_tokens_per_s)
+        result = _act(self.env, self.fmt, reply.text)
+        self.steps = step
+        self.step_times.append(time.perf_counter() - step_started)
+        record = _write_step(
+            self.trace_dir,
+            step,
+            observation,
+            reply.text,
+            result,
+            chat.sequence.store,
+            decoding.record(),
+            self.step_times[-1],
+            step_cache_fields(chat, first_token, self.observation_index),
+        )
+        if self.on_step is not None:
+            self.on_step(record)
+        return result
+
+
+def _episode_result(
+    episode: _Episode,
+    engine: ChatEngine,
+    model_name: str,
+    score: float,
+    details: dict[str, Any],
+    error: str | None,
+    wall_s: float,
+) -> EpisodeResult:
+    """The result of an ended episode: its score and evaluation `details`, its `error` (None
+    without one), its wall time `wall_s` (seconds), and the figures of its store as the
+    episode ends (`Engine.reencode` replaces the store)."""
+    store = episode.chat.sequence.store
+    return EpisodeResult(
+        task_id=episode.task.task_id,
+        agent=episode.config.agent,
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         model=model_name,
@@ -297,10 +364,10 @@ def run_episode(
         success=score == 1.0,
         score=score,
         eval_details=details,
-        answer=answer,
-        end_reason=end_reason,
+        answer=episode.answer,
+        end_reason=episode.end_reason,
         error=error,
-        steps=steps,
+        steps=episode.steps,
         tokens_seen=store.seen_tokens,
         peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
         peak_kv_live_bytes=store.figures.peak_bytes,
@@ -313,14 +380,12 @@ def run_episode(
         int8=None if store.int8 is None else asdict(store.int8),
         quantized_tokens=store.figures.quantized_tokens,
         positions=store.positions_mode,
-        ttft_s=[round(t, 3) for t in ttfts],
-        decode_tokens_per_s=[round(r, 2) for r in rates],
-        step_s=[round(t, 3) for t in step_times],
-        wall_s=round(time.perf_counter() - started, 2),
-        trace_dir=str(trace_dir),
+        ttft_s=[round(t, 3) for t in episode.ttfts],
+        decode_tokens_per_s=[round(r, 2) for r in episode.rates],
+        step_s=[round(t, 3) for t in episode.step_times],
+        wall_s=round(wall_s, 2),
+        trace_dir=str(episode.trace_dir),
     )
-    (trace_dir / "summary.json").write_text(json.dumps(episode.summary(), indent=2))
-    return episode
 
 
 def _act(env: BrowserEnv, fmt: ActionFormat, reply: str) -> StepResult:

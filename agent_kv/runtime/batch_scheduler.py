@@ -34,7 +34,8 @@ import torch
 
 from agent_kv.errors import QueueTimeoutError, TurnCancelled
 from agent_kv.kv.policies import Policy
-from agent_kv.runtime.engine import Engine, PackedPart
+from agent_kv.runtime.batched_calls import PackedPart
+from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence

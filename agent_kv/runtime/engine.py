@@ -7,6 +7,9 @@ function folds the attention mass into the scores -> the last logits give the co
 Prefill runs the same path chunk by chunk, so eviction also happens between chunks and the
 store never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a
 prompt gates the budget with its confidence; earlier chunks get the policy's no-signal budget.
+
+The forward call and the policy's step after it are `agent_kv.runtime.forward_steps`
+(`ForwardSteps`, which `Engine` extends); prefix sharing is `agent_kv.runtime.prefix_sharing`.
 """
 
 from __future__ import annotations
@@ -14,41 +17,38 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError, TurnCancelled
+from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError
 from agent_kv.kv.cache import PackedCache, StoreCache
-from agent_kv.kv.call_plan import CallPlan
-from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
-from agent_kv.kv.policies import ColdRecall, Policy, check_policy_precision
-from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
+from agent_kv.kv.policies import ColdRecall, Policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.kv.prefix_cache import PrefixCache
-from agent_kv.kv.rope import Rotary
-from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
+from agent_kv.kv.store import Int8Config, KVStore
 from agent_kv.kv.store.pins import flag_runs
+from agent_kv.runtime.batched_calls import BatchGeneration, PackedPart
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.decode_graph import DecodeGraph
+from agent_kv.runtime.forward_steps import ForwardSteps, check_cancel
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.model_call import run_call
+from agent_kv.runtime.policy_setup import check_store_options, policy_from_spec
+from agent_kv.runtime.prefix_sharing import (
+    common_blocks,
+    prefix_cache_for,
+    publish_shared,
+    read_shared,
+    share_computed,
+)
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence, StepRecord
 
-RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
-"""The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
-only (`ForwardCall.record_reconstruction`), and its tokens are not kept."""
-VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
-"""The plan of a vote pass (`agent_kv.kv.cold_tier`, "Choosing pages across layers"): each
-layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
 
-
-class Engine(ChatEngine):
+class Engine(ForwardSteps, ChatEngine):
     """Runs a causal LM over `Sequence`s whose KV stores a `Policy` manages.
 
     Args:
@@ -99,17 +99,13 @@ class Engine(ChatEngine):
             )
         if reencode and share_prefixes:
             raise ConfigError("re-encoding starts a fresh cache that reads no shared prefix")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.policy = policy
-        self.prefill_chunk = prefill_chunk
+        graph = DecodeGraph(model) if compile else None
+        super().__init__(model, tokenizer, policy, prefill_chunk, graph)
         self.store_options = {"int8": int8, "rerotate": rerotate}
-        self.decode_graph = DecodeGraph(model) if compile else None
-        self.prefix_cache = _prefix_cache(model, rerotate) if share_prefixes else None
+        self.prefix_cache = prefix_cache_for(model, rerotate) if share_prefixes else None
         """The shared prefix blocks of this engine's sequences (`share_prefixes`), or None."""
         self.reencodes = reencode
         """Whether new messages are preceded by `reencode` when due (the `reencode` arg)."""
-        self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
         generation_config = getattr(model, "generation_config", None)
         candidates = [
             *_as_list(tokenizer.eos_token_id),
@@ -183,39 +179,13 @@ class Engine(ChatEngine):
         logits the feed needs). The sequence moves past the tokens read. Returns how many.
         0 without `share_prefixes`, for a store of several rows or one with tokens of its
         own."""
-        cache, store = self.prefix_cache, sequence.store
-        if not self._shares(store) or store.seen(0) != store.prefix.tokens:
-            return 0
-        start = store.seen(0)
-        pinned = store.pins.run(start, len(token_ids) - 1)
-        views = cache.match(cache.digests(_last_digest(store), token_ids[:pinned]))
-        if not views:
-            return 0
-        added = store.prefix.share(cache, views)
-        sequence.token_ids.extend(token_ids[:added])
-        return added
+        return read_shared(self.prefix_cache, sequence, token_ids)
 
     def publish_prefix(self, sequence: Sequence) -> int:
         """After a sequence's prompt was fed: the whole blocks of the pinned run its own
         tokens start with go to the prefix cache (or are found there) and the sequence reads
         them shared from then on. Returns the tokens shared; 0 without `share_prefixes`."""
-        cache, store = self.prefix_cache, sequence.store
-        if not self._shares(store):
-            return 0
-        start = store.prefix.tokens
-        run = store.pins.run(start, store.seen(0) - start)
-        count = run - run % cache.block_tokens
-        if not count or store.q.most() or min(store.lengths(0)) < count:
-            return 0
-        tokens = sequence.token_ids[start : start + count]
-        keys, values = store.prefix.front_tokens(count)
-        views = store.prefix.views()
-        parent = views[-1] if views else None
-        published = cache.publish(
-            parent, cache.digests(_last_digest(store), tokens), keys, values, start
-        )
-        store.prefix.share_front(cache, published, count)
-        return count
+        return publish_shared(self.prefix_cache, sequence)
 
     def _share_batch_prefix(self, store: KVStore, prompts: list[list[int]]) -> int:
         """With `share_prefixes`: the prompts' longest common prefix, in whole blocks and
@@ -224,29 +194,13 @@ class Engine(ChatEngine):
         `feed`), then read by every row of the batch's empty `store` as shared blocks. Returns
         the tokens each row reads shared (0 without `share_prefixes`, with rerotate, or
         without one whole common block)."""
-        cache = self.prefix_cache
-        if cache is None or store.rotary is not None:
-            return 0
-        common = 0
-        limit = min(len(prompt) for prompt in prompts) - 1
-        while common < limit and all(p[common] == prompts[0][common] for p in prompts):
-            common += 1
-        count = common - common % cache.block_tokens
+        count = common_blocks(self.prefix_cache, store, prompts)
         if not count:
             return 0
         prefix = self.new_sequence()
         prefix.store.pins.pin(0, count)
         self.feed(prefix, prompts[0][:count])
-        views = prefix.store.prefix.views()
-        if sum(view.tokens for view in views) != count:  # not published: prefill every row
-            return 0
-        cache.retain(views)  # the batch's store reads them too
-        return store.prefix.share(cache, views)
-
-    def _shares(self, store: KVStore) -> bool:
-        """Whether `store` may read this engine's shared prefix blocks: the engine keeps them,
-        the store has one row, and its keys are stored as the cache's are (not rerotated)."""
-        return self.prefix_cache is not None and store.batch == 1 and store.rotary is None
+        return share_computed(self.prefix_cache, store, prefix.store, count)
 
     @torch.no_grad()
     def feed(
@@ -334,98 +288,6 @@ class Engine(ChatEngine):
         count = int(kept.sum())
         store.figures.reencoded_tokens += count
         return count
-
-    def _prefill_row(
-        self,
-        cache: StoreCache,
-        row: int,
-        token_ids: list[int],
-        records: list[StepRecord],
-        fed: Callable[[list[int], torch.Tensor], None] | None = None,
-        cancel: threading.Event | None = None,
-    ) -> torch.Tensor:
-        """Feed one row's tokens chunk by chunk, calling `fed(chunk, [vocab] logits)` after
-        each; returns `[vocab]` logits after the last. Raises `TurnCancelled` when `cancel`
-        is set before a chunk."""
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            _check_cancel(cancel)
-            chunk = token_ids[start : start + self.prefill_chunk]
-            last_chunk = start + self.prefill_chunk >= len(token_ids)
-            logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
-            self._after_chunk(self.policy, cache, row, chunk, logits, last_chunk, records)
-            if fed is not None:
-                fed(chunk, logits[0])
-        return logits[0]
-
-    def _after_chunk(
-        self,
-        policy: Policy,
-        cache: StoreCache,
-        row: int,
-        chunk: list[int],
-        logits: torch.Tensor,
-        last_chunk: bool,
-        records: list[StepRecord],
-    ) -> None:
-        """What follows a forward call of `chunk` on `row`: KVzip's reconstruction pass, then
-        `policy`'s step with the confidence of `logits` `[1, vocab]`. Inside a prompt the
-        logits after a chunk boundary say nothing about the reply: only the last chunk's
-        confidence gates the budget (`last_chunk`; otherwise the no-signal budget).
-        """
-        if policy.reconstructs and len(chunk) > 1:  # a decoded token: none
-            self._reconstruct(cache.store, cache, row, chunk)
-        self._apply_policy(
-            cache.store, range(row, row + 1), logits, [last_chunk], [records], policy
-        )
-
-    def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
-        """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
-        the repeat prompt and the chunk fed once more, every stored token's largest attention
-        from them recorded (`ForwardCall.record_reconstruction`); the pass's own tokens are
-        never kept, so the cache is as before but for those scores. The pass's rotary
-        positions follow the row's, moved back as far as needed to stay inside the model's
-        trained context (only at its very end do they overlap the chunk's)."""
-        if self._repeat_ids is None:
-            self._repeat_ids = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
-        tokens = self._repeat_ids + chunk
-        start = store.seen(row) if store.rotary is None else max(store.lengths(row))
-        if store.max_positions:
-            start = max(min(start, store.max_positions - len(tokens)), 0)
-        call = ForwardCall.open(
-            store, range(row, row + 1), len(tokens), RECONSTRUCTION, start=start
-        )
-        run_call(self.model, cache, call, torch.tensor([tokens], device=store.device))
-
-    def _apply_policy(
-        self,
-        store: KVStore,
-        rows: range,
-        logits: torch.Tensor,
-        gated: list[bool],
-        records: list[list[StepRecord]],
-        policy: Policy | None = None,
-    ) -> None:
-        """Confidence from `logits` `[len(rows), vocab]`, one step of `policy` (default: the
-        engine's) per row, one `StepRecord` appended to each row's `records`."""
-        policy = policy or self.policy
-        confs = [float(c) for c in confidence(logits)]
-        gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
-        appended = [store.nbytes(row) for row in rows]
-        for i, row in enumerate(rows):
-            evicted = policy.step(store, gates[i], rows=range(row, row + 1))
-            records[i].append(
-                StepRecord(
-                    seen_tokens=store.seen(row),
-                    appended_kv_live_bytes=appended[i],
-                    kv_live_bytes=store.nbytes(row),
-                    kv_allocated_bytes=store.figures.call_allocated_bytes // store.batch,
-                    cold_kv_bytes=store.recall.nbytes(row),
-                    confidence=confs[i],
-                    gated=gated[i],
-                    budget=policy.budget(gates[i]),
-                    evicted=evicted,
-                )
-            )
 
     @torch.no_grad()
     def decode(
@@ -529,59 +391,6 @@ class Engine(ChatEngine):
         targets = torch.tensor(token_ids[1:])
         return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
 
-    def _forward(
-        self,
-        cache: StoreCache,
-        rows: range,
-        chunks: list[list[int]],
-        all_positions: bool = False,
-        policy: Policy | None = None,
-    ) -> torch.Tensor:
-        """One model call: `chunks[i]` (equal lengths `n`) for row `rows[i]` of the cache's
-        store, whose capacity `policy` (default: the engine's) bounds. Returns float32 logits
-        after each row's last token, `[len(rows), vocab]`, or with `all_positions` after every
-        token, `[len(rows), n, vocab]`."""
-        store = cache.store
-        plan = self._prepare(policy or self.policy, store)
-        n = len(chunks[0])
-        self._vote(cache, rows, chunks, plan)
-        if (
-            self.decode_graph is not None
-            and not all_positions
-            and self.decode_graph.takes(store, rows, n, plan)
-        ):
-            return self.decode_graph.step(cache, [chunk[0] for chunk in chunks], plan)
-        call = ForwardCall.open(store, rows, n, plan)
-        input_ids = torch.tensor(chunks, device=store.device)
-        logits = run_call(self.model, cache, call, input_ids, 0 if all_positions else 1)
-        return logits.float() if all_positions else logits[:, -1].float()
-
-    def _vote(
-        self, cache: StoreCache, rows: range, chunks: list[list[int]], plan: CallPlan
-    ) -> None:
-        """Before a multi-token call under `plan` that recalls with `select="vote"`: the vote
-        pass, the last `ColdConfig.queries` tokens of each of `chunks` fed where they will
-        stand, their tokens not kept, every layer's votes held for the call
-        (`agent_kv.kv.cold_tier`, "Choosing pages across layers")."""
-        store = cache.store
-        n = len(chunks[0])
-        if not plan.recall or n < 2 or not store.recall.due(n, rows[0]):
-            return
-        config = store.recall.tier.config
-        if config.select != "vote":
-            return
-        tail = min(n, config.queries)
-        call = ForwardCall.open(store, rows, tail, VOTE, ahead=n - tail)
-        input_ids = torch.tensor([chunk[n - tail :] for chunk in chunks], device=store.device)
-        run_call(self.model, cache, call, input_ids)
-
-    def _prepare(self, policy: Policy, store: KVStore) -> CallPlan:
-        """Before a forward call: the policy's plan for it (`Policy.prepare`), and the store's
-        capacity bounded by the policy's bound (`KVStore.bound_capacity`)."""
-        plan = policy.prepare(store)
-        store.bound_capacity(*policy.slot_bounds(store), self.prefill_chunk)
-        return plan
-
     @torch.no_grad()
     def step_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
         """One forward call over several sequences (continuous batching): each part's tokens
@@ -668,86 +477,10 @@ class Engine(ChatEngine):
         elif sequence.last_logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
         while (token := decoder.choose(sequence.last_logits)) is not None:
-            _check_cancel(cancel)
+            check_cancel(cancel)
             self.feed(sequence, [token])
             decoder.fed()
         return decoder.generation(len(prompt_ids))
-
-
-@dataclass
-class PackedPart:
-    """One sequence's share of a packed forward call (`Engine.step_packed`).
-
-    Attributes:
-        sequence: the sequence (its store has one row).
-        tokens: its new tokens: one decode token, or a prefill chunk.
-        policy: the policy that manages its store.
-        gated: whether the call's confidence chooses its budget: True for a decode token and
-            a prompt's last chunk, False for an earlier chunk (the no-signal budget).
-    """
-
-    sequence: Sequence
-    tokens: list[int]
-    policy: Policy
-    gated: bool
-
-
-@dataclass
-class BatchGeneration:
-    """The replies of `Engine.generate_batch`.
-
-    Attributes:
-        generations: one per prompt, in order.
-        store: the batch's KV store (per-row lengths, bytes and peaks).
-        steps: per row, one record per forward call (each row's own sawtooth).
-    """
-
-    generations: list[Generation]
-    store: KVStore
-    steps: list[list[StepRecord]]
-
-
-def policy_from_spec(spec: PolicySpec, model: torch.nn.Module) -> Policy:
-    """The policy of `spec` for `model`: a byte budget becomes tokens at the model's FP cost
-    per token and, with INT8, its INT8 cost.
-
-    Raises:
-        ConfigError: the budget holds no token, or invalid policy settings.
-    """
-    shape = KVStore.for_model(model)
-    int8_cost = None if spec.int8 is None else shape.int8_bytes_per_token(spec.int8.group)
-    return spec.build(shape.bytes_per_token(), int8_cost)
-
-
-def check_store_options(
-    model: torch.nn.Module, policy: Policy, int8: Int8Config | None, rerotate: bool
-) -> None:
-    """Check a sequence's store options against its policy and model, at configuration time.
-
-    Raises:
-        ConfigError: invalid `int8` settings, a policy that manages its own precision with
-            `int8`, or `rerotate` on a model without rotary embeddings.
-    """
-    if int8 is not None:
-        int8.validate()
-    check_policy_precision(policy, int8)
-    if rerotate:
-        Rotary.from_model(model)
-
-
-def _prefix_cache(model: torch.nn.Module, rerotate: bool) -> PrefixCache | None:
-    """A prefix cache for the model's sequences, or None where keys cannot be shared:
-    rerotate positions, sliding-window layers. Its identity: the model's name or path, its
-    weights' dtype and its stores' dtype."""
-    store = KVStore.for_model(model)
-    if rerotate or any(window is not None for window in store.windows):
-        return None
-    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    weights = next(model.parameters()).dtype
-    identity = (
-        f"{name}|{weights}|{store.dtype}|{store.num_layers}x{store.kv_heads}x{store.head_dim}"
-    )
-    return PrefixCache(BLOCK_TOKENS, identity.encode())
 
 
 def _reencode_due(sequence: Sequence) -> bool:
@@ -756,17 +489,6 @@ def _reencode_due(sequence: Sequence) -> bool:
     store = sequence.store
     evicted = store.figures.evicted_tokens - sequence.evicted_at_reencode
     return evicted > 0 and evicted >= sum(store.lengths())
-
-
-def _last_digest(store: KVStore) -> bytes:
-    """The digest of the last shared block the store reads (b"" for none)."""
-    views = store.prefix.views()
-    return views[-1].digest if views else b""
-
-
-def _check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise TurnCancelled("the turn was cancelled: its caller went away")
 
 
 def _as_list(value) -> list:

@@ -29,8 +29,8 @@ from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.batch_scheduler import BatchScheduler
 from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.engine import check_store_options, policy_from_spec
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
+from agent_kv.runtime.policy_setup import check_store_options, policy_from_spec
 from agent_kv.runtime.reply_decoding import Generation
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import Sequence
