@@ -120,8 +120,8 @@ async def test_pin_patterns_re2_refuses_are_422(client, patterns, says):
 
 async def test_admission_comes_before_any_tokenizing(service, client, monkeypatch):
     calls = []
-    original = service.prompt_ids
-    monkeypatch.setattr(service, "prompt_ids", lambda *a: calls.append(1) or original(*a))
+    original = service.render
+    monkeypatch.setattr(service, "render", lambda *a: calls.append(1) or original(*a))
     big = {"messages": [{"role": "user", "content": "word " * 400_000}], "max_tokens": 1}
     admitted = service.admit()  # the one place in the queue is taken
     started = time.perf_counter()
