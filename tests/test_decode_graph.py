@@ -164,3 +164,28 @@ def test_a_step_over_shared_prefix_blocks_compiles_to_the_eager_one(tiny_model):
         assert twin.store.lengths() == sequence.store.lengths()
     assert compiled_steps == 40 and sequence.store.figures.evicted_tokens > 0
     assert eager.prefix_cache.blocks == 3
+
+
+def test_warm_up_compiles_what_later_sessions_need(tiny_model):
+    """After `warm_up` (the server's, before it says it is ready), sessions of their own
+    tokens and sessions reading shared prefix blocks of other lengths compile nothing more."""
+    torch._dynamo.reset()  # the graphs earlier tests compiled are not the warm-up's
+    engine = Engine(
+        tiny_model, _Tokenizer(), make_policy("conf-kv", budget=96, protect_recent=16), 64,
+        compile=True, share_prefixes=True,
+    )  # fmt: skip
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    engine.warm_up()
+    warmed = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert warmed > before
+    generator = torch.Generator().manual_seed(3)
+    for system_tokens in (0, 100, 170):  # no shared blocks, 3 blocks, 5 blocks
+        system = torch.randint(0, 128, (system_tokens,), generator=generator).tolist()
+        for first in (5, 9):  # the second session reads the first one's blocks
+            sequence = engine.new_sequence()
+            sequence.store.pins.pin(0, len(system))
+            engine.feed(sequence, system + [first] * 40)
+            for token in range(3):
+                engine.feed(sequence, [token])
+        assert sequence.store.prefix.tokens == system_tokens // 32 * 32
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == warmed

@@ -27,7 +27,7 @@ from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
 from agent_kv.kv.policies import ColdRecall, Policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.kv.store import Int8Config, KVStore
+from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 from agent_kv.kv.store.pins import flag_runs
 from agent_kv.runtime.batched_calls import BatchGeneration, PackedPart
 from agent_kv.runtime.chat_engine import ChatEngine
@@ -157,16 +157,23 @@ class Engine(ForwardSteps, ChatEngine):
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile the decode graph now (`compile`; about a minute on a 2-core CPU the first
-        time, seconds once inductor's cache holds it) on a scratch sequence, so that no
-        request waits for it: one graph serves every later session. Nothing without
+        """Compile the decode graph now (`compile`; a minute or two on a 2-core CPU the first
+        time, seconds once inductor's cache holds it) on scratch sequences, so that no request
+        waits for it: one sequence of its own tokens, then two whose pinned openings of
+        different lengths they read as shared prefix blocks (`share_prefixes`: a store the
+        graph is traced for apart), after which the graph is compiled with dynamic shapes
+        and serves every later session (`agent_kv.runtime.decode_graph`). Nothing without
         `compile`."""
         if self.decode_graph is None:
             return
-        sequence = self.new_sequence()
-        self.feed(sequence, [0] * 8)
-        for _ in range(2):
-            self.feed(sequence, [0])
+        for blocks in range(3):
+            pinned = blocks * BLOCK_TOKENS
+            sequence = self.new_sequence()
+            sequence.store.pins.pin(0, pinned)
+            self.feed(sequence, [blocks] * (pinned + 8))  # no two openings alike
+            self.publish_prefix(sequence)
+            for _ in range(2):
+                self.feed(sequence, [0])
 
     def new_sequence(self) -> Sequence:
         """An empty sequence for this engine's model and store options."""
