@@ -323,7 +323,7 @@ def test_a_store_without_the_models_windows_is_refused():
     call = ForwardCall.open(store, range(1), 3)
     with pytest.raises(ValueError, match="sliding window of 16 tokens"):
         ours(input_ids=torch.tensor([[1, 2, 3]]), position_ids=call.tensors.position_ids,
-             kv_store=call, use_cache=False)  # fmt: skip
+             kv_call=call, use_cache=False)  # fmt: skip
 
 
 def test_layer_types_agent_kv_does_not_run_are_refused():

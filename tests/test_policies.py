@@ -369,7 +369,7 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     query = torch.randn(1, 6, query_len, 16, generator=gen)  # 3 query heads per KV head
     layer = torch.nn.Module()
     layer.layer_idx = 0
-    store_attention(layer, query, keys, values, None, kv_store=call)
+    store_attention(layer, query, keys, values, None, kv_call=call)
     call.close()
     cached = store.fp["keys"][0, :1, :, : 30 + query_len].repeat_interleave(3, dim=1)
     logits = query @ cached.transpose(-1, -2) / 4.0  # [1, 6, q, L]

@@ -245,7 +245,7 @@ def test_store_attention_decode_branch_uses_the_switch(monkeypatch):
         call = ForwardCall.open(store, range(2), 1)
         keys = torch.randn(2, 2, 1, 64, generator=torch.Generator().manual_seed(1))
         query = torch.randn(2, 8, 1, 64, generator=gen.manual_seed(11))
-        out, _ = store_attention(layer, query, keys, keys.flip(-1), None, kv_store=call)
+        out, _ = store_attention(layer, query, keys, keys.flip(-1), None, kv_call=call)
         call.close()
         scores = torch.stack([store.live_meta("scores", 0, row) for row in range(2)])
         results[mode] = out, scores

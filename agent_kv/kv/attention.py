@@ -2,7 +2,7 @@
 
 `register_attention()` registers, under the name `"agent_kv"`:
 - an attention function (transformers `AttentionInterface`) that reads the layer's stored
-  segments through the call given as the `kv_store` keyword of the model call
+  segments through the call given as the `kv_call` keyword of the model call
   (`ForwardCall.open`: shared prefix views, quantized segment, FP segment, then the call's
   own new tokens, which it stages for the call's commit) — decode steps and chunks of up to
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
@@ -82,7 +82,7 @@ def store_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kv_store: ForwardCall | PackedCall | None = None,
+    kv_call: ForwardCall | PackedCall | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
@@ -97,7 +97,7 @@ def store_attention(
         attention_mask: must be None (the store's causality and row lengths apply); a 4D mask
             is refused, since the store never holds padding.
         scaling: softmax scale, default `D ** -0.5`.
-        kv_store: the call (`agent_kv.kv.forward_call.ForwardCall`, from `ForwardCall.open`):
+        kv_call: the call (`agent_kv.kv.forward_call.ForwardCall`, from `ForwardCall.open`):
             read, given the new tokens and the attention mass; or a `PackedCall` of several
             sequences packed into one row (`R = 1`), each span of `q` run through its own
             call.
@@ -111,19 +111,19 @@ def store_attention(
         store's dtype (float32 under bfloat16 weights: `KV_DTYPE_ATTRIBUTE`).
 
     Raises:
-        ValueError: no `kv_store`, an explicit attention mask, dropout, or a `sliding_window`
+        ValueError: no `kv_call`, an explicit attention mask, dropout, or a `sliding_window`
             other than the store's for this layer (a config the store was not made from).
     """
-    if kv_store is None:
-        raise ValueError("agent_kv attention reads the store: call the model with kv_store=")
+    if kv_call is None:
+        raise ValueError("agent_kv attention reads the store: call the model with kv_call=")
     if attention_mask is not None:
         raise ValueError("agent_kv attention takes no attention mask: the store holds no padding")
     if dropout:
         raise ValueError("agent_kv attention is inference-only (dropout must be 0)")
     features = {"sliding_window": sliding_window, "softcap": softcap, "s_aux": s_aux}
-    if isinstance(kv_store, PackedCall):
-        return _packed_attention(module, query, key, value, scaling, kv_store, features), None
-    call = kv_store
+    if isinstance(kv_call, PackedCall):
+        return _packed_attention(module, query, key, value, scaling, kv_call, features), None
+    call = kv_call
     store = call.store
     if query.dtype != store.dtype:  # bfloat16 weights over a float32 cache: compute in its dtype
         return _widened_attention(module, query, key, value, scaling, call, features), None
@@ -157,7 +157,7 @@ def _packed_attention(
     outs = [
         store_attention(
             module, *(t[:, :, start:end] for t in (query, key, value)), None, scaling,
-            kv_store=call, **features,
+            kv_call=call, **features,
         )[0]
         for call, (start, end) in zip(packed.calls, packed.spans, strict=True)
     ]  # fmt: skip
@@ -180,7 +180,7 @@ def _widened_attention(
     widened = [t.to(dtype) for t in (query, key, value)]
     if features["s_aux"] is not None:
         features["s_aux"] = features["s_aux"].to(dtype)
-    out, _ = store_attention(module, *widened, None, scaling, kv_store=call, **features)
+    out, _ = store_attention(module, *widened, None, scaling, kv_call=call, **features)
     return out.to(query.dtype)
 
 

@@ -62,7 +62,7 @@ def decode_logits(
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
-        kv_store=call,
+        kv_call=call,
     )
     return out.logits[:, -1].float(), call.fold()
 

@@ -1,5 +1,5 @@
 """The model-call ritual, written once: a call opened over the store (`ForwardCall.open`, or
-several packed into one row: `PackedCall`), the model run with the call as its `kv_store`, the
+several packed into one row: `PackedCall`), the model run with the call as its `kv_call`, the
 call closed (its tokens and statistics written, the store moved on)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run_call(
         cache=cache,
         use_cache=True,
         logits_to_keep=logits_to_keep,
-        kv_store=call,
+        kv_call=call,
     )
     call.close()
     return out.logits
