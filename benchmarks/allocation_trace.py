@@ -3,7 +3,7 @@ store's buffers held during each call stayed within a tenth of the live bytes af
 append plus one block of tokens per layer and row (`agent_kv.kv.store.BLOCK_TOKENS`).
 
 Reads each episode directory's `kv_steps.jsonl` (one record per forward call: the most
-allocated bytes during the call and the policy step after it, and the live bytes after the
+allocated bytes during the call and the policy eviction after it, and the live bytes after the
 call's append) and its `summary.json` (the peaks, and the tokens seen for the bytes per token).
 
     .venv/bin/python benchmarks/allocation_trace.py runs/readme/task424-*

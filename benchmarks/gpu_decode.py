@@ -10,7 +10,7 @@ tokens x batch 8 through random weights would take most of the run and measure n
 - `full`: agent_kv's engine with every token kept (`Engine(compile=True)`: each step a CUDA
   graph, `agent_kv.runtime.decode_graph`), the store filled by `agent_kv.kv.forward_call.append_kv`;
 - `conf-kv+int8`: CONF-KV at `--budget` with INT8 mixed precision, the same way, after one
-  policy step with no confidence signal (evicted to its uncertain budget, quantized).
+  policy eviction with no confidence signal (evicted to its uncertain budget, quantized).
 Every agent_kv step is `Engine.decode`: the graph (model call, attention read, commit), then the
 policy with the step's confidences.
 
@@ -195,7 +195,7 @@ class EngineRun:
             store.bound_capacity(*policy.slot_bounds(store), 4096)
             keys, values = random_kv(generator, (*kv_shape[:3], n, kv_shape[4]), device, dtype)
             append_kv(store, keys, values)
-            policy.step(store, None)
+            policy.evict(store, None)
         self.store, self.vocab = store, model.config.vocab_size
 
     def step(self) -> None:

@@ -197,7 +197,7 @@ def test_tri_state_keeps_top_original_middle_quantized_and_evicts_the_rest():
     policy = make_policy("arkv", budget=256, evict_slack=0, share_spread=0.0)
     plan = policy.layer_plan(store, [256])[0]
     assert plan.quantized > 0 and plan.quantized % 8 == 0
-    policy.step(store, None)
+    policy.evict(store, None)
     positions = store.live_positions(0)
     q_len = store.q.lengths[0][0]
     recent = set(range(400 - 64, 400))
@@ -216,8 +216,8 @@ def test_tri_state_keeps_top_original_middle_quantized_and_evicts_the_rest():
 
 def test_arkv_holds_the_bytes_of_window_at_the_same_budget():
     store, window_store = scored_store(600), scored_store(600)
-    make_policy("arkv", budget=200, share_spread=0.0).step(store, None)
-    make_policy("window", budget=200).step(window_store, None)
+    make_policy("arkv", budget=200, share_spread=0.0).evict(store, None)
+    make_policy("window", budget=200).evict(window_store, None)
     assert store.nbytes() <= window_store.nbytes() * 1.05  # whole groups may wait in FP
     assert sum(store.lengths()) > sum(window_store.lengths())  # more tokens for the bytes
     assert store.quantized_lengths()[0] > 0
@@ -225,14 +225,14 @@ def test_arkv_holds_the_bytes_of_window_at_the_same_budget():
 
 def test_short_contexts_are_left_alone():
     store = scored_store(100)
-    assert make_policy("arkv", budget=256).step(store, None) == 0
+    assert make_policy("arkv", budget=256).evict(store, None) == 0
     assert store.quantized_lengths() == [0] and store.lengths() == [100]
 
 
 def test_base_quant_quantizes_every_whole_group_and_evicts_nothing():
     store = fp_store(100)
     store.pins.pin(0, 4)
-    assert make_policy("base-quant").step(store, None) == 0
+    assert make_policy("base-quant").evict(store, None) == 0
     assert store.q.lengths[0][0] == 96 and store.fp.lengths[0][0] == 4
     assert store.precision.quantized_format() == "fp8"
     assert kept_positions(store)[96:] == [0, 1, 2, 3]
@@ -240,15 +240,15 @@ def test_base_quant_quantizes_every_whole_group_and_evicts_nothing():
 
 def test_base_origin_never_quantizes():
     store = scored_store(600)
-    make_policy("base-origin", budget=200, share_spread=0.0, evict_slack=0).step(store, None)
+    make_policy("base-origin", budget=200, share_spread=0.0, evict_slack=0).evict(store, None)
     assert store.quantized_lengths() == [0] and store.lengths() == [200]
 
 
 def test_conf_kv_arkv_spends_the_gated_budget():
     confident, uncertain = scored_store(900), scored_store(900)
     policy = make_policy("conf-kv+arkv", budget=400, evict_slack=0)
-    policy.step(confident, 0.95)
-    policy.step(uncertain, 0.1)
+    policy.evict(confident, 0.95)
+    policy.evict(uncertain, 0.1)
     assert confident.nbytes() < uncertain.nbytes()
     assert confident.quantized_lengths()[0] > 0
 

@@ -120,7 +120,7 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     # within a budget of 6, h2o keeps the recalled tokens before its own choices
     policy = ColdRecall(make_policy("h2o", budget=6, protect_recent=1, evict_slack=0), ColdConfig())
     policy.prepare(store)
-    policy.step(store, None)
+    policy.evict(store, None)
     kept = store.live_positions(0).tolist()
     assert {2, 3, 4, 5, 16} <= set(kept) and len(kept) == 6
 

@@ -82,10 +82,10 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
     per_token_layer = store.bytes_per_token() // store.num_layers
     checks = []
 
-    original_step = policy.step
+    original_evict = policy.evict
 
-    def checked_step(st, conf, rows=None):
-        evicted = original_step(st, conf, rows)
+    def checked_evict(st, conf, rows=None):
+        evicted = original_evict(st, conf, rows)
         seen = st.seen_tokens
         for idx in range(st.num_layers):
             kept = set(kept_positions(st, idx))
@@ -101,7 +101,7 @@ def test_tight_budget_bounds_the_cache_and_protects_recent_tokens(smollm, prompt
         checks.append(conf)
         return evicted
 
-    policy.step = checked_step
+    policy.evict = checked_evict
     reply = engine.generate(session, prompt_ids, SamplingParams(max_new_tokens=DECODE_STEPS))
     fed = [t for t in reply.token_ids if t not in engine.eos_ids]
     assert len(checks) == -(-len(prompt_ids) // chunk) + len(fed)

@@ -38,7 +38,7 @@ def test_kvzip_keeps_the_tokens_with_the_largest_reconstruction_scores():
     reconstruction[0, :12] = torch.tensor([9, 0, 0, 5, 0, 7, 0, 0, 0, 0, 0, 0.0])
     reconstruction[1, :12] = torch.tensor([0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0.0])
     policy = make_policy("kvzip", budget=6, protect_recent=2, sinks=1, evict_slack=0)
-    policy.step(store, None)
+    policy.evict(store, None)
     # the sink (0), the 2 newest (10, 11), and the top scores by their best head: 5, 2, 3
     assert store.live_positions(0).tolist() == [0, 2, 3, 5, 10, 11]
 

@@ -6,7 +6,7 @@ eager attention, must give the same logits (atol 1e-4).
   and masks) is the reference; agent_kv prefills 40 tokens in chunks of 16 and decodes 30.
 - A budgeted policy (`window`, 4 sinks, no slack) on the full-attention layers: the reference
   is one eager forward over the whole sequence with an explicit mask per layer type, which
-  says what each query sees when every call's policy step keeps the sinks and the newest
+  says what each query sees when every call's policy eviction keeps the sinks and the newest
   tokens up to the budget, and sliding layers keep their window.
 - Sliding-window layers hold their window and no more after every call; global layers hold
   their budget; pins in sliding layers go once out of the window.

@@ -49,11 +49,11 @@ def test_conf_kv_budget_follows_confidence_gate():
     assert policy.budget(0.9) == 32
     assert policy.budget(0.1) == 48
     store = store_with(100)
-    policy.step(store, confidence=0.1)
+    policy.evict(store, confidence=0.1)
     assert store.lengths() == [48, 48]
-    policy.step(store, confidence=0.9)
+    policy.evict(store, confidence=0.9)
     assert store.lengths() == [32, 32]
-    policy.step(store, confidence=0.1)  # evicted tokens never come back
+    policy.evict(store, confidence=0.1)  # evicted tokens never come back
     assert store.lengths() == [32, 32]
 
 
@@ -63,7 +63,7 @@ def test_conf_kv_keeps_heavy_hitters_recent_and_pinned():
     store = store_with(100, scores)
     store.pins.pin(0, 3)
     policy = ConfKV(n_high=16, n_low=16, protect_recent=8, recency_weight=0.0, evict_slack=0)
-    evicted = policy.step(store, confidence=1.0)
+    evicted = policy.evict(store, confidence=1.0)
     kept = kept_positions(store)
     assert {0, 1, 2, 5, 17, 42} <= set(kept)
     assert set(range(92, 100)) <= set(kept)
@@ -78,7 +78,7 @@ def test_protect_recent_means_the_newest_unpinned_tokens():
     store = store_with(100, scores)
     store.pins.pin(90, 100)
     policy = ConfKV(n_high=9, n_low=9, protect_recent=8, recency_weight=0.0, evict_slack=0)
-    policy.step(store, confidence=1.0)
+    policy.evict(store, confidence=1.0)
     kept = kept_positions(store)
     assert kept == [0] + list(range(82, 100))  # best heavy hitter + 8 newest unpinned + pins
 
@@ -89,7 +89,7 @@ def test_conf_kv_ranking_survives_an_attention_sink():
     scores[[20, 40, 60]] = 0.02  # heavy hitters far below the sink
     store = store_with(200, scores)
     policy = ConfKV(n_high=12, n_low=12, protect_recent=4, recency_weight=0.3, evict_slack=0)
-    policy.step(store, confidence=1.0)
+    policy.evict(store, confidence=1.0)
     kept = set(kept_positions(store))
     assert {0, 20, 40, 60} <= kept
 
@@ -103,7 +103,7 @@ def test_no_signal_gets_the_loose_budget():
 def test_window_keeps_newest_and_sinks():
     store = store_with(50)
     policy = make_policy("window", budget=10, sinks=2, evict_slack=0)
-    policy.step(store, 0.0)
+    policy.evict(store, 0.0)
     assert kept_positions(store, 1) == [0, 1] + list(range(42, 50))
 
 
@@ -111,11 +111,11 @@ def test_window_keeps_four_attention_sinks_unless_told_none():
     store = store_with(50)
     policy = make_policy("window", budget=10, evict_slack=0)
     assert policy.sinks == 4
-    policy.step(store, 0.0)
+    policy.evict(store, 0.0)
     assert kept_positions(store) == [0, 1, 2, 3] + list(range(44, 50))
     plain = PolicySpec.parse("window", 10, None, extra=["sinks=0", "evict_slack=0"]).build(1)
     store = store_with(50)
-    plain.step(store, 0.0)
+    plain.evict(store, 0.0)
     assert kept_positions(store) == list(range(40, 50))
     with pytest.raises(ConfigError, match="protection window"):
         make_policy("window", budget=4)  # the 4 sinks fill it
@@ -123,14 +123,14 @@ def test_window_keeps_four_attention_sinks_unless_told_none():
 
 def test_full_never_evicts():
     store = store_with(70)
-    assert make_policy("full").step(store, 1.0) == 0
+    assert make_policy("full").evict(store, 1.0) == 0
     assert store.lengths() == [70, 70]
 
 
 def test_pins_never_crowd_out_the_newest_tokens():
     store = store_with(40)
     store.pins.pin(0, 20)
-    make_policy("window", budget=10, evict_slack=0).step(store, 0.0)
+    make_policy("window", budget=10, evict_slack=0).evict(store, 0.0)
     assert store.lengths() == [30, 30]
     assert kept_positions(store) == list(range(20)) + list(range(30, 40))
 
@@ -166,7 +166,7 @@ def test_h2o_keeps_accumulated_heavy_hitters_and_its_recent_half():
     store.fp["accumulated"][:, 0, :, [3, 30, 60]] = 5.0
     policy = make_policy("h2o", budget=20, evict_slack=0)
     assert (policy.budget_tokens, policy.protect_recent) == (20, 10)
-    policy.step(store, confidence=None)
+    policy.evict(store, confidence=None)
     kept = kept_positions(store)
     assert len(kept) == 20
     assert {3, 30, 60} <= set(kept) and set(range(90, 100)) <= set(kept)
@@ -176,7 +176,7 @@ def test_random_keeps_the_budget_reproducibly():
     def kept(seed):
         store = store_with(100)
         store.pins.pin(0, 5)
-        make_policy("random", budget=20, seed=seed, protect_recent=4, evict_slack=0).step(
+        make_policy("random", budget=20, seed=seed, protect_recent=4, evict_slack=0).evict(
             store, None
         )
         return kept_positions(store)
@@ -199,7 +199,7 @@ def test_conf_kv_l_pyramid_moves_budget_from_deep_to_shallow_layers():
     assert sum(policy.layer_budgets(None, 7)) == 7 * 200
     store = KVStore(3, 2, 4)
     random_tokens(store, 400)
-    policy.step(store, confidence=0.99)
+    policy.evict(store, confidence=0.99)
     assert store.lengths() == policy.layer_budgets(0.99, 3) == [150, 100, 50]
 
 
@@ -223,14 +223,14 @@ def test_bad_baseline_settings(name, kwargs, message):
 def test_evict_slack_amortises_compaction():
     store = store_with(100)
     policy = make_policy("window", budget=40, evict_slack=8)
-    assert policy.step(store, None) == 2 * (100 - 32)
+    assert policy.evict(store, None) == 2 * (100 - 32)
     assert store.lengths() == [32, 32]
     for added in range(1, 9):  # room for 8 more tokens before the next compaction
         random_tokens(store, 1)
-        assert policy.step(store, None) == 0
+        assert policy.evict(store, None) == 0
         assert store.lengths() == [32 + added] * 2
     random_tokens(store, 1)
-    assert policy.step(store, None) == 2 * 9
+    assert policy.evict(store, None) == 2 * 9
     assert store.lengths() == [32, 32]
 
 
@@ -239,7 +239,7 @@ def test_sinks_are_kept_by_any_policy_and_count_in_the_budget():
     scores[:4] = 0.0  # ...except the sinks, which conf-kv alone would drop
     store = store_with(60, scores)
     policy = make_policy("conf-kv", n_high=20, n_low=20, protect_recent=4, sinks=4, evict_slack=0)
-    policy.step(store, 0.9)
+    policy.evict(store, 0.9)
     kept = kept_positions(store)
     assert len(kept) == 20
     assert kept[:4] == [0, 1, 2, 3] and kept[-4:] == [56, 57, 58, 59]
@@ -250,7 +250,7 @@ def test_sinks_are_kept_by_any_policy_and_count_in_the_budget():
 def test_a_small_budget_is_never_cut_below_half_by_the_slack():
     store = store_with(100)
     policy = make_policy("window", budget=20)  # default evict_slack 32
-    policy.step(store, None)
+    policy.evict(store, None)
     assert store.lengths() == [10, 10]
     assert kept_positions(store) == [0, 1, 2, 3] + list(range(94, 100))  # 4 sinks by default
 
@@ -282,7 +282,7 @@ def test_snapkv_keeps_the_tokens_the_observation_window_attends_to():
     store = observed_store(mass, window=8)
     assert store.observed_from == [92]
     policy = make_policy("snapkv", budget=12, observation_window=8, kernel=1, evict_slack=0)
-    assert policy.step(store, confidence=0.9) == 2 * (100 - 12)
+    assert policy.evict(store, confidence=0.9) == 2 * (100 - 12)
     assert kept_positions(store) == [10, 30, 50, 70] + list(range(92, 100))
     assert kept_positions(store, 1) == kept_positions(store)
 
@@ -293,11 +293,11 @@ def test_snapkv_pooling_keeps_the_neighbours_of_a_hit():
     pooled = make_policy("snapkv", budget=15, observation_window=8, evict_slack=0)
     assert pooled.kernel == 7
     store = observed_store(mass, window=8)
-    pooled.step(store, None)
+    pooled.evict(store, None)
     assert kept_positions(store) == list(range(37, 44)) + list(range(92, 100))
     unpooled = make_policy("snapkv", budget=15, observation_window=8, kernel=1, evict_slack=0)
     store = observed_store(mass, window=8)
-    unpooled.step(store, None)
+    unpooled.evict(store, None)
     assert kept_positions(store) == [40] + list(range(86, 100))
 
 
@@ -307,12 +307,12 @@ def test_snapkv_holds_its_budget_through_decode_and_compresses_again_next_turn()
     store = observed_store(mass, window=8)
     policy = make_policy("snapkv", budget=40, observation_window=8, kernel=1, evict_slack=8)
     assert policy.max_kept_tokens(2) == [40, 40]
-    policy.step(store, 0.5)  # the end of the prompt: the compression point
+    policy.evict(store, 0.5)  # the end of the prompt: the compression point
     assert store.lengths() == [32, 32]
     assert {5, 15, 25} | set(range(92, 100)) <= set(kept_positions(store))
     for _ in range(20):  # decode: one query per call, nothing scored anew
         random_tokens(store, 1)
-        policy.step(store, 0.5)
+        policy.evict(store, 0.5)
         assert max(store.lengths()) <= 40
     kept = set(kept_positions(store))
     assert {5, 15, 25} | set(range(92, 120)) <= kept  # generated tokens stay, hits too
@@ -326,7 +326,7 @@ def test_snapkv_holds_its_budget_through_decode_and_compresses_again_next_turn()
     # records both; the window's mass is what SnapKV ranks by)
     recorded_call(store, torch.randn(1, 2, 10, 4), masses=window, window=window, observed=8)
     assert store.observed_from == [122]
-    policy.step(store, 0.5)
+    policy.evict(store, 0.5)
     kept = set(kept_positions(store))
     assert len(kept) == 32 and 110 in kept and set(range(122, 130)) <= kept
     assert not kept & set(range(100, 110))
@@ -341,7 +341,7 @@ def test_snapkv_keeps_pins_and_sinks_whatever_their_attention():
     policy = make_policy(
         "snapkv", budget=12, observation_window=8, sinks=2, kernel=1, evict_slack=0
     )
-    policy.step(store, None)
+    policy.evict(store, None)
     assert kept_positions(store) == [0, 1, *range(20, 25), 50, 60, *range(92, 100)]
 
 

@@ -94,7 +94,7 @@ def test_truncate_returns_the_cache_to_an_earlier_point_exactly(smollm):
 def test_truncate_refuses_past_an_eviction():
     store = KVStore(1, 1, 4)
     random_tokens(store, 50)
-    make_policy("window", budget=20, evict_slack=0).step(store, None)
+    make_policy("window", budget=20, evict_slack=0).evict(store, None)
     assert store.segments.changed_at == [50]
     with pytest.raises(ValueError, match="exact only back to 50"):
         store.truncate(40)

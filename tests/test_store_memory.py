@@ -62,7 +62,7 @@ def _conf_kv_int8_run(decode: int, confidence, pins: int = 40) -> tuple[KVStore,
     """3,000 random tokens in 512-token chunks, then `decode` tokens, under conf-kv budget 512
     (`n_high` 256) with INT8 mixed precision (W 128, groups of 32), the first `pins` pinned,
     the store bounded as the engine bounds it before every call; per step the live and
-    allocated bytes at the call's end (before the policy steps) and after it, the most
+    allocated bytes at the call's end (before the policy evicts) and after it, the most
     allocated during it, and the bound's bytes."""
     torch.manual_seed(0)
     store = KVStore(4, 3, 16, int8=Int8Config())
@@ -75,7 +75,7 @@ def _conf_kv_int8_run(decode: int, confidence, pins: int = 40) -> tuple[KVStore,
         store.bound_capacity(fp_bound, q_bound, CHUNK)
         random_tokens(store, n)
         at_call = {"call_live": store.nbytes(), "call_allocated": store.allocated_nbytes()}
-        policy.step(store, c)
+        policy.evict(store, c)
         fp_slots = min(pins, store.seen_tokens) + fp_bound + CHUNK
         per_slot = store.bytes_per_token() // store.num_layers
         bound = store.num_layers * (fp_slots * per_slot + q_bound * per_slot // 4)
@@ -125,7 +125,7 @@ def test_a_steady_decode_cycles_between_a_few_buffers():
         store.bound_capacity(*policy.slot_bounds(store), CHUNK)
         random_tokens(store, 1)
         assert store.fp.capacity <= (1 + KEEP_SHARE) * store.fp.most() + BLOCK_TOKENS
-        policy.step(store, 0.9)
+        policy.evict(store, 0.9)
         capacities.append((store.fp.capacity, store.q.capacity, store.scales.capacity))
     # the FP tokens swing by a quantized group (32) between refits: after the refit that
     # follows the prefill, a steady decode moves between a handful of shapes (what a compiled

@@ -1,4 +1,4 @@
-"""The shared policy step, vectorised over layers, rows and slots, keeps exactly the tokens a
+"""The shared policy eviction, vectorised over layers, rows and slots, keeps exactly the tokens a
 plain per-layer, per-row step keeps (the loop the store ran before: protect, rank, take the
 top `pinned + budget - slack`, ties to the older slot)."""
 
@@ -108,7 +108,7 @@ def test_the_vectorised_step_keeps_the_per_row_step_s_tokens(name, params, int8)
         confidences = [0.9, 0.1]  # row 0 confident (a tighter conf-kv budget), row 1 not
         expected = reference_kept(policy, store, confidences)
         stepped = copy.deepcopy(store)
-        evicted = policy.step(stepped, confidences)
+        evicted = policy.evict(stepped, confidences)
         kept = [
             [set(stepped.live_positions(layer, row).tolist()) for row in range(store.batch)]
             for layer in range(store.num_layers)
@@ -135,7 +135,7 @@ def test_a_step_with_nothing_over_budget_moves_nothing():
     store = random_store(False, 0)
     policy = make_policy("window", budget=400)
     before = copy.deepcopy(store)
-    assert policy.step(store, [0.5, 0.5]) == 0
+    assert policy.evict(store, [0.5, 0.5]) == 0
     for layer in range(store.num_layers):
         for row in range(store.batch):
             assert torch.equal(store.live_positions(layer, row), before.live_positions(layer, row))

@@ -9,7 +9,7 @@ the loaded model, on this CPU:
   budget // 2); the prefill's wall time is the time to first token. Then both sessions decode
   greedily, one step each in turn (`interleaved_decode`), so machine noise falls on both
   alike. Reported: the median and mean step (ms), the speed-up `full / conf-kv` (median),
-  the share of conf-kv's step spent in its policy step (ranking, eviction, compaction; the
+  the share of conf-kv's step spent in its policy eviction (ranking, eviction, compaction; the
   attention-mass statistics are folded in the model call's commit), and the KV bytes each
   holds at the end.
 - **Batch 8.** `Engine.generate_batch` decodes 8 prompts of the same length (slices of the
@@ -308,15 +308,15 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
         engine.feed(session, prompt)
         prefill_s[label] = time.perf_counter() - start
         runs[label] = (engine, session)
-    originals = {label: engine.policy.step for label, engine in engines.items()}
+    originals = {label: engine.policy.evict for label, engine in engines.items()}
     try:
         for label, engine in engines.items():
             timers[label].seconds = 0.0
-            engine.policy.step = timers[label].wrap(originals[label])
+            engine.policy.evict = timers[label].wrap(originals[label])
         times = interleaved_decode(runs, steps)
     finally:
         for engine in engines.values():
-            vars(engine.policy).pop("step", None)  # back to the class's method
+            vars(engine.policy).pop("evict", None)  # back to the class's method
     row: dict = {"context": context, "steps": steps}
     for label, (_, session) in runs.items():
         store = session.store
@@ -441,7 +441,7 @@ def _latency_table(single: list[dict], size: Size) -> Table:
             "speed-up full/conf-kv",
             "paper",
             "speed-up (means)",
-            "conf-kv policy-step share",
+            "conf-kv policy-eviction share",
         ],
     )
     for row in single:
@@ -614,14 +614,14 @@ def _notes(
     ]
     if short:
         notes.append(
-            "Below the budget conf-kv evicts nothing and is full KV plus a policy step "
+            "Below the budget conf-kv evicts nothing and is full KV plus a policy eviction "
             f"(contexts {', '.join(str(r['context']) for r in short)}): the paper's stated "
             "limit, a no-op for short contexts."
         )
     notes.append(
         "The full-KV baseline runs the same store and attention path as conf-kv without the "
         "attention-mass statistics (a policy that evicts nothing records none); the "
-        "policy-step share column is the time inside conf-kv's `Policy.step`."
+        "policy-eviction share column is the time inside conf-kv's `Policy.evict`."
     )
     if batched:
         notes.append(

@@ -2,7 +2,7 @@
 tokens).
 
 Each policy scores the same text teacher-forced (`Engine.score`, 16 tokens per forward call,
-the policy stepping after each call with the confidence of the call's last next-token
+the policy evicting after each call with the confidence of the call's last next-token
 distribution), and the perplexity is `exp(-mean log p)` over every scored token of every
 segment. The rows, as in the paper:
 

@@ -212,7 +212,7 @@ class Conversation:
 
         The queued messages and the assistant header are prefilled as `reply` does; then the
         reply's tokens are fed one at a time, exactly as decoding feeds them (one forward
-        call and one policy step per token, gated by that call's confidence), and each is
+        call and one policy eviction per token, gated by that call's confidence), and each is
         compared with the logits before it. The cache ends holding the prompt followed by
         `text`, as if the model had replied `text`.
 

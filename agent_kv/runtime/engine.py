@@ -8,7 +8,7 @@ Prefill runs the same path chunk by chunk, so eviction also happens between chun
 store never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a
 prompt gates the budget with its confidence; earlier chunks get the policy's no-signal budget.
 
-The forward call and the policy's step after it are `agent_kv.runtime.forward_steps`
+The forward call and the policy's eviction after it are `agent_kv.runtime.forward_steps`
 (`ForwardSteps`, which `Engine` extends); prefix sharing is `agent_kv.runtime.prefix_sharing`.
 """
 
@@ -304,7 +304,7 @@ class Engine(ForwardSteps, ChatEngine):
         records: list[list[StepRecord]] | None = None,
     ) -> torch.Tensor:
         """One decode step for every row of `cache`'s store: `tokens[i]` fed to row `i` in one
-        model call (one graph, with `compile`), then the policy steps each row with the
+        model call (one graph, with `compile`), then the policy evicts in each row with the
         confidence of its own next-token distribution, appending a `StepRecord` to
         `records[i]` when given.
 
@@ -373,7 +373,7 @@ class Engine(ForwardSteps, ChatEngine):
     def score(self, sequence: Sequence, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
         """Teacher-forced log-likelihood of `token_ids` under the managed cache.
 
-        The tokens are fed `chunk` at a time; after each call the policy steps with the
+        The tokens are fed `chunk` at a time; after each call the policy evicts with the
         confidence of the call's last next-token distribution (gated, as in decode), so with
         `chunk=1` this is exactly decoding the text; larger chunks let the cache overshoot
         the budget by up to `chunk - 1` tokens between evictions.
@@ -403,7 +403,7 @@ class Engine(ForwardSteps, ChatEngine):
         """One forward call over several sequences (continuous batching): each part's tokens
         (a decode token, or a prefill chunk of at most `prefill_chunk` tokens) packed into one
         row (`agent_kv.kv.packed_call`), each sequence read and written through its own store;
-        then each part's policy steps its store, gated as `PackedPart.gated` says, and the
+        then each part's policy evicts in its store, gated as `PackedPart.gated` says, and the
         sequence moves on as `feed` moves it (`token_ids`, `last_logits`, a `StepRecord`).
         A single part runs as `feed` runs it (the decode graph with `compile`), so a batch of
         one is exactly the serial path.

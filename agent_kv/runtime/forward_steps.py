@@ -1,4 +1,4 @@
-"""Forward calls over policy-managed KV stores, each followed by the policy's step: the part of
+"""Forward calls over policy-managed KV stores, each followed by the policy's eviction: the part of
 `Engine` every one of its operations (feed, decode, batches, packed calls, scoring) runs on.
 
 One call, top to bottom (docs/architecture.md, "Data flow of one forward call"): the policy
@@ -39,7 +39,7 @@ layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept
 
 
 class ForwardSteps:
-    """Runs a causal LM's forward calls over stores a `Policy` manages, the policy stepping
+    """Runs a causal LM's forward calls over stores a `Policy` manages, the policy evicting
     after each (`Engine` builds its operations on these).
 
     Args:
@@ -196,7 +196,7 @@ class ForwardSteps:
         gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
         appended = [store.nbytes(row) for row in rows]
         for i, row in enumerate(rows):
-            evicted = policy.step(store, gates[i], rows=range(row, row + 1))
+            evicted = policy.evict(store, gates[i], rows=range(row, row + 1))
             records[i].append(
                 StepRecord(
                     seen_tokens=store.seen(row),

@@ -12,7 +12,7 @@ the reference replay use of an `Engine`, the interface both declare (`ChatEngine
 `generate_batch`, `score`, `step_packed`, `warm_up`) are not offered.
 
 Greedy replies and fed logits are those of a plain `Engine` with the same policy (the same
-chunk boundaries and policy steps), up to the float rounding that batched products may
+chunk boundaries and policy evictions), up to the float rounding that batched products may
 differ in.
 """
 

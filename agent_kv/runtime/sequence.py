@@ -36,7 +36,7 @@ class StepRecord:
         evicted: tokens evicted this step, summed over layers.
         kv_allocated_bytes: the most bytes the store's buffers held during this call, spare
             capacity included (`StoreFigures.call_allocated_bytes`: after its append or any
-            quantization of its policy step), this row's share of a batch; the most over
+            quantization of its policy eviction), this row's share of a batch; the most over
             all calls is `StoreFigures.peak_allocated_bytes`. 0 in records saved before it existed.
         cold_kv_bytes: bytes of the store's cold tier after this call (`RecallTier.nbytes`,
             codes, scales and digests; 0 without one), never part of the figures above.

@@ -1,18 +1,18 @@
 """ARKV: an adaptive tri-state KV cache under a memory budget (docs/methods.md, ARKV).
 
 Every live token is Original (the model's dtype), Quantized (FP8 `float8_e4m3fn` or INT8,
-per-channel scales over groups of tokens, `kernels.formats`) or Evicted. Each step, per layer:
-the protected window of the newest `W` (`protect_recent`) tokens and the pinned tokens stay
+per-channel scales over groups of tokens, `kernels.formats`) or Evicted. At each eviction, per
+layer: the protected window of the newest `W` (`protect_recent`) tokens and the pinned tokens stay
 Original; the other tokens are ranked by the heavy-hitter score
 
     S_k = mu_k + gamma * sigma_k^2
 
-(mean plus `gamma` times variance of the relative attention token k received per step,
+(mean plus `gamma` times variance of the relative attention token k received per forward call,
 Welford-style per KV head, kept by the store: `ForwardCall.record_attention`; averaged over the
 layer's KV heads); the top ones fill the layer's Original slots, the next its Quantized slots,
 the rest are evicted. A Quantized token is never promoted back (its precision is gone); it can
 still be evicted. Tokens are quantized in whole groups, so up to `group - 1` tokens due for
-the Quantized tier may wait in FP for a step.
+the Quantized tier may wait in FP until a later eviction.
 
 **Per-layer plan.** The paper derives each layer's Original:Quantized ratio and its share of
 the memory budget from the layer's prefill attention statistics (entropy, variance, kurtosis),
@@ -34,7 +34,7 @@ and the rest Quantized, where `rho` is the bytes of a quantized token (a byte pe
 its share of the scales) over those of an Original one. The Quantized tier is rounded down to
 whole groups `Q`, and the Original tier gets what is left, `O = floor(N s - rho Q - (group - 1)
 (1 - rho))` (at least `W + sinks`): the last term is room for the up to `group - 1` tokens that
-wait in FP until they make a group. So after every step a layer holds at most the bytes of
+wait in FP until they make a group. So after every eviction a layer holds at most the bytes of
 `N s` FP tokens, as every policy holds at most its budget. Pinned tokens are held besides the
 budget, as in every policy.
 """
@@ -61,7 +61,7 @@ from agent_kv.kv.store import KVStore, kept_first
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer's tri-state budget for a step, in unpinned tokens.
+    """One layer's tri-state budget for an eviction, in unpinned tokens.
 
     Attributes:
         original: tokens kept in the model's dtype (the protected window included).
@@ -93,7 +93,7 @@ def layer_sensitivity(profile: torch.Tensor | None, num_layers: int) -> torch.Te
 
 @dataclass
 class TriState(Policy):
-    """ARKV's tri-state step inside a budget chosen by a subclass (`layer_budgets`).
+    """ARKV's tri-state eviction inside a budget chosen by a subclass (`layer_budgets`).
 
     Parameters:
         protect_recent (int, default 64): `W`, the newest unpinned tokens, always Original.
@@ -138,8 +138,8 @@ class TriState(Policy):
         return replace(super().prepare(store), profile=True)
 
     def layer_plan(self, store: KVStore, budgets: list[int]) -> list[LayerPlan]:
-        """Each layer's Original and Quantized token counts for this step (module docstring,
-        "Budget"), from the step's mean budgets `budgets` (FP tokens per layer)."""
+        """Each layer's Original and Quantized token counts for this eviction (module docstring,
+        "Budget"), from the eviction's mean budgets `budgets` (FP tokens per layer)."""
         num_layers = store.num_layers
         u = layer_sensitivity(store.profile_means(), num_layers)
         shares = 1.0 + self.share_spread * u
@@ -181,7 +181,7 @@ class TriState(Policy):
         variance = store.joint("hit_m2", rows=view.rows) / hits
         return (store.joint("hit_mean", rows=view.rows) + self.gamma * variance).mean(dim=2)
 
-    def step(
+    def evict(
         self,
         store: KVStore,
         confidence: float | None | list[float | None],
@@ -201,7 +201,7 @@ class TriState(Policy):
 
         A layer is assigned when it holds more unpinned tokens than its plan, or a whole
         group more FP tokens than its Original slots. Over the plan, the Original tier is cut
-        `evict_slack` below its size (fewer compactions, as in `Policy.step`). Tokens due for
+        `evict_slack` below its size (fewer compactions, as in `Policy.evict`). Tokens due for
         the Quantized tier go in whole groups, the lowest-scored first; the others wait in FP
         while the layer's bytes allow (`original + rho * quantized` FP tokens), and the
         lowest-scored of them are evicted when they do not. The layers' choices are applied
@@ -211,7 +211,7 @@ class TriState(Policy):
         pinned_live = store.pins.live()
         due_layers = []
         for idx, plan in enumerate(plans):
-            if store.windows[idx] is not None:  # its window is its policy (`Policy.step`)
+            if store.windows[idx] is not None:  # its window is its policy (`Policy.evict`)
                 continue
             unpinned = store.length(idx, row) - pinned_live[idx][row]
             fp_unpinned = unpinned - store.q.lengths[idx][row]  # pinned tokens are all FP

@@ -1,17 +1,17 @@
-"""The policy interface and the eviction step every policy shares.
+"""The policy interface and the eviction every policy shares.
 
-A policy answers two questions each step (after every forward call, prefill chunk or decode
+A policy answers two questions at each eviction (after every forward call, prefill chunk or decode
 token): how many tokens may each layer keep (`budget`, from the current confidence), and how
-much is each live token worth keeping (`rank`). The shared step here does the rest, the same
+much is each live token worth keeping (`rank`). The shared eviction here does the rest, the same
 for every policy and for every layer and row of the store at once (docs/architecture.md,
-Decisions, "One policy interface"; docs/methods.md, "Shared eviction step"): protect the
+Decisions, "One policy interface"; docs/methods.md, "Shared eviction"): protect the
 `protect_recent` newest tokens and the pinned ones, take the top-ranked others up to the budget
 (which counts unpinned tokens only), compact the store, and move what left the FP window into
 INT8 when the store keeps mixed precision. Ranks, protection and the choice are tensors over
-`[layers, rows, slots]` (the store's joint slot space: `KVStore.valid`), so a step is a fixed
+`[layers, rows, slots]` (the store's joint slot space: `KVStore.valid`), so an eviction is a fixed
 handful of operations whatever the number of layers and rows.
 
-Policies step the full-attention layers only: a sliding-window layer (Mistral, Gemma-2/3,
+Policies evict in the full-attention layers only: a sliding-window layer (Mistral, Gemma-2/3,
 gpt-oss) keeps its window, which the store trims after every call (`KVStore.trim_windows`),
 and no budget, pin or rank changes what it holds.
 """
@@ -37,7 +37,7 @@ HELD_RANK = torch.finfo(torch.float32).max
 
 @dataclass(frozen=True)
 class SlotView:
-    """What a step sees of the rows it steps, over the joint slot space `[L, R, S]`
+    """What an eviction sees of the rows it evicts in, over the joint slot space `[L, R, S]`
     (`S = Cq + C`: quantized slots, then FP slots).
 
     Attributes:
@@ -73,7 +73,7 @@ class Policy(ABC):
             compaction (a gather of the whole layer) runs once per `evict_slack + 1` new
             tokens instead of after every token; 0 keeps exactly `budget`; a layer is never
             cut below half its budget (the slack of a budget of 40 is 20). Default 32: with
-            0 the compaction after every decode token costs ~19% of a step on SmolLM2-135M at
+            0 the compaction after every decode token costs ~19% of a decode step on SmolLM2-135M at
             a 1,024-token budget, with 32 about 4.5% (benchmarks/decode_latency.py).
     """
 
@@ -95,7 +95,7 @@ class Policy(ABC):
     age-based mixed precision (`Int8Config`)."""
     reconstructs: ClassVar[bool] = False
     """The engine runs a reconstruction pass after each prefill chunk, before the policy
-    steps (KVzip, `agent_kv.kv.policies.kvzip`)."""
+    evicts (KVzip, `agent_kv.kv.policies.kvzip`)."""
     statistics: ClassVar[frozenset[str]] = frozenset()
     """The per-token statistics (`agent_kv.kv.call_plan.STATISTICS`) the policy ranks by: forward
     calls fold only these (a policy that keeps everything, or ranks by recency, asks for
@@ -140,18 +140,18 @@ class Policy(ABC):
 
     @abstractmethod
     def budget(self, confidence: float | None) -> int | None:
-        """Unpinned tokens each layer may keep after this step; None keeps everything.
+        """Unpinned tokens each layer may keep after this eviction; None keeps everything.
 
-        `confidence` is None when the step gives no signal (a prompt chunk before the last).
+        `confidence` is None when the call gives no signal (a prompt chunk before the last).
         """
 
     def layer_budgets(self, confidence: float | None, num_layers: int) -> list[int] | None:
-        """Per-layer budgets for this step; default: `budget(confidence)` in every layer."""
+        """Per-layer budgets for this eviction; default: `budget(confidence)` in every layer."""
         budget = self.budget(confidence)
         return None if budget is None else [budget] * num_layers
 
     def max_kept_tokens(self, num_layers: int) -> list[int] | None:
-        """Per layer, the most unpinned tokens the layer can keep after any step, whatever the
+        """Per layer, the most unpinned tokens the layer can keep after any eviction, whatever the
         confidence; None when the policy keeps everything or bounds bytes rather than tokens
         (a quantized tier fits more tokens than FP ones in the same bytes). Default: the
         no-signal budgets, the largest a confidence gate gives (`n_low >= n_high`)."""
@@ -160,7 +160,7 @@ class Policy(ABC):
         return self.layer_budgets(None, num_layers)
 
     def slot_bounds(self, store: KVStore) -> tuple[int | None, int | None]:
-        """The most unpinned tokens a layer's row holds after any step, in the FP segment and
+        """The most unpinned tokens a layer's row holds after any eviction, in the FP segment and
         in the quantized one (`KVStore.bound_capacity`: what its buffers are sized by); None
         for a segment the policy does not bound. Default: `max_kept_tokens`, all FP, or with
         the store's INT8 mixed precision at most its FP window plus a group waiting in FP."""
@@ -186,13 +186,13 @@ class Policy(ABC):
         held = store.recall.held_joint(slice(None), view.rows)
         return ranks if held is None else torch.where(held, HELD_RANK, ranks)
 
-    def step(
+    def evict(
         self,
         store: KVStore,
         confidence: float | None | list[float | None],
         rows: range | None = None,
     ) -> int:
-        """Evict down to this step's budget in every layer of `rows` (default: every row),
+        """Evict down to this call's budget in every layer of `rows` (default: every row),
         then move the tokens that left the FP window into INT8 (when the store has INT8 on);
         return the tokens evicted.
 
@@ -201,7 +201,7 @@ class Policy(ABC):
         held in addition to it (and counted in every memory figure), so pins can never crowd
         out the newest tokens. Among the unpinned, the newest `protect_recent` always stay
         and the top-ranked others fill the rest of the budget. Whether any layer is over its
-        budget is decided on the host from the store's host counts, so a step with nothing to
+        budget is decided on the host from the store's host counts, so an eviction with nothing to
         evict runs no tensor operation. Sliding-window layers are left as they are (module
         docstring).
         """
@@ -212,7 +212,7 @@ class Policy(ABC):
         ]
         evicted = 0
         if budgets[0] is not None and _over_budget(store, rows, budgets):
-            evicted = self._evict(store, slice(rows.start, rows.stop), budgets)
+            evicted = self._cut_to_budgets(store, slice(rows.start, rows.stop), budgets)
         self.quantize(store, rows)
         return evicted
 
@@ -223,7 +223,7 @@ class Policy(ABC):
         return store.precision.quantize_stale(rows=slice(rows.start, rows.stop))
 
     def protected(self, store: KVStore, view: SlotView) -> torch.Tensor:
-        """`[L, R, S]` bool: the live slots every step keeps: pinned, attention sinks (the first
+        """`[L, R, S]` bool: the live slots every eviction keeps: pinned, attention sinks (the first
         `sinks` positions) and the `protect_recent` newest unpinned tokens."""
         protected = view.pinned | (view.valid & (view.positions < self.sinks))
         if self.protect_recent:
@@ -232,7 +232,7 @@ class Policy(ABC):
             protected |= unpinned & (newest < self.protect_recent)
         return protected
 
-    def _evict(self, store: KVStore, rows: slice, budgets: list[list[int]]) -> int:
+    def _cut_to_budgets(self, store: KVStore, rows: slice, budgets: list[list[int]]) -> int:
         """Cut every layer's row that holds more unpinned tokens than its budget to
         `budget - slack` (never below the protected tokens), keeping the top-ranked: one rank,
         one sort and one compaction for all layers and rows."""
@@ -274,7 +274,7 @@ def _over_budget(store: KVStore, rows: range, budgets: list[list[int]]) -> bool:
 
 @dataclass
 class FixedBudgetPolicy(Policy):
-    """A policy whose budget ignores the confidence: `budget_tokens` every step.
+    """A policy whose budget ignores the confidence: `budget_tokens` at every eviction.
 
     Parameters:
         budget_tokens (int, default 512): unpinned tokens kept per layer (`--budget`).

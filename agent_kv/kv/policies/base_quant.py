@@ -1,6 +1,6 @@
 """ARKV's "Base Quant" baseline: every token quantized, nothing evicted (uniform quantization).
 
-Each step, per layer, every unpinned FP token is moved to the quantized tier (FP8 or INT8,
+At each eviction, per layer, every unpinned FP token is moved to the quantized tier (FP8 or INT8,
 per-channel scales over groups of `group` tokens, `kernels.formats`) as soon as a whole group
 has arrived, so at most `group - 1` tokens wait in FP. Pinned tokens stay in the model's dtype,
 as under every policy. The memory saving is fixed by the format and the group (a 4-byte

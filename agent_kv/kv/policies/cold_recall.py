@@ -107,7 +107,7 @@ class ColdRecall(Policy):
 
     def max_kept_tokens(self, num_layers: int) -> list[int] | None:
         """The inner policy's bound plus one recall (`pages * page_tokens` per layer), which
-        a call holds on top of the budget between its recall and its policy step."""
+        a call holds on top of the budget between its recall and its policy's eviction."""
         inner = self.inner.max_kept_tokens(num_layers)
         extra = self.config.pages * self.config.page_tokens
         return None if inner is None else [tokens + extra for tokens in inner]
@@ -121,11 +121,12 @@ class ColdRecall(Policy):
         extra = self.config.pages * self.config.page_tokens
         return (None if fp is None else fp + extra), q
 
-    def step(
+    def evict(
         self,
         store: KVStore,
         confidence: float | None | list[float | None],
         rows: range | None = None,
     ) -> int:
-        """The inner policy's step (its evictions go to the cold tier, `KVStore.compact`)."""
-        return self.inner.step(store, confidence, rows)
+        """The inner policy's eviction (its evicted tokens go to the cold tier,
+        `KVStore.compact`)."""
+        return self.inner.evict(store, confidence, rows)

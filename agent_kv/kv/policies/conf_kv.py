@@ -1,10 +1,10 @@
 """CONF-KV: confidence-gated budgets with attention-and-recency ranking (docs/methods.md,
 CONF-KV).
 
-Each step the confidence `c` of the last next-token distribution (`agent_kv.kv.confidence`, §1)
-picks the budget (§2): `n_high` tokens when `c >= tau` (confident: tight budget), `n_low`
-otherwise (uncertain: keep more); a step with no signal (a prompt chunk before the last)
-gets `n_low`. Tokens are ranked (§3) by
+At each eviction the confidence `c` of the last next-token distribution
+(`agent_kv.kv.confidence`, §1) picks the budget (§2): `n_high` tokens when `c >= tau`
+(confident: tight budget), `n_low` otherwise (uncertain: keep more); a call with no signal (a
+prompt chunk before the last) gets `n_low`. Tokens are ranked (§3) by
 
     rank_j = (1 - recency_weight) * pct(s)_j + recency_weight * pct(position)_j
 
@@ -95,9 +95,9 @@ class ConfKV(ConfidenceGate):
     name = "conf-kv"
     order = 50
     summary = (
-        "per step, `N_high` tokens when the confidence `c >= tau`, else `N_low`; ranked by the "
-        "percentiles of EMA attention mass and of recency; the newest `P` unpinned tokens always "
-        "kept"
+        "per forward call, `N_high` tokens when the confidence `c >= tau`, else `N_low`; ranked "
+        "by the percentiles of EMA attention mass and of recency; the newest `P` unpinned tokens "
+        "always kept"
     )
     paper = "CONF-KV §1-3"
     statistics = frozenset({"scores"})

@@ -1,9 +1,9 @@
 """CONF-KV budgets with ARKV's tri-state cache inside them (`conf-kv+arkv`).
 
 The two methods act on different axes (docs/methods.md, "ARKV and CONF-KV combined"): CONF-KV
-decides how much each step may hold from the model's confidence; ARKV decides, within a
+decides how much each eviction may keep from the model's confidence; ARKV decides, within a
 budget, which tokens stay Original, which are quantized and which go. Here the confidence gate
-picks the step's budget (`n_high` when confident, `n_low` otherwise, in FP tokens of bytes per
+picks the eviction's budget (`n_high` when confident, `n_low` otherwise, in FP tokens of bytes per
 layer) and ARKV's per-layer plan, heavy-hitter score and tri-state assignment spend it
 (`agent_kv.kv.policies.arkv`).
 """

@@ -5,7 +5,7 @@ Deeper layers concentrate their attention on fewer tokens, so they get smaller b
 
     b_l = b * (1 + pyramid * (1 - 2 l / (L - 1)))
 
-of this step's CONF-KV budget b (N_high or N_low), rounded so the layers sum to exactly L * b:
+of this eviction's CONF-KV budget b (N_high or N_low), rounded so the layers sum to exactly L * b:
 the same total as `conf-kv` at the same settings, moved from deep layers to shallow ones.
 """
 

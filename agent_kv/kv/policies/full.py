@@ -10,7 +10,7 @@ from agent_kv.kv.policies.base import Policy
 
 @dataclass
 class FullKV(Policy):
-    """Never evicts; `budget` is None at every step."""
+    """Never evicts; `budget` is None at every eviction."""
 
     name = "full"
     order = 0

@@ -23,7 +23,7 @@ class RandomEviction(FixedBudgetPolicy):
 
     Parameters:
         budget_tokens (int, default 512): unpinned tokens kept per layer (`--budget`).
-        seed (int, default 0): seeds the generator once; a run is reproducible step by step.
+        seed (int, default 0): seeds the generator once; a run is reproducible call by call.
     """
 
     name = "random"

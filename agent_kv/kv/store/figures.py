@@ -18,7 +18,7 @@ class StoreFigures:
         peak_allocated_bytes: the most bytes the buffers have held (`KVStore.allocated_nbytes`),
             taken after every change of capacity.
         call_allocated_bytes: the most bytes the buffers have held since the last forward call
-            began: over one call and the policy step after it.
+            began: over one call and the policy eviction after it.
         evicted_tokens: tokens evicted, summed over layers and rows (a recalled token leaves
             the count again).
         quantized_tokens: tokens moved to the quantized segment, summed over layers and rows.

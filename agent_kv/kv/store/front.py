@@ -20,8 +20,8 @@ store with `ForwardCall.open`: the store knows nothing of calls.
 Sliding-window layers (`windows`, from the model's config: `agent_kv.kv.layer_windows`): the
 attention masks each query to its window, and after every forward call the store drops from
 those layers the tokens no later query can see (`trim_windows`), so such a layer holds its
-window and no more: the window is its policy, and eviction policies step the full-attention
-layers only (`Policy.step`). Pinned tokens are dropped with the rest once out of the window.
+window and no more: the window is its policy, and eviction policies evict in the full-attention
+layers only (`Policy.evict`). Pinned tokens are dropped with the rest once out of the window.
 
 Positions: by default keys are stored rotated at their original positions and the next
 token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
@@ -341,7 +341,7 @@ class KVStore:
 
     def global_layers(self) -> torch.Tensor:
         """`[L]` bool on the store's device: which layers attend to every token (the ones an
-        eviction policy steps)."""
+        eviction policy evicts in)."""
         return self._global
 
     def trim_windows(self, rows: range) -> int:

@@ -24,7 +24,7 @@ class RecallTier:
 
     Attributes:
         tier: the cold tier (`attach`), or None.
-        recalling: whether the current forward call and policy step use the cold tier:
+        recalling: whether the current forward call and policy eviction use the cold tier:
             evictions go there and recalls come from it. Each call's plan says so
             (`agent_kv.kv.call_plan.CallPlan.recall`); a tier whose policy changed keeps its
             pages, unused.
