@@ -13,10 +13,10 @@ RENAMED = {
     "peak_kv_bytes": "peak_kv_allocated_bytes",
     "full_kv_bytes": "full_kv_allocated_bytes",
 }
-"""Old name -> new name, as step records (`StepRecord`, a trace's `step_NNN.json`) and episode
-records (`summary.json`, `results.jsonl`) used them: `kv_bytes` was live, `peak_kv_bytes` and
-`full_kv_bytes` allocated (the API's `kv_bytes`, `peak_kv_bytes` and `full_kv_bytes`, all live,
-are aliases of their own: `serving.chat_service.KVReport`)."""
+"""Old name -> new name, as per-call records (`CallRecord`), a trace's `step_NNN.json` and
+episode records (`summary.json`, `results.jsonl`) used them: `kv_bytes` was live,
+`peak_kv_bytes` and `full_kv_bytes` allocated (the API's `kv_bytes`, `peak_kv_bytes` and
+`full_kv_bytes`, all live, are aliases of their own: `serving.chat_service.KVReport`)."""
 
 
 def current_names(record: dict[str, Any]) -> dict[str, Any]:

@@ -104,13 +104,13 @@ def run(loaded, args, max_batch: int) -> dict:
         return threads
 
     scheduler = service.scheduler
-    rows_before, steps_before = scheduler.rows, scheduler.steps
+    rows_before, iterations_before = scheduler.rows, scheduler.iterations
     started = time.perf_counter()
     for thread in start_turns():  # the throughput: the timed turns alone
         thread.join()
     wall = time.perf_counter() - started
-    steps = scheduler.steps - steps_before
-    mean_batch = (scheduler.rows - rows_before) / max(steps, 1)
+    iterations = scheduler.iterations - iterations_before
+    mean_batch = (scheduler.rows - rows_before) / max(iterations, 1)
     tokens = sum(decoded)
     threads = start_turns()  # the time to first token: a turn arrives while they decode
     arrival = {}
@@ -129,7 +129,7 @@ def run(loaded, args, max_batch: int) -> dict:
     scheduler.close()
     assert rebuilds == ["none"] * 2 * args.sessions, rebuilds  # each turn extends its history
     return {
-        "step_ms": wall / steps * 1e3,
+        "step_ms": wall / iterations * 1e3,
         "tokens": tokens,
         "wall": wall,
         "alone_ttft": alone_ttft,

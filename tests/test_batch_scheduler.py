@@ -80,8 +80,8 @@ def test_six_sessions_decoded_together_equal_one_at_a_time(smollm):
     assert together == serial
     assert all(serial[f"{topic} evicted"] > 0 for topic in TOPICS)  # the budget evicted
     scheduler = batched.scheduler
-    assert scheduler.rows / scheduler.steps > 2  # the sessions really shared forward calls
-    assert one_at_a_time.scheduler.rows == one_at_a_time.scheduler.steps  # batch of one
+    assert scheduler.rows / scheduler.iterations > 2  # the sessions really shared forward calls
+    assert one_at_a_time.scheduler.rows == one_at_a_time.scheduler.iterations  # batch of one
 
 
 def test_packed_call_equals_its_parts_alone(smollm):
@@ -98,7 +98,7 @@ def test_packed_call_equals_its_parts_alone(smollm):
     steps = [[7], list(range(400, 440))]
     expected = [engine.feed(s, tokens).clone() for s, tokens in zip(alone, steps, strict=True)]
     parts = [PackedPart(s, t, engine.policy, True) for s, t in zip(packed, steps, strict=True)]
-    got = engine.step_packed(parts)
+    got = engine.forward_packed(parts)
     for want, have, a, b in zip(expected, got, alone, packed, strict=True):
         torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
         assert a.token_ids == b.token_ids and a.store.seen_tokens == b.store.seen_tokens
@@ -130,10 +130,10 @@ def test_lone_turn_is_the_serial_path(smollm):
 
 
 class _Blocked:
-    """Stands in for `Engine.step_packed`: the first call waits for `release`."""
+    """Stands in for `Engine.forward_packed`: the first call waits for `release`."""
 
     def __init__(self, engine: Engine):
-        self.inner = engine.step_packed
+        self.inner = engine.forward_packed
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __call__(self, parts):
@@ -146,7 +146,7 @@ class _Blocked:
 def test_waiting_turns_time_out_or_are_cancelled_untouched(smollm, monkeypatch):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     blocked = _Blocked(engine)
-    monkeypatch.setattr(engine, "step_packed", blocked)
+    monkeypatch.setattr(engine, "forward_packed", blocked)
     scheduler = BatchScheduler(engine, max_batch=1)
     params = SamplingParams(max_new_tokens=3)
     results = {}
@@ -175,7 +175,7 @@ def test_waiting_turns_time_out_or_are_cancelled_untouched(smollm, monkeypatch):
 def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeypatch):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     scheduler = BatchScheduler(engine)
-    real = engine.step_packed
+    real = engine.forward_packed
     failures = iter([RuntimeError("device lost")])
 
     def flaky(parts):
@@ -184,7 +184,7 @@ def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeyp
             raise error
         return real(parts)
 
-    monkeypatch.setattr(engine, "step_packed", flaky)
+    monkeypatch.setattr(engine, "forward_packed", flaky)
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(RuntimeError, match="device lost"):
         scheduler.generate(engine.new_sequence(), [5, 6], params)
@@ -206,7 +206,7 @@ def test_prefill_chunks_share_a_step_up_to_the_token_budget(smollm, monkeypatch)
         steps.append(sorted(len(part.tokens) for part in parts))
         return blocked(parts)
 
-    monkeypatch.setattr(engine, "step_packed", recording)
+    monkeypatch.setattr(engine, "forward_packed", recording)
     scheduler = BatchScheduler(engine, max_batch=8, prefill_tokens=256)
     params = SamplingParams(max_new_tokens=2)
     prompts = [[5, 6], [7] * 100, [8] * 100, [9] * 300]

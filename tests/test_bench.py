@@ -926,4 +926,4 @@ def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smoll
     window = next(r for r in written if r["policy"] == "window")
     assert window["steps_compared"] == 1 and "agreement_error" not in window
     assert threads_seen == {"agent-kv-batch"}
-    assert scheduler.rows > scheduler.steps  # the two episodes shared forward calls
+    assert scheduler.rows > scheduler.iterations  # the two episodes shared forward calls

@@ -94,7 +94,7 @@ def test_episodes_sharing_one_model_equal_plain_engines_one_at_a_time(smollm):
         hook.remove()
     assert not errors, errors
     assert threads_seen == {"agent-kv-batch"}  # the model ran on the scheduler's thread only
-    assert scheduler.rows > scheduler.steps  # the episodes really shared forward calls
+    assert scheduler.rows > scheduler.iterations  # the episodes really shared forward calls
     for topic in SPECS:
         want, have = plain[topic], together[topic]
         assert have["replies"] == want["replies"], topic

@@ -13,7 +13,7 @@ from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence, StepRecord
+from agent_kv.runtime.sequence import CallRecord, Sequence
 from agent_kv.serving.session_store import (
     HistorySync,
     SessionBusyError,
@@ -93,7 +93,7 @@ def test_a_session_saved_with_the_old_step_record_names_loads(engine, tmp_path):
     # a record from before allocated bytes were recorded
     old = {"seen_tokens": 5, "appended_kv_bytes": 10, "kv_bytes": 8, "confidence": 0.5}
     old |= {"gated": True, "budget": None, "evicted": 1}
-    assert StepRecord.read(old) == StepRecord(
+    assert CallRecord.read(old) == CallRecord(
         seen_tokens=5, appended_kv_live_bytes=10, kv_live_bytes=8, confidence=0.5, gated=True,
         budget=None, evicted=1, kv_allocated_bytes=0,
     )  # fmt: skip

@@ -8,7 +8,7 @@ The trace directory is what `agent.run_episode` writes:
   step's wall time in seconds, and the prompt and cache fields of `step_cache_fields`),
   `step_NNN.png` (the screenshot acted on) and optionally a set-of-marks image
   `step_NNN.som.png`;
-- `kv_steps.jsonl` (one record per forward call, `runtime.sequence.StepRecord`);
+- `kv_steps.jsonl` (one record per forward call, `runtime.sequence.CallRecord`);
 - `summary.json` (the episode summary with the evaluator's verdict: `score`, `answer`,
   `eval_details`).
 

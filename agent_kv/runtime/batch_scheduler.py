@@ -1,16 +1,16 @@
 """Continuous batching: the turns of many sequences decoded as rows of one forward call per
-step, each with its own store, policy, budget, pins and sampling.
+scheduler iteration, each with its own store, policy, budget, pins and sampling.
 
-One thread owns the model. Each step it runs, in one packed call (`Engine.step_packed`), the
+One thread owns the model. Each iteration it runs, in one packed call (`Engine.forward_packed`), the
 next decode token of every running turn and the next prefill chunks of turns still
-prefilling, under a per-step budget of prefill tokens (`prefill_tokens`, by default the
+prefilling, under a per-iteration budget of prefill tokens (`prefill_tokens`, by default the
 engine's `prefill_chunk`): chunks are taken in turn, round robin, so a new short prompt is not
 stuck behind a long one, while they fit the budget (the first always runs). Chunks are the
 engine's own `prefill_chunk` boundaries, so a sequence sees exactly the calls it would see
 alone. This is chunked prefill beside decodes as Sarathi-Serve and vLLM schedule it: the
-budget bounds how long one step, and so every running turn's next token, can take. Turns
-join the batch between steps, in arrival order, while fewer than `max_batch` are running,
-and leave it when their reply ends. A step of one turn is the serial path itself
+budget bounds how long one iteration, and so every running turn's next token, can take. Turns
+join the batch between iterations, in arrival order, while fewer than `max_batch` are running,
+and leave it when their reply ends. An iteration of one turn is the serial path itself
 (`Engine.feed`, compiled with `compile`), so a lone turn runs as fast as it would without
 the scheduler.
 
@@ -97,8 +97,8 @@ class BatchScheduler:
         engine: the model, tokenizer and default policy; from now on only this scheduler
             runs its model.
         max_batch: turns running at once (decoding or prefilling); more wait, in order.
-        prefill_tokens: prefill tokens per step (None: the engine's `prefill_chunk`); chunks
-            are packed while their tokens fit, and the first chunk of a step always runs
+        prefill_tokens: prefill tokens per iteration (None: the engine's `prefill_chunk`); chunks
+            are packed while their tokens fit, and the first chunk of an iteration always runs
             (a chunk is at most `prefill_chunk` tokens). Each decoding turn adds one token.
 
     Raises:
@@ -114,10 +114,10 @@ class BatchScheduler:
         self.engine = engine
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
-        self.steps = 0
+        self.iterations = 0
         """Forward calls run so far."""
         self.rows = 0
-        """Sequences over all forward calls so far (`rows / steps` is the mean batch)."""
+        """Sequences over all forward calls so far (`rows / iterations` is the mean batch)."""
         self._arrivals: deque[_Turn] = deque()
         self._running: list[_Turn] = []
         self._lock = threading.Lock()
@@ -186,7 +186,7 @@ class BatchScheduler:
     ) -> torch.Tensor:
         """Run `token_ids` through the model into `sequence` as a row of the batch, with no
         reply: `Engine.feed` through the scheduler. The tokens go in the engine's
-        `prefill_chunk` chunks, each followed by `policy`'s step (only the last chunk gated
+        `prefill_chunk` chunks, each followed by `policy`'s eviction (only the last chunk gated
         by its confidence), exactly as `Engine.feed` feeds them; blocks until the last chunk
         ran. One token (a teacher-forced reply token) is one chunk: a decode-sized call.
 
@@ -239,7 +239,7 @@ class BatchScheduler:
         return turn.result
 
     def close(self) -> None:
-        """Stop taking turns and stop the scheduler's thread after its current step; turns
+        """Stop taking turns and stop the scheduler's thread after its current iteration; turns
         not finished end with `RuntimeError`."""
         with self._lock:
             self._closed = True
@@ -248,7 +248,7 @@ class BatchScheduler:
             thread.join()
 
     def _loop(self) -> None:
-        """The scheduler's thread: steps while turns wait or run, then ends (the next
+        """The scheduler's thread: iterates while turns wait or run, then ends (the next
         `generate` starts another), so an idle scheduler holds no thread."""
         while True:
             with self._lock:
@@ -258,7 +258,7 @@ class BatchScheduler:
                     self._thread = None
                     return
                 self._admit()
-            self._step()
+            self._run_iteration()
         closed = RuntimeError("the batch scheduler was closed")
         with self._lock:
             ended = [*self._running, *self._arrivals]
@@ -269,7 +269,7 @@ class BatchScheduler:
 
     def _give_up_waiting(self, turn: _Turn) -> None:
         """From the caller's thread: end a turn that has not joined the batch yet once its
-        caller left or its deadline passed (the scheduler may be inside a long step)."""
+        caller left or its deadline passed (the scheduler may be inside a long iteration)."""
         if turn.cancelled():
             error = TurnCancelled("the turn was cancelled while waiting for the model")
         elif turn.deadline is not None and time.monotonic() >= turn.deadline:
@@ -299,7 +299,7 @@ class BatchScheduler:
             if not turn.done.is_set():
                 self._running.append(turn)
 
-    def _step(self) -> None:
+    def _run_iteration(self) -> None:
         """One forward call over the running turns, then each turn moves on."""
         for turn in [t for t in self._running if t.cancelled()]:
             self._running.remove(turn)
@@ -321,13 +321,13 @@ class BatchScheduler:
         ]
         turns = decoding + prefilling
         try:
-            results = self.engine.step_packed(parts)
+            results = self.engine.forward_packed(parts)
         except Exception as err:  # the model call failed: every turn in it fails
             for turn in turns:
                 self._running.remove(turn)
                 turn.finish(err)
             return
-        self.steps += 1
+        self.iterations += 1
         self.rows += len(parts)
         for turn, part, result in zip(turns, parts, results, strict=True):
             try:

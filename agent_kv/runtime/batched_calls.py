@@ -1,5 +1,5 @@
 """What the engine's calls over several sequences or rows take and give: `PackedPart`, one
-sequence's share of a packed forward call (`Engine.step_packed`, continuous batching), and
+sequence's share of a packed forward call (`Engine.forward_packed`, continuous batching), and
 `BatchGeneration`, the replies of a batch of prompts decoded together
 (`Engine.generate_batch`)."""
 
@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.reply_decoding import Generation
-from agent_kv.runtime.sequence import Sequence, StepRecord
+from agent_kv.runtime.sequence import CallRecord, Sequence
 
 
 @dataclass
 class PackedPart:
-    """One sequence's share of a packed forward call (`Engine.step_packed`).
+    """One sequence's share of a packed forward call (`Engine.forward_packed`).
 
     Attributes:
         sequence: the sequence (its store has one row).
@@ -43,4 +43,4 @@ class BatchGeneration:
 
     generations: list[Generation]
     store: KVStore
-    steps: list[list[StepRecord]]
+    steps: list[list[CallRecord]]

@@ -110,7 +110,7 @@ class DecodeGraph:
             and plan.keeps_tokens
         )
 
-    def step(self, cache: StoreCache, tokens: list[int], plan: CallPlan) -> torch.Tensor:
+    def decode(self, cache: StoreCache, tokens: list[int], plan: CallPlan) -> torch.Tensor:
         """Decode one token per row (`tokens`, one per row of the store) under `plan`:
         float32 logits `[B, vocab]`, the store moved on as an eager step would."""
         store = cache.store

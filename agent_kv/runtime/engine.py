@@ -3,13 +3,13 @@
 One decode step, top to bottom (docs/architecture.md, "Data flow of one forward call"):
 model forward on the new token(s) -> the store appends their keys/values and the attention
 function folds the attention mass into the scores -> the last logits give the confidence `c`
--> the policy evicts down to this step's budget -> the next token is sampled from the logits.
+-> the policy evicts down to this call's budget -> the next token is sampled from the logits.
 Prefill runs the same path chunk by chunk, so eviction also happens between chunks and the
 store never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a
 prompt gates the budget with its confidence; earlier chunks get the policy's no-signal budget.
 
-The forward call and the policy's eviction after it are `agent_kv.runtime.forward_steps`
-(`ForwardSteps`, which `Engine` extends); prefix sharing is `agent_kv.runtime.prefix_sharing`.
+The forward call and the policy's eviction after it are `agent_kv.runtime.call_runner`
+(`CallRunner`, which `Engine` extends); prefix sharing is `agent_kv.runtime.prefix_sharing`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
 from agent_kv.kv.store.pins import flag_runs
 from agent_kv.runtime.batched_calls import BatchGeneration, PackedPart
+from agent_kv.runtime.call_runner import CallRunner, check_cancel
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.decode_graph import DecodeGraph
-from agent_kv.runtime.forward_steps import ForwardSteps, check_cancel
 from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.model_call import run_call
 from agent_kv.runtime.policy_setup import check_store_options, policy_from_spec
@@ -45,10 +45,10 @@ from agent_kv.runtime.prefix_sharing import (
 )
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence, StepRecord
+from agent_kv.runtime.sequence import CallRecord, Sequence
 
 
-class Engine(ForwardSteps, ChatEngine):
+class Engine(CallRunner, ChatEngine):
     """Runs a causal LM over `Sequence`s whose KV stores a `Policy` manages.
 
     Args:
@@ -254,7 +254,7 @@ class Engine(ForwardSteps, ChatEngine):
         position that some layer still holds (the union over layers), fed in order at its
         original position (rerotate: renumbered in order, as that mode places kept tokens),
         so that their keys and values no longer carry the history that was evicted. The
-        policy then steps after each call as in any prefill (a layer that held fewer tokens
+        policy then evicts after each call as in any prefill (a layer that held fewer tokens
         is evicted down to its budget again); pins, token ids, step records and figures carry
         over (peaks the larger, counters summed), and the old cache is let go first. Returns
         the tokens encoded again.
@@ -301,11 +301,11 @@ class Engine(ForwardSteps, ChatEngine):
         self,
         cache: StoreCache,
         tokens: list[int],
-        records: list[list[StepRecord]] | None = None,
+        records: list[list[CallRecord]] | None = None,
     ) -> torch.Tensor:
         """One decode step for every row of `cache`'s store: `tokens[i]` fed to row `i` in one
         model call (one graph, with `compile`), then the policy evicts in each row with the
-        confidence of its own next-token distribution, appending a `StepRecord` to
+        confidence of its own next-token distribution, appending a `CallRecord` to
         `records[i]` when given.
 
         Returns:
@@ -351,7 +351,7 @@ class Engine(ForwardSteps, ChatEngine):
         ]  # each with its own matcher and (with a seed) its own generator seeded alike
         store = KVStore.for_model(self.model, batch=len(prompts), **self.store_options)
         cache = StoreCache(store)
-        steps: list[list[StepRecord]] = [[] for _ in prompts]
+        steps: list[list[CallRecord]] = [[] for _ in prompts]
         shared = self._share_batch_prefix(store, prompts)
         logits = torch.stack(
             [self._prefill_row(cache, row, p[shared:], steps[row]) for row, p in enumerate(prompts)]
@@ -399,12 +399,12 @@ class Engine(ForwardSteps, ChatEngine):
         return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
 
     @torch.no_grad()
-    def step_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
+    def forward_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
         """One forward call over several sequences (continuous batching): each part's tokens
         (a decode token, or a prefill chunk of at most `prefill_chunk` tokens) packed into one
         row (`agent_kv.kv.packed_call`), each sequence read and written through its own store;
         then each part's policy evicts in its store, gated as `PackedPart.gated` says, and the
-        sequence moves on as `feed` moves it (`token_ids`, `last_logits`, a `StepRecord`).
+        sequence moves on as `feed` moves it (`token_ids`, `last_logits`, a `CallRecord`).
         A single part runs as `feed` runs it (the decode graph with `compile`), so a batch of
         one is exactly the serial path.
 

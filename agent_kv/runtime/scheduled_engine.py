@@ -9,7 +9,7 @@ batching, `agent_kv.runtime.batch_scheduler`). Only the scheduler's thread runs 
 It offers what `Conversation`, the web agent, the recall runner, the agreement replay and
 the reference replay use of an `Engine`, the interface both declare (`ChatEngine`). The
 `Engine` methods that would run the model on the caller's thread (`decode`,
-`generate_batch`, `score`, `step_packed`, `warm_up`) are not offered.
+`generate_batch`, `score`, `forward_packed`, `warm_up`) are not offered.
 
 Greedy replies and fed logits are those of a plain `Engine` with the same policy (the same
 chunk boundaries and policy evictions), up to the float rounding that batched products may

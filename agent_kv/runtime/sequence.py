@@ -21,7 +21,7 @@ from agent_kv.renamed_fields import current_names
 
 
 @dataclass
-class StepRecord:
+class CallRecord:
     """One forward call (a prefill chunk or a decode token).
 
     Attributes:
@@ -53,7 +53,7 @@ class StepRecord:
     cold_kv_bytes: int = 0
 
     @classmethod
-    def read(cls, record: dict) -> StepRecord:
+    def read(cls, record: dict) -> CallRecord:
         """The step record `asdict` made `record` from (a saved session's), also from one
         written with the old field names (`agent_kv.renamed_fields`, accepted for one
         release)."""
@@ -78,7 +78,7 @@ class Sequence:
     cache: StoreCache
     token_ids: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[CallRecord] = field(default_factory=list)
     evicted_at_reencode: int = 0
 
     @classmethod
@@ -151,7 +151,7 @@ class Sequence:
                 cache=StoreCache(store),
                 token_ids=[int(token) for token in data["token_ids"]],
                 last_logits=data["last_logits"],
-                steps=[StepRecord.read(step) for step in data["steps"]],
+                steps=[CallRecord.read(step) for step in data["steps"]],
             )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as err:
             raise AgentKVError(f"session {path} cannot be restored: {err!r}") from None

@@ -46,7 +46,7 @@ from agent_kv.runtime.chat_layout import RenderedChat, render_placed
 from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import SequenceOutline, StepRecord
+from agent_kv.runtime.sequence import CallRecord, SequenceOutline
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
 from agent_kv.serving.session_store import (
@@ -104,7 +104,7 @@ class ConfidenceSummary:
     steps: int
 
     @classmethod
-    def of(cls, steps: list[StepRecord]) -> ConfidenceSummary | None:
+    def of(cls, steps: list[CallRecord]) -> ConfidenceSummary | None:
         """The summary of `steps`' gated calls; None when there is none."""
         values = [step.confidence for step in steps if step.gated]
         if not values:

@@ -6,7 +6,7 @@ prepares the call and bounds the store's capacity; with `select="vote"` recall, 
 first; the model runs on the new token(s) (one graph per decode step with `compile`) -> the
 store appends their keys/values and the attention function folds the attention mass into the
 scores -> the last logits give the confidence `c` -> after a prefilled chunk, KVzip's
-reconstruction pass -> the policy evicts down to this step's budget and a `StepRecord` notes
+reconstruction pass -> the policy evicts down to this call's budget and a `CallRecord` notes
 the call. A row's prompt is prefilled chunk by chunk through the same path; only its last
 chunk gates the budget with its confidence.
 """
@@ -28,7 +28,7 @@ from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.decode_graph import DecodeGraph
 from agent_kv.runtime.model_call import run_call
-from agent_kv.runtime.sequence import StepRecord
+from agent_kv.runtime.sequence import CallRecord
 
 RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
 """The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
@@ -38,7 +38,7 @@ VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
 layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
 
 
-class ForwardSteps:
+class CallRunner:
     """Runs a causal LM's forward calls over stores a `Policy` manages, the policy evicting
     after each (`Engine` builds its operations on these).
 
@@ -87,7 +87,7 @@ class ForwardSteps:
             and not all_positions
             and self.decode_graph.takes(store, rows, n, plan)
         ):
-            return self.decode_graph.step(cache, [chunk[0] for chunk in chunks], plan)
+            return self.decode_graph.decode(cache, [chunk[0] for chunk in chunks], plan)
         call = ForwardCall.open(store, rows, n, plan)
         input_ids = torch.tensor(chunks, device=store.device)
         logits = run_call(self.model, cache, call, input_ids, 0 if all_positions else 1)
@@ -124,7 +124,7 @@ class ForwardSteps:
         cache: StoreCache,
         row: int,
         token_ids: list[int],
-        records: list[StepRecord],
+        records: list[CallRecord],
         fed: Callable[[list[int], torch.Tensor], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> torch.Tensor:
@@ -149,10 +149,10 @@ class ForwardSteps:
         chunk: list[int],
         logits: torch.Tensor,
         last_chunk: bool,
-        records: list[StepRecord],
+        records: list[CallRecord],
     ) -> None:
         """What follows a forward call of `chunk` on `row`: KVzip's reconstruction pass, then
-        `policy`'s step with the confidence of `logits` `[1, vocab]`. Inside a prompt the
+        `policy`'s eviction with the confidence of `logits` `[1, vocab]`. Inside a prompt the
         logits after a chunk boundary say nothing about the reply: only the last chunk's
         confidence gates the budget (`last_chunk`; otherwise the no-signal budget).
         """
@@ -186,11 +186,11 @@ class ForwardSteps:
         rows: range,
         logits: torch.Tensor,
         gated: list[bool],
-        records: list[list[StepRecord]],
+        records: list[list[CallRecord]],
         policy: Policy | None = None,
     ) -> None:
-        """Confidence from `logits` `[len(rows), vocab]`, one step of `policy` (default: the
-        engine's) per row, one `StepRecord` appended to each row's `records`."""
+        """Confidence from `logits` `[len(rows), vocab]`, one eviction by `policy` (default:
+        the engine's) per row, one `CallRecord` appended to each row's `records`."""
         policy = policy or self.policy
         confs = [float(c) for c in confidence(logits)]
         gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
@@ -198,7 +198,7 @@ class ForwardSteps:
         for i, row in enumerate(rows):
             evicted = policy.evict(store, gates[i], rows=range(row, row + 1))
             records[i].append(
-                StepRecord(
+                CallRecord(
                     seen_tokens=store.seen(row),
                     appended_kv_live_bytes=appended[i],
                     kv_live_bytes=store.nbytes(row),
