@@ -32,8 +32,8 @@ class CallRecord:
         confidence: `c` of the call's last next-token distribution.
         gated: whether `confidence` chose the budget (False for prompt chunks before the
             last, which get the policy's no-signal budget).
-        budget: the policy's budget this step (unpinned tokens per layer), None for no limit.
-        evicted: tokens evicted this step, summed over layers.
+        budget: the policy's budget for this call (unpinned tokens per layer), None for no limit.
+        evicted: tokens evicted after this call, summed over layers.
         kv_allocated_bytes: the most bytes the store's buffers held during this call, spare
             capacity included (`StoreFigures.call_allocated_bytes`: after its append or any
             quantization of its policy eviction), this row's share of a batch; the most over
@@ -69,7 +69,7 @@ class Sequence:
         cache: its transformers `Cache` adapter, passed to the model.
         token_ids: every token fed to the model so far, in order.
         last_logits: `[vocab]` logits after the last fed token (None before the first call).
-        steps: one record per forward call.
+        steps: one `CallRecord` per forward call (the name is the saved field's, `save`).
         evicted_at_reencode: the store's evicted tokens (`StoreFigures.evicted_tokens`) when
             its kept tokens were last encoded again (`Engine.reencode`); 0 before.
     """
@@ -102,7 +102,7 @@ class Sequence:
         )
 
     def save(self, path: Path, meta: dict | None = None) -> None:
-        """Write the sequence (store, tokens, last logits, step records) to `path` with
+        """Write the sequence (store, tokens, last logits, per-call records) to `path` with
         `torch.save`, with `meta` (plain values, e.g. the id of the session it serves) beside it for
         `SequenceOutline.read`; the file appears whole or not at all (written aside, then
         renamed)."""
