@@ -491,14 +491,22 @@ class KVStats(BaseModel):
         description="Live bytes a full KV cache at full precision would hold for the "
         "session's tokens."
     )
+    full_kv_allocated_bytes: int = Field(
+        0,
+        description="Bytes a full KV cache at full precision would allocate for the "
+        "session's tokens under the same growth rule.",
+    )
     kv_shared_bytes: int = Field(
         description="Bytes of the shared prefix blocks the session reads (apart from its own)."
     )
     cold_kv_bytes: int = Field(
         0, description="Bytes of the session's cold tier (evicted tokens kept for recall)."
     )
+    peak_cold_kv_bytes: int = Field(0, description="The most bytes the cold tier has held.")
+    tokens_seen: int = Field(0, description="Tokens the session's cache has taken in.")
     evicted_tokens: int
     quantized_tokens: int
+    reencoded_tokens: int = 0
     pinned_tokens: int
     confidence: ConfidenceStats | None
     image_parts_dropped: int = 0

@@ -24,6 +24,7 @@ from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
 from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
+from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.pin_rules import PinRules
@@ -96,7 +97,7 @@ class EpisodeResult:
     `model` is the model's name and `weights` its weight format (`--weights`).
 
     KV memory comes in pairs, allocated first (the headline: what the process holds) and
-    live beside it:
+    live beside it; the KV fields are those of `KVFigures`, the record the server reports too:
 
     Attributes:
         peak_kv_allocated_bytes: the most bytes the KV store's buffers held at any point of
@@ -368,17 +369,8 @@ def _episode_result(
         end_reason=episode.end_reason,
         error=error,
         steps=episode.steps,
-        tokens_seen=store.seen_tokens,
-        peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
-        peak_kv_live_bytes=store.figures.peak_bytes,
-        full_kv_allocated_bytes=store.full_kv_allocated_nbytes(),
-        full_kv_live_bytes=store.full_kv_nbytes(),
-        kv_shared_bytes=store.prefix.nbytes(),
-        peak_cold_kv_bytes=store.recall.peak_bytes,
-        evicted_tokens=store.figures.evicted_tokens,
-        reencoded_tokens=store.figures.reencoded_tokens,
+        **KVFigures.of(store).fields_of(EpisodeResult),
         int8=None if store.int8 is None else asdict(store.int8),
-        quantized_tokens=store.figures.quantized_tokens,
         positions=store.positions_mode,
         ttft_s=[round(t, 3) for t in episode.ttfts],
         decode_tokens_per_s=[round(r, 2) for r in episode.rates],
@@ -410,8 +402,8 @@ def _write_step(
     cache: dict[str, Any],
 ) -> dict[str, Any]:
     """Write the step's JSON record (and the screenshots acted on); return the record. Its KV
-    figures are the store's now and at its peak, allocated (buffers, spare capacity
-    included) and live; `step_s` is the step's wall time (seconds); `cache` (the prompt's
+    figures are the store's (`KVFigures`: now and at its peak, allocated and live) with its
+    per-layer lengths; `step_s` is the step's wall time (seconds); `cache` (the prompt's
     tokens and their states in the cache, `trace_view.step_cache_fields`) ends it."""
     stem = trace_dir / f"step_{step:03d}"
     if observation.get("screenshot"):
@@ -429,13 +421,8 @@ def _write_step(
         "error": result.observation.get("error"),
         "blocked_requests": observation.get("blocked_requests", []),
         "info": result.info,
-        "kv_allocated_bytes": store.allocated_nbytes(),
-        "kv_live_bytes": store.nbytes(),
-        "peak_kv_allocated_bytes": store.figures.peak_allocated_bytes,
-        "peak_kv_live_bytes": store.figures.peak_bytes,
-        "cold_kv_bytes": store.recall.nbytes(),
+        **asdict(KVFigures.of(store)),
         "kv_lengths": store.lengths(),
-        "tokens_seen": store.seen_tokens,
         "step_s": round(step_s, 3),
         **cache,
     }

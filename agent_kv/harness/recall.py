@@ -43,6 +43,7 @@ from agent_kv.harness.agent import (
     open_conversation,
 )
 from agent_kv.harness.reply_pins import reply_pin
+from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.sampling import SamplingParams
@@ -342,7 +343,7 @@ def run_recall_task(
         reply=decoded.reply,
         history_tokens=history,
         reference_hits=replay.hits,
-        **_kv_figures(store),
+        **KVFigures.of(store).fields_of(RecallRecord),
         policy=engine.policy.name,
         policy_params=engine.policy.params(),
         pin_replies=pin_replies,
@@ -462,20 +463,6 @@ def _force_action(
     if observation["error"] is not None:
         raise ActionError(f"task {task.task_id} step {number} {action}: {observation['error']}")
     return observation
-
-
-def _kv_figures(store) -> dict[str, int]:
-    """The KV-memory fields of a `RecallRecord` for `store` as the episode ends."""
-    return {
-        "peak_kv_allocated_bytes": store.figures.peak_allocated_bytes,
-        "peak_kv_live_bytes": store.figures.peak_bytes,
-        "full_kv_allocated_bytes": store.full_kv_allocated_nbytes(),
-        "full_kv_live_bytes": store.full_kv_nbytes(),
-        "kv_shared_bytes": store.prefix.nbytes(),
-        "peak_cold_kv_bytes": store.recall.peak_bytes,
-        "evicted_tokens": store.figures.evicted_tokens,
-        "reencoded_tokens": store.figures.reencoded_tokens,
-    }
 
 
 def run_recall(

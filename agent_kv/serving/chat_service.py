@@ -34,10 +34,11 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError
+from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.store import WINDOW_SLACK
@@ -113,31 +114,15 @@ class ConfidenceSummary:
 
 
 @dataclass
-class KVReport:
-    """What a session's KV cache holds after a turn.
+class KVReport(KVFigures):
+    """What a session's KV cache holds after a turn: its figures (`KVFigures`, the record
+    every front end reports) and the turn's setting.
 
     Attributes:
         policy: the policy that managed this turn.
         session_id: the session the turn ran in.
         rebuild: how the prompt met the history: "none", "truncated" or "scratch"
             (`HistorySync.rebuild`).
-        kv_live_bytes: live KV bytes now (`KVStore.nbytes`).
-        kv_allocated_bytes: bytes the session's KV buffers hold now, spare capacity included
-            (`KVStore.allocated_nbytes`).
-        peak_kv_live_bytes: the most live KV bytes the session's cache has held
-            (`StoreFigures.peak_bytes`).
-        peak_kv_allocated_bytes: the most bytes its buffers have held
-            (`StoreFigures.peak_allocated_bytes`).
-        full_kv_live_bytes: the live bytes full KV at full precision would hold for the
-            session's tokens (`KVStore.full_kv_nbytes`).
-        kv_shared_bytes: bytes of the shared prefix blocks the session reads
-            (`PrefixReads.nbytes`; held once for every session that reads them, so apart
-            from the figures above).
-        cold_kv_bytes: bytes of the session's cold tier (evicted tokens kept for recall, in
-            host memory; `RecallTier.nbytes`), 0 without one; apart from the figures above.
-        evicted_tokens: tokens the session's cache has evicted, summed over layers.
-        quantized_tokens: tokens moved to INT8, summed over layers.
-        pinned_tokens: positions pinned now.
         confidence: the turn's confidence summary (None when it ran no gated call).
         kv_bytes: deprecated alias of `kv_live_bytes`, removed in the next release.
         peak_kv_bytes: deprecated alias of `peak_kv_live_bytes`, removed in the next release.
@@ -147,16 +132,6 @@ class KVReport:
     policy: str
     session_id: str
     rebuild: str
-    kv_live_bytes: int
-    kv_allocated_bytes: int
-    peak_kv_live_bytes: int
-    peak_kv_allocated_bytes: int
-    full_kv_live_bytes: int
-    kv_shared_bytes: int
-    cold_kv_bytes: int
-    evicted_tokens: int
-    quantized_tokens: int
-    pinned_tokens: int
     confidence: ConfidenceSummary | None
     kv_bytes: int = field(init=False)
     peak_kv_bytes: int = field(init=False)
@@ -425,19 +400,10 @@ class ChatService:
                 )  # fmt: skip
                 store = session.store
                 report = KVReport(
+                    **asdict(KVFigures.of(store)),
                     policy=policy.name,
                     session_id=session_id,
                     rebuild=sync.rebuild,
-                    kv_live_bytes=store.nbytes(),
-                    kv_allocated_bytes=store.allocated_nbytes(),
-                    peak_kv_live_bytes=store.figures.peak_bytes,
-                    peak_kv_allocated_bytes=store.figures.peak_allocated_bytes,
-                    full_kv_live_bytes=store.full_kv_nbytes(),
-                    kv_shared_bytes=store.prefix.nbytes(),
-                    cold_kv_bytes=store.recall.nbytes(),
-                    evicted_tokens=store.figures.evicted_tokens,
-                    quantized_tokens=store.figures.quantized_tokens,
-                    pinned_tokens=store.pins.tokens(),
                     confidence=ConfidenceSummary.of(session.steps[steps_before:]),
                 )
                 ran = True
