@@ -9,7 +9,7 @@ from agent_kv.evals.texts import licence_text
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 
 def licence_ids(smollm, n: int) -> list[int]:
@@ -48,7 +48,7 @@ def test_a_saved_arkv_session_resumes_with_identical_logits(smollm, tmp_path):
     engine.feed(session, ids[:400])
     assert session.store.figures.quantized_tokens > 0 and session.store.figures.evicted_tokens > 0
     session.save(tmp_path / "s.pt")
-    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
+    restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
     assert torch.equal(restored.store.profile, session.store.profile)
     for token in ids[400:420]:
         assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))

@@ -24,7 +24,7 @@ from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 from envs.tasks import load_task
 from kernels.int8 import quantize_groups
 from kernels.page_digest import digest_bound, key_digest
@@ -286,7 +286,7 @@ def test_a_session_with_a_cold_tier_saves_restores_and_continues_identically(
     cold = session.store.recall.tier
     assert cold.recalled_tokens > 0 and session.store.recall.nbytes() > 0
     session.save(tmp_path / "s.pt")
-    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
+    restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
     assert restored.store.recall.nbytes() == session.store.recall.nbytes()
     assert isinstance(restored.store.recall.tier, ColdTier)
     more = ids[300:364]

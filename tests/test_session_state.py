@@ -11,7 +11,7 @@ from agent_kv.errors import AgentKVError
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config, KVStore
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import Sequence, SequenceOutline
+from agent_kv.runtime.sequence import SequenceOutline, SequenceState
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "
@@ -36,7 +36,7 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     engine.feed(session, ids[:300])
     assert session.store.figures.evicted_tokens > 0 and session.store.figures.quantized_tokens > 0
     session.save(tmp_path / "s.pt")
-    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
+    restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
     assert restored.token_ids == session.token_ids
     assert torch.equal(restored.last_logits, session.last_logits)
     assert restored.store.nbytes() == session.store.nbytes()
@@ -58,22 +58,22 @@ def test_a_saved_file_holds_live_bytes_and_says_what_loading_allocates(smollm, t
     size = (tmp_path / "s.pt").stat().st_size
     assert size < live + 2_000_000 < allocated  # live slots (and metadata), no spare capacity
     outline = SequenceOutline.read(tmp_path / "s.pt")
-    restored = Sequence.load(tmp_path / "s.pt", smollm.model)
+    restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
     assert outline.footprint == restored.store.footprint()  # known before loading
     assert outline.footprint.live_bytes == live and outline.meta == {"session_id": "x"}
 
 
 def test_loading_a_bad_or_foreign_file_is_a_clear_error(smollm, tmp_path):
     with pytest.raises(AgentKVError, match="cannot load session"):
-        Sequence.load(tmp_path / "missing.pt", smollm.model)
+        SequenceState.load(tmp_path / "missing.pt", smollm.model)
     (tmp_path / "junk.pt").write_bytes(b"not a session")
     with pytest.raises(AgentKVError, match="cannot load session"):
-        Sequence.load(tmp_path / "junk.pt", smollm.model)
-    other = Sequence(store=KVStore(2, 1, 8), cache=None)
+        SequenceState.load(tmp_path / "junk.pt", smollm.model)
+    other = SequenceState(store=KVStore(2, 1, 8), cache=None)
     random_tokens(other.store, 3)
     other.save(tmp_path / "other.pt")
     with pytest.raises(AgentKVError, match=r"\[2, 1, 8\]"):
-        Sequence.load(tmp_path / "other.pt", smollm.model)
+        SequenceState.load(tmp_path / "other.pt", smollm.model)
 
 
 def test_truncate_returns_the_cache_to_an_earlier_point_exactly(smollm):
@@ -117,7 +117,7 @@ def test_a_damaged_or_malformed_file_is_refused_whole(smollm, tmp_path):
     data[start : start + 64] = bytes(64)
     (tmp_path / "bytes.pt").write_bytes(bytes(data))
     with pytest.raises(AgentKVError, match="is damaged"):
-        Sequence.load(tmp_path / "bytes.pt", smollm.model)
+        SequenceState.load(tmp_path / "bytes.pt", smollm.model)
     saved = torch.load(path, weights_only=True)
     for name, change in {
         "no_store": lambda d: d.pop("store"),
@@ -130,6 +130,6 @@ def test_a_damaged_or_malformed_file_is_refused_whole(smollm, tmp_path):
         change(broken)
         torch.save(broken, tmp_path / f"{name}.pt")
         with pytest.raises(AgentKVError, match="cannot be restored"):
-            Sequence.load(tmp_path / f"{name}.pt", smollm.model)
-    restored = Sequence.load(path, smollm.model)  # the intact file still loads
+            SequenceState.load(tmp_path / f"{name}.pt", smollm.model)
+    restored = SequenceState.load(path, smollm.model)  # the intact file still loads
     assert restored.token_ids == saved["token_ids"]

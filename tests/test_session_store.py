@@ -13,7 +13,7 @@ from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import CallRecord, Sequence
+from agent_kv.runtime.sequence import CallRecord, SequenceState
 from agent_kv.serving.session_store import (
     HistorySync,
     SessionBusyError,
@@ -89,7 +89,7 @@ def test_a_session_saved_with_the_old_step_record_names_loads(engine, tmp_path):
     data["steps"] = [with_old_names(step) for step in data["steps"]]
     assert {"appended_kv_bytes", "kv_bytes", "allocated_kv_bytes"} <= set(data["steps"][0])
     torch.save(data, path)
-    assert Sequence.load(path, engine.model).steps == sequence.steps
+    assert SequenceState.load(path, engine.model).steps == sequence.steps
     # a record from before allocated bytes were recorded
     old = {"seen_tokens": 5, "appended_kv_bytes": 10, "kv_bytes": 8, "confidence": 0.5}
     old |= {"gated": True, "budget": None, "evicted": 1}
@@ -286,7 +286,7 @@ def test_a_request_writes_its_sessions_queued_save_before_it_runs(engine, tmp_pa
     assert started.wait(30)
     feed(store, "a", list(range(10, 40)))  # queued behind it
     with store.use("a") as session:  # the next request writes it first
-        saved = Sequence.load(store._path("a"), engine.model)
+        saved = SequenceState.load(store._path("a"), engine.model)
         assert saved.token_ids == session.token_ids == list(range(10, 40))
     assert store.checkpoints.written == 1
     release.set()

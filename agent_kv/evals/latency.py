@@ -41,7 +41,7 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.batched_calls import BatchGeneration
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 PAPER_SPEEDUP = 1.8
 """CONF-KV's per-step latency reduction over full KV (docs/methods.md, "CONF-KV claims and
@@ -126,7 +126,7 @@ class Timed:
         return timed
 
 
-def decode_step(engine: Engine, session: Sequence) -> float:
+def decode_step(engine: Engine, session: SequenceState) -> float:
     """Seconds for one greedy decode step (argmax of the last logits + forward + policy)."""
     start = time.perf_counter()
     engine.feed(session, [int(session.last_logits.argmax())])
@@ -134,7 +134,7 @@ def decode_step(engine: Engine, session: Sequence) -> float:
 
 
 def interleaved_decode(
-    runs: dict[str, tuple[Engine, Sequence]], steps: int
+    runs: dict[str, tuple[Engine, SequenceState]], steps: int
 ) -> dict[str, list[float]]:
     """Decode `steps` greedy tokens in each prefilled session, one step of each in turn, so
     noise on the machine falls on all of them alike.
@@ -298,7 +298,7 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
     """Prefill the first `context` tokens under each policy, then decode `steps` interleaved
     steps; the row of raw timings (seconds) and bytes for this context."""
     prompt = ctx.text_ids[:context]
-    runs: dict[str, tuple[Engine, Sequence]] = {}
+    runs: dict[str, tuple[Engine, SequenceState]] = {}
     timers: dict[str, Timed] = {}
     prefill_s: dict[str, float] = {}
     for label, engine in engines.items():

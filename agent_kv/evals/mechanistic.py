@@ -11,7 +11,7 @@ an `Engine` with the `full` policy (nothing is ever evicted from the walking ses
 sampled positions `t` (full: every 16 tokens from a warm-up of 512; quick: every 23 from 320)
 the session holds the slice's tokens `[0, t)`; then
 
-1. the session is forked (`copy.deepcopy` of the `Sequence`: an independent store, cache
+1. the session is forked (`copy.deepcopy` of the `SequenceState`: an independent store, cache
    adapter and token list; ~25 ms at 1K tokens on SmolLM2-135M) once per eviction variant,
    and each fork evicts, in every layer, the live slots whose original position the variant
    names (`KVStore.compact`, the same gather every policy uses; the kept keys stay rotated at
@@ -66,7 +66,7 @@ from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_f
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 PAPER_R = -0.77
 """Pearson r between confidence and the KL shift of evicting recent context (docs/methods.md,
@@ -139,7 +139,7 @@ VARIANTS: dict[str, tuple[str, EvictRule]] = {
 }
 
 
-def fork_evicted(session: Sequence, rule: EvictRule) -> tuple[Sequence, int]:
+def fork_evicted(session: SequenceState, rule: EvictRule) -> tuple[SequenceState, int]:
     """An independent copy of `session` (store, cache adapter, tokens) with the slots `rule`
     selects evicted from every layer of row 0.
 
@@ -169,7 +169,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def eviction_kl(
-    engine: Engine, session: Sequence, token: int, rules: dict[str, EvictRule]
+    engine: Engine, session: SequenceState, token: int, rules: dict[str, EvictRule]
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, int]]:
     """Feed `token` to `session` and to one evicted fork per rule; compare next-token laws.
 

@@ -38,7 +38,7 @@ from agent_kv.runtime.batched_calls import PackedPart
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 WAIT_SLICE_S = 0.1
 """Seconds between a waiting caller's checks of its deadline."""
@@ -49,7 +49,7 @@ class _Turn:
     """One turn in the scheduler: what is left to prefill, the token to feed next, and how
     it ends."""
 
-    sequence: Sequence
+    sequence: SequenceState
     policy: Policy
     pending: list[int]
     decoder: ReplyDecoder | _PrefillOnly
@@ -136,7 +136,7 @@ class BatchScheduler:
 
     def generate(
         self,
-        sequence: Sequence,
+        sequence: SequenceState,
         prompt_ids: list[int],
         params: SamplingParams,
         policy: Policy | None = None,
@@ -178,7 +178,7 @@ class BatchScheduler:
 
     def feed(
         self,
-        sequence: Sequence,
+        sequence: SequenceState,
         token_ids: list[int],
         policy: Policy | None = None,
         cancel: threading.Event | None = None,

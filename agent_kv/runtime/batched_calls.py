@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.reply_decoding import Generation
-from agent_kv.runtime.sequence import CallRecord, Sequence
+from agent_kv.runtime.sequence import CallRecord, SequenceState
 
 
 @dataclass
@@ -25,7 +25,7 @@ class PackedPart:
             a prompt's last chunk, False for an earlier chunk (the no-signal budget).
     """
 
-    sequence: Sequence
+    sequence: SequenceState
     tokens: list[int]
     policy: Policy
     gated: bool

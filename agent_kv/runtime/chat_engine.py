@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
     from agent_kv.runtime.reply_decoding import Generation
     from agent_kv.runtime.sampling import SamplingParams
-    from agent_kv.runtime.sequence import Sequence
+    from agent_kv.runtime.sequence import SequenceState
 
 
 @runtime_checkable
@@ -52,12 +52,12 @@ class ChatEngine(Protocol):
         """A matcher for `params.grammar` (None without one)."""
         ...
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self) -> SequenceState:
         """An empty sequence for the model with the engine's store options."""
         ...
 
     def feed(
-        self, sequence: Sequence, token_ids: list[int], cancel: threading.Event | None = None
+        self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """Feed `token_ids` to `sequence` under the policy; returns the `[vocab]` float32
         logits after the last one (also `sequence.last_logits`).
@@ -71,7 +71,7 @@ class ChatEngine(Protocol):
 
     def generate(
         self,
-        sequence: Sequence,
+        sequence: SequenceState,
         prompt_ids: list[int],
         params: SamplingParams,
         on_text: Callable[[str], None] | None = None,

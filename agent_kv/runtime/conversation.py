@@ -23,7 +23,7 @@ from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.reply_decoding import Generation
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 from agent_kv.runtime.tool_calls import Tool
 
 
@@ -74,7 +74,7 @@ class Conversation:
     def __init__(
         self,
         engine: ChatEngine,
-        sequence: Sequence | None = None,
+        sequence: SequenceState | None = None,
         tools: tuple[Tool, ...] = (),
         rules: PinRules = MESSAGE_FLAGS_ONLY,
     ):

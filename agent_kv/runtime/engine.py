@@ -45,11 +45,11 @@ from agent_kv.runtime.prefix_sharing import (
 )
 from agent_kv.runtime.reply_decoding import Generation, ReplyDecoder
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import CallRecord, Sequence
+from agent_kv.runtime.sequence import CallRecord, SequenceState
 
 
 class Engine(CallRunner, ChatEngine):
-    """Runs a causal LM over `Sequence`s whose KV stores a `Policy` manages.
+    """Runs a causal LM over `SequenceState`s whose KV stores a `Policy` manages.
 
     Args:
         model: a transformers causal LM loaded with `attn_implementation="agent_kv"`.
@@ -175,11 +175,11 @@ class Engine(CallRunner, ChatEngine):
             for _ in range(2):
                 self.feed(sequence, [0])
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self) -> SequenceState:
         """An empty sequence for this engine's model and store options."""
-        return Sequence.for_model(self.model, **self.store_options)
+        return SequenceState.for_model(self.model, **self.store_options)
 
-    def share_prefix(self, sequence: Sequence, token_ids: list[int]) -> int:
+    def share_prefix(self, sequence: SequenceState, token_ids: list[int]) -> int:
         """Before `token_ids` are fed to a sequence that holds no token of its own yet: read
         the longest run of their leading whole blocks that is pinned and that the prefix cache
         holds from its shared blocks instead of computing it (never the last token, whose
@@ -188,7 +188,7 @@ class Engine(CallRunner, ChatEngine):
         own."""
         return read_shared(self.prefix_cache, sequence, token_ids)
 
-    def publish_prefix(self, sequence: Sequence) -> int:
+    def publish_prefix(self, sequence: SequenceState) -> int:
         """After a sequence's prompt was fed: the whole blocks of the pinned run its own
         tokens start with go to the prefix cache (or are found there) and the sequence reads
         them shared from then on. Returns the tokens shared; 0 without `share_prefixes`."""
@@ -211,7 +211,7 @@ class Engine(CallRunner, ChatEngine):
 
     @torch.no_grad()
     def feed(
-        self, sequence: Sequence, token_ids: list[int], cancel: threading.Event | None = None
+        self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """Run `token_ids` through the model in chunks, applying the policy after each chunk.
 
@@ -249,7 +249,7 @@ class Engine(CallRunner, ChatEngine):
         return sequence.last_logits
 
     @torch.no_grad()
-    def reencode(self, sequence: Sequence) -> int:
+    def reencode(self, sequence: SequenceState) -> int:
         """Encode the tokens the sequence's cache keeps again, alone, in a fresh cache: every
         position that some layer still holds (the union over layers), fed in order at its
         original position (rerotate: renumbered in order, as that mode places kept tokens),
@@ -370,7 +370,7 @@ class Engine(CallRunner, ChatEngine):
         return BatchGeneration(generations=generations, store=store, steps=steps)
 
     @torch.no_grad()
-    def score(self, sequence: Sequence, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
+    def score(self, sequence: SequenceState, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
         """Teacher-forced log-likelihood of `token_ids` under the managed cache.
 
         The tokens are fed `chunk` at a time; after each call the policy evicts with the
@@ -453,7 +453,7 @@ class Engine(CallRunner, ChatEngine):
 
     def generate(
         self,
-        sequence: Sequence,
+        sequence: SequenceState,
         prompt_ids: list[int],
         params: SamplingParams,
         on_text: Callable[[str], None] | None = None,
@@ -490,7 +490,7 @@ class Engine(CallRunner, ChatEngine):
         return decoder.generation(len(prompt_ids))
 
 
-def _reencode_due(sequence: Sequence) -> bool:
+def _reencode_due(sequence: SequenceState) -> bool:
     """Whether the sequence's cache has evicted, since its kept tokens were last encoded again
     (or since it began), at least as many tokens as it holds now, both summed over layers."""
     store = sequence.store

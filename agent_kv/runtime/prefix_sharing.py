@@ -14,7 +14,7 @@ import torch
 
 from agent_kv.kv.prefix_cache import PrefixCache
 from agent_kv.kv.store import BLOCK_TOKENS, KVStore
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 
 def prefix_cache_for(model: torch.nn.Module, rerotate: bool) -> PrefixCache | None:
@@ -38,7 +38,7 @@ def shares(cache: PrefixCache | None, store: KVStore) -> bool:
     return cache is not None and store.batch == 1 and store.rotary is None
 
 
-def read_shared(cache: PrefixCache | None, sequence: Sequence, token_ids: list[int]) -> int:
+def read_shared(cache: PrefixCache | None, sequence: SequenceState, token_ids: list[int]) -> int:
     """Before `token_ids` are fed to a sequence that holds no token of its own yet: read the
     longest run of their leading whole blocks that is pinned and that `cache` holds from its
     shared blocks instead of computing it (never the last token, whose logits the feed
@@ -57,7 +57,7 @@ def read_shared(cache: PrefixCache | None, sequence: Sequence, token_ids: list[i
     return added
 
 
-def publish_shared(cache: PrefixCache | None, sequence: Sequence) -> int:
+def publish_shared(cache: PrefixCache | None, sequence: SequenceState) -> int:
     """After a sequence's prompt was fed: the whole blocks of the pinned run its own tokens
     start with go to `cache` (or are found there) and the sequence reads them shared from
     then on. Returns the tokens shared; 0 without a cache."""

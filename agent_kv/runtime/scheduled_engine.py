@@ -33,7 +33,7 @@ from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
 from agent_kv.runtime.policy_setup import check_store_options, policy_from_spec
 from agent_kv.runtime.reply_decoding import Generation
 from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import Sequence
+from agent_kv.runtime.sequence import SequenceState
 
 _GRAMMARS_LOCK = threading.Lock()
 """Held while a shared engine's grammar compiler is first built (0.3-1 s), so that episodes
@@ -119,12 +119,12 @@ class ScheduledEngine(ChatEngine):
         """A matcher for `params.grammar` (None without one)."""
         return None if params.grammar is None else self.grammars.matcher(params.grammar)
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self) -> SequenceState:
         """An empty sequence for the shared model with this view's store options."""
-        return Sequence.for_model(self.model, **self.store_options)
+        return SequenceState.for_model(self.model, **self.store_options)
 
     def feed(
-        self, sequence: Sequence, token_ids: list[int], cancel: threading.Event | None = None
+        self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """`Engine.feed` through the scheduler, under this view's policy
         (`BatchScheduler.feed`); blocks until the tokens are in.
@@ -143,7 +143,7 @@ class ScheduledEngine(ChatEngine):
 
     def generate(
         self,
-        sequence: Sequence,
+        sequence: SequenceState,
         prompt_ids: list[int],
         params: SamplingParams,
         on_text=None,

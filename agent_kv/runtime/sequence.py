@@ -61,7 +61,7 @@ class CallRecord:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One sequence's state across every turn.
 
     Attributes:
@@ -82,12 +82,12 @@ class Sequence:
     evicted_at_reencode: int = 0
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, **store_kwargs) -> Sequence:
+    def for_model(cls, model: torch.nn.Module, **store_kwargs) -> SequenceState:
         """An empty sequence shaped for `model`."""
         store = KVStore.for_model(model, **store_kwargs)
         return cls(store=store, cache=StoreCache(store))
 
-    def restart(self, fresh: Callable[[], Sequence]) -> None:
+    def restart(self, fresh: Callable[[], SequenceState]) -> None:
         """Drop this sequence's cache and history, then take over `fresh()`'s in place (a
         rebuilt cache), so holders of this object see the new one. The old cache is let go
         before the new one is made, so the two are never held together."""
@@ -124,7 +124,7 @@ class Sequence:
                 os.unlink(tmp)
 
     @classmethod
-    def load(cls, path: Path, model: torch.nn.Module) -> Sequence:
+    def load(cls, path: Path, model: torch.nn.Module) -> SequenceState:
         """The sequence `save` wrote, for the same `model`; decoding resumes with the same
         next-token logits.
 
@@ -182,7 +182,7 @@ class SequenceOutline:
     intact_tokens: int
 
     @classmethod
-    def describe(cls, sequence: Sequence, meta: dict | None = None) -> SequenceOutline:
+    def describe(cls, sequence: SequenceState, meta: dict | None = None) -> SequenceOutline:
         """The outline of `sequence` (as `read` would give it once saved with `meta`)."""
         return cls(
             meta=meta or {},

@@ -434,7 +434,7 @@ class ChatService:
         The turn appends what `prepare_history` leaves to prefill (the prompt past the history it
         shares) and the reply, to layers cut back to the shared history when the client
         changed it; a cache rebuilt from scratch starts as a new session's, after the old one
-        is let go (`Sequence.restart`). Under a policy that bounds tokens
+        is let go (`SequenceState.restart`). Under a policy that bounds tokens
         (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
         than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
         next eviction (a sliding-window layer, whatever the policy: `max(L, window - 1 +

@@ -43,7 +43,7 @@ from pathlib import Path
 from agent_kv.errors import AgentKVError, KVCapacityError, QueueTimeoutError, TurnCancelled
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.pin_rules import apply_pins
-from agent_kv.runtime.sequence import Sequence, SequenceOutline
+from agent_kv.runtime.sequence import SequenceOutline, SequenceState
 from agent_kv.serving.session_checkpoints import SessionCheckpoints
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class HistorySync:
 
 def prepare_history(
     engine: Engine,
-    session: Sequence,
+    session: SequenceState,
     token_ids: list[int],
     pins: list[tuple[int, int]] | None = None,
 ) -> HistorySync:
@@ -174,7 +174,7 @@ class SessionSummary:
 
 @dataclass
 class _Entry:
-    session: Sequence | None  # None while saved to disk
+    session: SequenceState | None  # None while saved to disk
     last_used: float  # the store's clock
     last_used_wall: float  # Unix seconds
     saved: SequenceOutline | None = None  # what the file on disk holds, while there
@@ -258,7 +258,7 @@ class SessionStore:
         policy: str | None = None,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
-    ) -> Iterator[Sequence]:
+    ) -> Iterator[SequenceState]:
         """Hold the session `session_id` for one request: created when new, restored when it
         was saved to disk. Other requests to it wait until this one ends; afterwards the TTL
         and the byte cap are enforced.
@@ -562,7 +562,7 @@ class SessionStore:
         if self.spill_dir is not None:
             _discard(self._path(session_id))
 
-    def _restore(self, session_id: str) -> Sequence:
+    def _restore(self, session_id: str) -> SequenceState:
         """The session saved to disk, loaded whole; a new one when there is no file, or when
         its file cannot be read back (damaged, cut short: refused whole, logged and counted in
         `unreadable`, removed), so the turn starts again from the client's history. With
@@ -570,7 +570,7 @@ class SessionStore:
         path = None if self.spill_dir is None else self._path(session_id)
         if path is not None and path.is_file():
             try:
-                session = Sequence.load(path, self.engine.model)
+                session = SequenceState.load(path, self.engine.model)
             except AgentKVError as err:
                 log.warning("session %r starts again from its history: %s", session_id, err)
                 self.unreadable += 1
