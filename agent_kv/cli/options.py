@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from agent_kv.kv.policy_names import declared_policies
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
 
@@ -22,9 +23,8 @@ ModeOption = Annotated[
 PolicyOption = Annotated[
     str,
     typer.Option(
-        help="KV policy: conf-kv, conf-kv-l, h2o, snapkv, window, random, full, ARKV's arkv, "
-        "base-quant, base-origin, conf-kv+arkv, or KVzip's kvzip; NAME+recall adds a cold tier "
-        "with recall (see --recall)."
+        help=f"KV policy: {', '.join(declared_policies())}; NAME+recall adds a cold tier with "
+        "recall (see --recall); docs/policies.md describes each."
     ),
 ]
 BudgetOption = Annotated[
