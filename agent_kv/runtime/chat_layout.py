@@ -114,9 +114,13 @@ class RenderedChat:
 
     def token_span(self, start: int, end: int) -> tuple[int, int]:
         """The tokens `[first, last)` that overlap characters `[start, end)` of `text`."""
-        return bisect.bisect_right(self.token_ends, start), bisect.bisect_left(
-            self.token_starts, end
-        )
+        return overlapping_tokens(self.token_starts, self.token_ends, start, end)
+
+
+def overlapping_tokens(starts: list[int], ends: list[int], start: int, end: int) -> tuple[int, int]:
+    """The tokens `[first, last)` overlapping characters `[start, end)`, of tokens whose
+    character spans are `[starts[i], ends[i])` in order (empty when `last <= first`)."""
+    return bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)
 
 
 _FRAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {tools: frame}

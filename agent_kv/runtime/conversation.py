@@ -18,7 +18,7 @@ import torch
 
 from agent_kv.errors import ConfigError
 from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.chat_layout import place_messages, preamble_chars
+from agent_kv.runtime.chat_layout import overlapping_tokens, place_messages, preamble_chars
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.reply_decoding import Generation
@@ -152,8 +152,7 @@ class Conversation:
             pins.pin(*self.spans[i])
         self._pinned = chosen
         for start, end in self.rules.text_spans(text, preamble, new_from):
-            first = bisect.bisect_right(ends, start)
-            last = bisect.bisect_left(starts, end)
+            first, last = overlapping_tokens(starts, ends, start, end)
             if last > first:
                 self._text_pins.append((base + first, base + last))
         for span in self._text_pins:
