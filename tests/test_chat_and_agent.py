@@ -141,7 +141,7 @@ def test_pinned_replies_outlive_a_window_that_evicts_unpinned_ones(smollm, reenc
     )
     # re-encoding replaced the cache midway; the spans and pins followed it
     assert (chat.sequence.evicted_at_reencode > 0) == reencode
-    spans = [chat.spans[i] for i in sorted(chat.spans)]
+    spans = list(chat.spans)
     assert all(a[1] <= b[0] and a[0] < a[1] for a, b in itertools.pairwise(spans))
     assert spans[-1][1] == store.seen_tokens == len(chat.sequence.token_ids)
 

@@ -12,14 +12,11 @@ from helpers import kept_positions, with_old_names
 from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.history_sync import HistorySync, prepare_history
+from agent_kv.runtime.pin_rules import apply_pins
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import CallRecord, SequenceState
-from agent_kv.serving.session_store import (
-    HistorySync,
-    SessionBusyError,
-    SessionStore,
-    prepare_history,
-)
+from agent_kv.serving.session_store import SessionBusyError, SessionStore
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 SLOTS = 128  # what 100 tokens take: 100 + 5%, in whole 32-token blocks, per layer
@@ -147,7 +144,7 @@ def test_requests_to_one_session_are_serialised(engine):
 def sync_history(engine, session, ids):
     """A request's history met as the chat service meets it: prepared, then its new tokens
     prefilled."""
-    sync = prepare_history(engine, session, ids)
+    sync = prepare_history(session, ids, engine.new_sequence)
     if sync.prefilled_tokens:
         engine.feed(session, ids[sync.reused_tokens :])
     return sync
@@ -194,16 +191,17 @@ def test_a_changed_history_keeps_its_intact_prefix_after_eviction(smollm, sinks)
     system, b, c = list(range(100, 130)), list(range(200, 260)), list(range(300, 360))
     pins = [(0, 30)]
     session = engine.new_sequence()
-    prepare_history(engine, session, system + b, pins)
+    apply_pins(session.store, pins)
     engine.feed(session, system + b)  # 90 tokens under a 40-token window: evictions
     assert session.store.figures.evicted_tokens > 0
     assert session.store.segments.changed_at[0] > 30
     assert session.store.intact_tokens() == 30
-    sync = prepare_history(engine, session, system + c, pins)
+    sync = prepare_history(session, system + c, engine.new_sequence)
+    apply_pins(session.store, pins)
     assert sync == HistorySync(30, 60, "truncated")
     engine.feed(session, c)
     fresh = engine.new_sequence()
-    prepare_history(engine, fresh, system + c, pins)
+    apply_pins(fresh.store, pins)
     engine.feed(fresh, system + c)
     assert (session.last_logits - fresh.last_logits).abs().max() < 1e-4
     assert kept_positions(session.store) == kept_positions(fresh.store)

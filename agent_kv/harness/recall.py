@@ -390,7 +390,7 @@ class _Replay:
         store, spans = self.chat.sequence.store, self.chat.spans
         for page, message in zip(self.pages, self.page_messages, strict=True):
             page["kept_at_answer"] = _kept(store, spans[message])
-            if message + 1 in spans:
+            if message + 1 < len(spans):
                 page["reply_kept_at_answer"] = _kept(store, spans[message + 1])
 
 

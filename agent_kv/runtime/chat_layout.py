@@ -150,7 +150,18 @@ def render_placed(tokenizer, messages: list[dict], tools: Sequence[Tool] = ()) -
             messages have no fixed place.
         jinja2 errors and ValueError from the template, as `render_chat` raises them.
     """
-    text = render_chat(tokenizer, messages, tools, generation_prompt=True)
+    return placed_chat(
+        tokenizer, messages, tools, render_chat(tokenizer, messages, tools, generation_prompt=True)
+    )
+
+
+def placed_chat(tokenizer, messages: list[dict], tools: Sequence[Tool], text: str) -> RenderedChat:
+    """`text`, the rendering of `messages` with the generation prompt, tokenized once (a fast
+    tokenizer, for the offsets) and each message placed in it.
+
+    Raises:
+        ConfigError: the chat template re-renders earlier messages when one is added.
+    """
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     return RenderedChat(

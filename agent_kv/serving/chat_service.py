@@ -1,10 +1,11 @@
 """Chat turns in managed sessions: the one code path behind every front end (the server's
 `/v1/chat/completions` and `/chat`, and the in-process LangChain model).
 
-A turn renders the messages with the model's chat template, matches the tokens against the
-session's history so only what is new is prefilled (`prepare_history`), pins what the rules
-protect (`agent_kv.runtime.pin_rules`), and decodes the reply. The chat is rendered and
-tokenized once per turn (`agent_kv.runtime.chat_layout`).
+A turn renders the messages with the model's chat template and tokenizes them, once
+(`agent_kv.runtime.chat_layout`); then, holding the session, a `ChatSession` over its sequence
+(the session object the agent's `Conversation` runs on too) matches the tokens against the
+history so only what is new is prefilled (`agent_kv.runtime.history_sync`) and pins what the
+rules protect (`agent_kv.runtime.pin_rules`); then the reply is decoded.
 
 Which session a turn runs in:
 - a turn naming a session id runs in that session (created on first use);
@@ -44,18 +45,15 @@ from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.store import WINDOW_SLACK
 from agent_kv.runtime.batch_scheduler import BatchScheduler
 from agent_kv.runtime.chat_layout import RenderedChat, render_placed
+from agent_kv.runtime.chat_session import ChatSession
 from agent_kv.runtime.engine import Engine, Generation
+from agent_kv.runtime.history_sync import HistorySync, plan_history_sync
 from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import CallRecord, SequenceOutline
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
-from agent_kv.serving.session_store import (
-    HistorySync,
-    SessionStore,
-    plan_history_sync,
-    prepare_history,
-)
+from agent_kv.serving.session_store import SessionStore
 from agent_kv.valid_text import check_unicode
 
 ANONYMOUS_PREFIX = "auto-"
@@ -347,24 +345,25 @@ class ChatService:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             messages = self.issued_calls.restore(messages)
             chat = self.render(messages, reply.tools)
-            prompt_ids = chat.token_ids
-            self.check_fits(len(prompt_ids), params.max_new_tokens, policy)
-            pins = protected_spans(chat, messages, rules)
+            self.check_fits(len(chat.token_ids), params.max_new_tokens, policy)
             deadline = time.monotonic() + self.queue_timeout_s
             turn = self._run_turn(
-                messages, params, session_id, policy or self.engine.policy, on_text, cancel,
-                on_start, prompt_ids, pins, admitted, deadline,
+                messages, reply.tools, rules, chat, params, session_id,
+                policy or self.engine.policy, on_text, cancel, on_start, admitted, deadline,
             )  # fmt: skip
             turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply)
             self.issued_calls.record(turn.tool_calls)
             return turn
 
     def _run_turn(
-        self, messages, params, session_id, policy, on_text, cancel, on_start, prompt_ids,
-        pins, admitted, deadline,
+        self, messages, tools, rules, chat, params, session_id, policy, on_text, cancel,
+        on_start, admitted, deadline,
     ) -> ChatTurn:  # fmt: skip
-        """The part of `run` that holds the session and runs in the batch."""
+        """The part of `run` that holds the session and runs in the batch: the turn is a
+        `ChatSession` over the session's sequence that takes the client's whole chat
+        (`ChatSession.take_chat`: a stateless client resends it every turn)."""
         queued = time.perf_counter()
+        prompt_ids = chat.token_ids
         anonymous = session_id is None
         if anonymous:
             session_id = self._anonymous_session(prompt_ids)
@@ -372,7 +371,7 @@ class ChatService:
             self.turn_kv_bound,
             policy,
             prompt_ids,
-            sum(end - start for start, end in pins),
+            sum(end - start for start, end in protected_spans(chat, messages, rules)),
             params.max_new_tokens,
         )
         joined, ran = [], False
@@ -386,7 +385,9 @@ class ChatService:
                     session.store.figures.quantized_tokens,
                 )
                 steps_before = len(session.steps)
-                sync = prepare_history(self.engine, session, prompt_ids, pins)
+                session_chat = ChatSession(session, tools, rules)
+                prompt = session_chat.take_chat(chat, self.engine.new_sequence, messages)
+                sync = prompt.sync
                 if sync.rebuild == "scratch":
                     evicted, quantized, steps_before = 0, 0, 0
 
@@ -395,12 +396,12 @@ class ChatService:
                     admitted.release()
 
                 reply = self.scheduler.generate(
-                    session, prompt_ids[sync.reused_tokens :], params, policy, on_text, cancel,
-                    on_join, deadline,
+                    session, prompt.token_ids, params, policy, on_text, cancel, on_join,
+                    deadline,
                 )  # fmt: skip
                 store = session.store
                 report = KVReport(
-                    **asdict(KVFigures.of(store)),
+                    **asdict(session_chat.figures()),
                     policy=policy.name,
                     session_id=session_id,
                     rebuild=sync.rebuild,

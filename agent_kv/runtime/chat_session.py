@@ -1,0 +1,243 @@
+"""One chat over one sequence: its messages, where each lies in the cache (token spans), and
+the pins its rules choose, kept turn by turn. The session object behind every front end: the
+agent's `Conversation` and the server's and LangChain's turns (`ChatService`).
+
+A turn renders the whole chat once, with the generation prompt. When the rendering extends
+the text the cache holds (messages were appended, as an agent does), only the new text is
+tokenized, only the new messages are placed (`agent_kv.runtime.chat_layout`), and the pin
+rules (`agent_kv.runtime.pin_rules`) are applied turn by turn: a message the rules stop
+choosing (an observation superseded by a newer one) is released, and pattern matches in the
+new text are pinned. When it does not (a stateless client resent a chat it changed, or a
+template re-rendered earlier turns), the chat is tokenized whole and matched token by token
+against the cache's history (`agent_kv.runtime.history_sync`: reused, cut back or rebuilt),
+and every message is placed and every pin chosen again. Either way the chat is rendered once
+and tokenized once per turn.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from agent_kv.kv.kv_figures import KVFigures
+from agent_kv.runtime.chat_layout import (
+    RenderedChat,
+    overlapping_tokens,
+    place_messages,
+    placed_chat,
+)
+from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.runtime.history_sync import HistorySync, prepare_history
+from agent_kv.runtime.pin_rules import PinRules, apply_pins
+from agent_kv.runtime.sequence import SequenceState
+from agent_kv.runtime.tool_calls import Tool
+
+MESSAGE_FLAGS_ONLY = PinRules(roles=frozenset(), latest_observations=0)
+"""The default rules of a `ChatSession`: pin the messages flagged `"pin": True` and nothing
+else."""
+
+
+@dataclass(frozen=True)
+class TurnPrompt:
+    """What one turn feeds the model.
+
+    Attributes:
+        token_ids: the prompt's tokens the cache does not hold yet (to prefill).
+        sync: how the chat met the cache's history (`HistorySync`; "none" when the chat
+            extended it).
+        prompt_tokens: tokens of the whole chat as rendered for this turn.
+    """
+
+    token_ids: list[int]
+    sync: HistorySync
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class _NewText:
+    """The tokens of `text[new_from:]`, the part of a turn's rendering the cache does not hold:
+    ids, and character spans `[starts[i], ends[i])` in `text`, from token position `base`."""
+
+    text: str
+    new_from: int
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+    base: int
+    preamble_chars: int
+
+
+class ChatSession:
+    """A chat whose whole history stays in one managed KV cache (module docstring).
+
+    Args:
+        sequence: the sequence holding the cache (a new one's, or one continued).
+        tools: the tools offered, rendered into the prompt.
+        rules: what to pin (`PinRules`); by default the messages flagged `"pin": True`.
+
+    Attributes:
+        messages: the chat, `{"role", "content"}` dicts (optionally `"pin": True`), those
+            added since the last turn included.
+        spans: per message placed, its token positions `[start, end)` in the cache (a
+            message's footer, rendered with the next turn, extends its span then).
+        rendered: the template text the cache holds.
+
+    Raises:
+        ConfigError: invalid `rules`.
+    """
+
+    def __init__(
+        self,
+        sequence: SequenceState,
+        tools: Sequence[Tool] = (),
+        rules: PinRules = MESSAGE_FLAGS_ONLY,
+    ):
+        rules.validate()
+        self.sequence = sequence
+        self.tools = tuple(tools)
+        self.rules = rules
+        self.messages: list[dict] = []
+        self.spans: list[tuple[int, int]] = []
+        self.rendered = ""
+        self._pinned: set[int] = set()  # messages the rules pin now
+        self._text_pins: list[tuple[int, int]] = []  # token spans of pattern matches
+        self._reply_pins: list[tuple[int, int]] = []  # token spans of replies pinned
+
+    def add(self, message: dict) -> None:
+        """Append `message` (`{"role", "content"}`, optionally `"pin": True`); it is placed
+        and pinned with the next turn (`take_prompt`)."""
+        self.messages.append(message)
+
+    def take_prompt(self, tokenizer, fresh: Callable[[], SequenceState]) -> TurnPrompt:
+        """The next turn's prompt: the chat rendered once with the generation prompt; when it
+        extends `rendered`, only the new text is tokenized, else the chat is tokenized whole
+        and met with the history (`take_chat`; a sequence rebuilt from scratch is made by
+        `fresh`). The new messages are placed and the pins applied before anything is fed.
+
+        Raises:
+            ConfigError: the chat template re-renders earlier messages when one is added (no
+                message has a fixed place).
+        """
+        text = render_chat(tokenizer, self.messages, self.tools, generation_prompt=True)
+        if not self.rendered or not text.startswith(self.rendered):
+            return self.take_chat(placed_chat(tokenizer, self.messages, self.tools, text), fresh)
+        new_from = len(self.rendered)
+        encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        base = self.sequence.store.seen_tokens
+        new = _NewText(
+            text=text,
+            new_from=new_from,
+            ids=list(encoded["input_ids"]),
+            starts=[new_from + start for start, _ in offsets],
+            ends=[new_from + end for _, end in offsets],
+            base=base,
+            preamble_chars=0,
+        )
+        self._place(new, place_messages(tokenizer, self.messages, self.tools, text))
+        return TurnPrompt(new.ids, HistorySync(base, len(new.ids), "none"), base + len(new.ids))
+
+    def take_chat(
+        self,
+        chat: RenderedChat,
+        fresh: Callable[[], SequenceState],
+        messages: list[dict] | None = None,
+    ) -> TurnPrompt:
+        """The next turn's prompt from a chat already rendered and tokenized whole
+        (`render_placed`; a stateless client's whole conversation, `messages`, which replace
+        the session's when given): its tokens are met with the history (`prepare_history`: the
+        cache is cut back where they diverge, or rebuilt on `fresh()`), every message is
+        placed and every pin chosen again (pinned replies the cache still holds stay pinned).
+        """
+        if messages is not None:
+            self.messages = list(messages)
+        sync = prepare_history(self.sequence, chat.token_ids, fresh)
+        apply_pins(self.sequence.store, [])
+        self.spans, self._pinned, self._text_pins = [], set(), []
+        self._reply_pins = [span for span in self._reply_pins if span[1] <= sync.reused_tokens]
+        self.rendered = ""
+        new = _NewText(
+            text=chat.text,
+            new_from=0,
+            ids=chat.token_ids,
+            starts=chat.token_starts,
+            ends=chat.token_ends,
+            base=0,
+            preamble_chars=chat.preamble_chars,
+        )
+        self._place(new, chat.message_chars)
+        return TurnPrompt(chat.token_ids[sync.reused_tokens :], sync, len(chat.token_ids))
+
+    def _place(self, new: _NewText, placed: list[tuple[int, int]]) -> None:
+        """Record the token span of each message not placed yet (and the footer the last
+        placed one gained) from `placed`, every message's character span in `new.text`; then
+        apply the rules."""
+        if self.spans:  # the last message's footer, rendered only now, extends its span
+            start, end = self.spans[-1]
+            footer_end = new.base + bisect.bisect_left(new.starts, placed[len(self.spans) - 1][1])
+            self.spans[-1] = (start, max(end, footer_end))
+        for start, end in placed[len(self.spans) :]:
+            self.spans.append(
+                (
+                    new.base + bisect.bisect_left(new.starts, max(start, new.new_from)),
+                    new.base + bisect.bisect_left(new.starts, end),
+                )
+            )
+        self._apply_rules(new)
+        self.rendered = new.text
+
+    def _apply_rules(self, new: _NewText) -> None:
+        """Pin what the rules choose now and release the messages they no longer choose, as
+        `protected_spans` over the whole chat would; pattern matches (and the tools'
+        description) in the new text are pinned for good."""
+        pins = self.sequence.store.pins
+        chosen = set(self.rules.pinned_messages(self.messages))
+        for i in sorted(self._pinned - chosen):
+            pins.unpin(*self.spans[i])
+        for i in sorted(chosen):
+            pins.pin(*self.spans[i])
+        self._pinned = chosen
+        for start, end in self.rules.text_spans(new.text, new.preamble_chars, new.new_from):
+            first, last = overlapping_tokens(new.starts, new.ends, start, end)
+            if last > first:
+                self._text_pins.append((new.base + first, new.base + last))
+        for span in self._text_pins + self._reply_pins:
+            pins.pin(*span)
+
+    def pin_reply(self, start: int, end: int) -> None:
+        """Pin token positions `[start, end)` of a reply (they may lie ahead of the tokens
+        seen); they stay pinned while the cache holds them."""
+        self.sequence.store.pins.pin(start, end)
+        self._reply_pins.append((start, end))
+
+    def release_reply_tail(self, reply_end: int, pinned_end: int) -> None:
+        """Release positions `[reply_end, pinned_end)` pinned ahead for a reply that ended
+        before them (`pin_reply`)."""
+        self.sequence.store.pins.unpin(reply_end, pinned_end)
+        self._reply_pins = [(start, min(end, reply_end)) for start, end in self._reply_pins]
+
+    def add_reply(self, text: str, start: int) -> None:
+        """Append the reply the cache now holds from position `start` to its last token:
+        `text` is what was fed (the generated text, stop strings included), as the template
+        renders the assistant message."""
+        self.messages.append({"role": "assistant", "content": text})
+        self.spans.append((start, self.sequence.store.seen_tokens))
+        self.rendered += text
+
+    def figures(self) -> KVFigures:
+        """What the session's KV cache holds now (`KVFigures`)."""
+        return KVFigures.of(self.sequence.store)
+
+    def fork(self, sequence: SequenceState | None = None) -> ChatSession:
+        """An independent copy of this chat over `sequence` (default: a deep copy of this
+        one's), with the same messages, spans and pins."""
+        twin = ChatSession(sequence or copy.deepcopy(self.sequence), self.tools, self.rules)
+        twin.messages = copy.deepcopy(self.messages)
+        twin.spans = list(self.spans)
+        twin.rendered = self.rendered
+        twin._pinned = set(self._pinned)
+        twin._text_pins = list(self._text_pins)
+        twin._reply_pins = list(self._reply_pins)
+        return twin

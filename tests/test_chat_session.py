@@ -1,0 +1,47 @@
+"""The chat session: a chat that stops extending what its cache holds (an earlier message
+changed) is met with the history token by token and placed and pinned again, as a server's
+turn over the whole chat would."""
+
+from __future__ import annotations
+
+from agent_kv.kv.policies import make_policy
+from agent_kv.kv.store.pins import flag_runs
+from agent_kv.runtime.chat_layout import render_placed
+from agent_kv.runtime.chat_session import ChatSession
+from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.history_sync import common_prefix
+from agent_kv.runtime.pin_rules import PinRules, protected_spans
+
+RULES = PinRules(latest_observations=1, observation_roles=frozenset({"user"}), patterns=("#\\d+",))
+
+
+def test_a_changed_chat_is_met_with_the_history_and_pinned_again(smollm):
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    tokenizer = smollm.tokenizer
+    chat = ChatSession(engine.new_sequence(), rules=RULES)
+    chat.add({"role": "system", "content": "Track order #41."})
+    chat.add({"role": "user", "content": "Where is order #52?"})
+    first = chat.take_prompt(tokenizer, engine.new_sequence)
+    assert first.sync.rebuild == "none" and first.sync.reused_tokens == 0
+    engine.feed(chat.sequence, first.token_ids)
+    before = list(chat.sequence.token_ids)
+
+    chat.messages[1] = {"role": "user", "content": "Where is order #77?"}
+    chat.add({"role": "assistant", "content": "Shipped."})
+    chat.add({"role": "user", "content": "And #63?"})
+    second = chat.take_prompt(tokenizer, engine.new_sequence)
+    whole = render_placed(tokenizer, chat.messages)
+    assert second.sync.rebuild == "truncated"
+    assert 0 < second.sync.reused_tokens == common_prefix(before, whole.token_ids)
+    assert second.token_ids == whole.token_ids[second.sync.reused_tokens :]
+    logits = engine.feed(chat.sequence, second.token_ids)
+
+    assert chat.sequence.token_ids == whole.token_ids
+    assert chat.rendered == whole.text
+    expected = protected_spans(whole, chat.messages, RULES)
+    assert flag_runs(chat.sequence.store.pins.positions().tolist()) == expected
+    pinned = "".join(tokenizer.decode(whole.token_ids[a:b]) for a, b in expected)
+    assert "#77" in pinned and "#52" not in pinned and "And #63?" in pinned
+    fresh = engine.feed(engine.new_sequence(), whole.token_ids)
+    assert (logits - fresh).abs().max() < 1e-4
+    assert chat.figures().tokens_seen == len(whole.token_ids)
