@@ -83,7 +83,7 @@ class KVStore:
         profile: `[num_layers, 4]`, sums of the three prefill attention statistics and the
             calls counted (`record_profile`), or None.
         observed_from: per row, the position of the first query of the last observation
-            window: tokens from there on have no `window_mass` of their own.
+            window: tokens from there on have no `observation_mass` of their own.
 
     Raises:
         ValueError: non-positive sizes, an `ema_decay` outside [0, 1), or `windows` without
