@@ -12,7 +12,7 @@ the mass folded into the per-token statistics, with a handful of operations over
 policy's, `Policy.prepare`): the statistics it folds, a prefill profile, SnapKV's observation
 window, recall from the cold tier, or a reconstruction pass.
 
-In a sliding-window layer (`KVStore.windows`) every segment also carries its window mask
+In a sliding-window layer (`KVStore.attention_windows`) every segment also carries its window mask
 (`Segment.window`): query `i` of a row, at original position `origin + i`, sees the stored and
 new tokens at positions `> origin + i - window`, from the positions the store keeps per slot,
 so a chunk is masked per query and a decode step reads the mask from tensors like the rest.
@@ -277,7 +277,7 @@ class ForwardCall:
                     "value_scales": self._view(store.scales, "values", layer, None),
                     "scale_index": self._view(table, "group", layer, width),
                 }
-            window = store.windows[layer]
+            window = store.attention_windows[layer]
             mask = None
             if window is not None:
                 positions = self._view(table, "positions", layer, width)
@@ -353,7 +353,7 @@ class ForwardCall:
         """The call's own tokens `[R, H, n, D]` as the last, causal segment: query `i` of a row
         sees new token `j <= i`, and in a sliding-window `layer` (when given) only
         `j > i - window` (a mask only when the call is longer than the window)."""
-        window = None if layer is None else self.store.windows[layer]
+        window = None if layer is None else self.store.attention_windows[layer]
         mask = None
         if window is not None and self.n > window:
             offsets = self._new_positions
