@@ -203,7 +203,7 @@ def test_snapkv_generates_within_its_budget_after_compressing_the_prompt(smollm,
         positions = store.live_positions(idx)
         assert positions.numel() == 96 - 32
         assert set(range(300 - 32, 300)) <= set(positions.tolist())  # the window
-        assert bool((store.live_meta("window_mass", idx)[:, positions < 268] > 0).all())
+        assert bool((store.live_meta("observation_mass", idx)[:, positions < 268] > 0).all())
         with_sink += int(positions[0]) == 0
     assert with_sink >= store.num_layers // 2  # kept for its attention: sinks=0 here
     question = smollm.tokenizer("\nWho sells the bike?", add_special_tokens=False)["input_ids"]

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
 """Units, lowest layer (1) first. `agent_kv.base` names the package's own root modules."""
 BASE = {"agent_kv", "agent_kv.errors", "agent_kv.valid_text", "agent_kv.renamed_fields"}
 """The modules of `agent_kv.base`: the package itself, its errors, the Unicode check and the
-figures' old names (read for one release)."""
+old names of saved fields (read for one release)."""
 
 
 def unit_of(module: str) -> str | None:

@@ -26,8 +26,8 @@ from transformers import DynamicCache
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.attention import register_attention
+from agent_kv.kv.attention_windows import attention_windows
 from agent_kv.kv.forward_call import ForwardCall, append_kv
-from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
@@ -132,14 +132,14 @@ def _tokens(count: int, seed: int = 1) -> list[int]:
 
 
 def _check_windows(store: KVStore, budget: int | None = None) -> None:
-    """Every sliding layer holds at most its window past `window_slack` (exactly the last
+    """Every sliding layer holds at most its window past `attention_window_slack` (exactly the last
     `window - 1` positions with no slack); with a budget, each global layer exactly it."""
     seen = store.seen_tokens
-    for layer, window in enumerate(store.windows):
+    for layer, window in enumerate(store.attention_windows):
         held = store.length(layer)
         if window is not None:
-            assert held <= window - 1 + store.window_slack
-            if store.window_slack == 0:
+            assert held <= window - 1 + store.attention_window_slack
+            if store.attention_window_slack == 0:
                 assert store.live_positions(layer).tolist() == list(
                     range(max(seen - window + 1, 0), seen)
                 )
@@ -150,8 +150,8 @@ def _check_windows(store: KVStore, budget: int | None = None) -> None:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_store_takes_each_layers_window_from_the_config(name):
     _, ours = _models(name)
-    assert KVStore.for_model(ours).windows == FAMILIES[name].windows
-    assert layer_windows(ours.config) == FAMILIES[name].windows
+    assert KVStore.for_model(ours).attention_windows == FAMILIES[name].windows
+    assert attention_windows(ours.config) == FAMILIES[name].windows
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -201,7 +201,7 @@ def test_a_budget_on_the_global_layers_matches_an_explicit_mask(name, budget):
     policy = make_policy("window", budget=budget, sinks=sinks, evict_slack=0)
     engine = Engine(ours, _Tokenizer(), policy, prefill_chunk=CHUNK)
     sequence = engine.new_sequence()
-    sequence.store.window_slack = 0
+    sequence.store.attention_window_slack = 0
     tokens = _tokens(PROMPT + DECODE, seed=2)
     total = len(tokens)
     starts = torch.arange(total)  # a decode token starts its own call
@@ -230,7 +230,7 @@ def test_a_budget_on_the_global_layers_matches_an_explicit_mask(name, budget):
         _check_windows(sequence.store, budget)
     evicts = any(w is None for w in windows) and budget < total
     assert (sequence.store.figures.evicted_tokens > 0) == evicts
-    assert (sequence.store.figures.window_dropped > 0) == (window is not None)
+    assert (sequence.store.figures.attention_window_dropped > 0) == (window is not None)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
@@ -243,7 +243,7 @@ def test_pins_stay_in_global_layers_and_leave_sliding_ones_with_the_window(name)
     for token in _tokens(10, seed=3):
         engine.feed(sequence, [token])
     store = sequence.store
-    for layer, window in enumerate(store.windows):
+    for layer, window in enumerate(store.attention_windows):
         positions = set(store.live_positions(layer).tolist())
         assert ({0, 1, 2, 3} <= positions) == (window is None)
 
@@ -255,7 +255,7 @@ def test_rerotate_positions_match_transformers_under_full_kv(name):
     reference, ours = _models(name)
     engine = Engine(ours, _Tokenizer(), make_policy("full"), CHUNK, rerotate=True)
     sequence = engine.new_sequence()
-    sequence.store.window_slack = 0
+    sequence.store.attention_window_slack = 0
     tokens = _tokens(PROMPT + 10, seed=4)
     engine.feed(sequence, tokens[:PROMPT])
     for token in tokens[PROMPT:]:
@@ -308,7 +308,7 @@ def test_int8_mixed_precision_trims_quantized_window_tokens():
     int8 = Int8Config(fp_window=4, group=2)
     engine = Engine(ours, _Tokenizer(), make_policy("window", budget=24, sinks=4), CHUNK, int8)
     sequence = engine.new_sequence()
-    sequence.store.window_slack = 0
+    sequence.store.attention_window_slack = 0
     engine.feed(sequence, _tokens(PROMPT))
     for token in _tokens(DECODE, seed=5):
         logits = engine.feed(sequence, [token])
@@ -319,7 +319,7 @@ def test_int8_mixed_precision_trims_quantized_window_tokens():
 
 def test_a_store_without_the_models_windows_is_refused():
     _, ours = _models("mistral-window")
-    store = KVStore.for_model(ours, windows=(None,) * 4)
+    store = KVStore.for_model(ours, attention_windows=(None,) * 4)
     call = ForwardCall.open(store, range(1), 3)
     with pytest.raises(ValueError, match="sliding window of 16 tokens"):
         ours(input_ids=torch.tensor([[1, 2, 3]]), position_ids=call.tensors.position_ids,
@@ -330,10 +330,10 @@ def test_layer_types_agent_kv_does_not_run_are_refused():
     config = transformers.LlamaConfig(num_hidden_layers=2)
     config.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(ConfigError, match="chunked_attention"):
-        layer_windows(config)
+        attention_windows(config)
     gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True)
     with pytest.raises(ConfigError, match="bidirectional"):
-        layer_windows(gemma3)
+        attention_windows(gemma3)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
@@ -455,19 +455,19 @@ def test_the_compiled_decode_step_equals_the_eager_one_with_windows_and_softcap(
     (_, eager_run), (_, compiled_run) = runs
     assert compiled_run.store.lengths() == eager_run.store.lengths()
     assert (
-        compiled_run.store.figures.window_dropped > 0
+        compiled_run.store.figures.attention_window_dropped > 0
         and compiled_run.store.figures.evicted_tokens > 0
     )
 
 
 def test_a_saved_store_keeps_its_windows_and_what_they_dropped():
-    store = KVStore(2, 1, 4, windows=(3, None))
-    store.window_slack = 0
+    store = KVStore(2, 1, 4, attention_windows=(3, None))
+    store.attention_window_slack = 0
     append_kv(store, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
-    assert store.lengths() == [2, 5] and store.figures.window_dropped == 3
+    assert store.lengths() == [2, 5] and store.figures.attention_window_dropped == 3
     assert store.segments.changed_at == [5]  # the window layer cannot go back before position 5
     saved = KVStore.from_state(store.state())
-    assert saved.windows == (3, None) and saved.figures.window_dropped == 3
-    assert saved.window_slack == 0
+    assert saved.attention_windows == (3, None) and saved.figures.attention_window_dropped == 3
+    assert saved.attention_window_slack == 0
     assert saved.lengths() == [2, 5]
     assert saved.live_positions(0).tolist() == [3, 4]

@@ -377,7 +377,7 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     observed = min(query_len, window)
     expected = probs[0, :, -observed:].sum(dim=1).view(2, 3, -1).sum(dim=1)  # [kv_heads, L]
-    torch.testing.assert_close(store.fp["window_mass"][0, 0, :, : 30 + query_len], expected)
+    torch.testing.assert_close(store.fp["observation_mass"][0, 0, :, : 30 + query_len], expected)
     assert store.observed_from == [30 + query_len - observed]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import append_tokens, kept_positions
+from helpers import append_tokens, kept_positions, recorded_call
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.call_plan import CallPlan
@@ -267,6 +267,26 @@ def test_a_saved_store_loads_back_with_its_capacity_and_contents():
     assert kept_positions(loaded) == kept_positions(store)
     assert torch.equal(quantized_keys(loaded, 20), quantized_keys(store, 20))
     assert loaded.pins.live() == [[2]]
+
+
+def test_a_store_saved_with_the_old_observation_mass_name_loads_it_under_the_new(tmp_path):
+    store = KVStore(1, 2, 4)
+    keys = torch.randn(1, 2, 6, 4)
+    observed = torch.rand(1, 2, 6)
+    recorded_call(store, keys, window=observed, observed=3)
+    mass = store.live_meta("observation_mass", 0)
+    assert torch.equal(mass, observed[0])  # the call's observation-window mass, per KV head
+    state = store.state(trim=True)
+    for table in ("fp", "q"):  # as a session saved before the rename holds it
+        state[table] = {
+            ("window_mass" if field == "observation_mass" else field): tensor
+            for field, tensor in state[table].items()
+        }
+    torch.save(state, tmp_path / "store.pt")
+    loaded = KVStore.from_state(torch.load(tmp_path / "store.pt"))
+    assert "window_mass" not in loaded.fp.fields and "window_mass" not in loaded.q.fields
+    assert torch.equal(loaded.live_meta("observation_mass", 0), mass)
+    assert kept_positions(loaded) == list(range(6))
 
 
 def test_a_call_closes_once():

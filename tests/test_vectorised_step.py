@@ -54,7 +54,7 @@ def reference_ranks(policy, store: KVStore, layer: int, row: int, candidates) ->
         order = torch.argsort(positions)
         scored = order[: int((positions < store.observed_from[row]).sum())]
         ranks = torch.empty(positions.numel())
-        mass = store.live_meta("window_mass", layer, row)[:, scored]
+        mass = store.live_meta("observation_mass", layer, row)[:, scored]
         pooled = F.max_pool1d(mass[None], policy.kernel, stride=1, padding=policy.kernel // 2)
         ranks[scored] = pooled[0].mean(dim=0)
         top = float(ranks[scored].max()) + 1.0

@@ -21,9 +21,10 @@
 
 Model-family keywords of transformers' attention interface:
 - `sliding_window` (Mistral, Phi-3, Qwen2/3, Gemma-2/3, gpt-oss): the layer's window, which must
-  be the store's (`KVStore.windows`, from the config: `agent_kv.kv.layer_windows`); the call's
-  segments carry each query's window mask (`ForwardCall.segments`) and the store keeps the
-  window only (`KVStore.trim_windows`);
+  be the store's (`KVStore.attention_windows`, from the config:
+  `agent_kv.kv.attention_windows`); the call's segments carry each query's window mask
+  (`ForwardCall.segments`) and the store keeps the window only
+  (`KVStore.trim_attention_windows`);
 - `softcap` (Gemma-2) and `s_aux` (gpt-oss's per-head sinks): applied in every read path
   (`kernels.softmax_extras`); the Triton decode kernel implements neither, nor windows, so
   such calls take the PyTorch path (`kernels.dispatch`).
@@ -128,8 +129,8 @@ def store_attention(
     if query.dtype != store.dtype:  # bfloat16 weights over a float32 cache: compute in its dtype
         return _widened_attention(module, query, key, value, scaling, call, features), None
     layer = module.layer_idx
-    if sliding_window != store.windows[layer]:
-        raise _window_mismatch(layer, sliding_window, store.windows[layer])
+    if sliding_window != store.attention_windows[layer]:
+        raise _window_mismatch(layer, sliding_window, store.attention_windows[layer])
     extras = SoftmaxExtras(softcap, s_aux)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if call.plan.reconstruct:
@@ -190,7 +191,7 @@ def _window_mismatch(layer: int, window: int | None, stored: int | None) -> Valu
     return ValueError(
         f"layer {layer} attends through a sliding window of {window} tokens, but its "
         f"store was made for {stored}: make the store with "
-        "KVStore.for_model(model) (windows from the config: agent_kv.kv.layer_windows)"
+        "KVStore.for_model(model) (windows from the config: agent_kv.kv.attention_windows)"
     )
 
 

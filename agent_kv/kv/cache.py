@@ -51,15 +51,15 @@ class PassThroughLayer(CacheLayerMixin):
 
 class StoreCacheLayer(PassThroughLayer):
     """One layer's view of the store, in transformers' cache-layer protocol; `is_sliding`
-    says whether the layer attends through a sliding window (`KVStore.windows`). No model's
-    forward depends on it here: the registered mask function builds no mask, whatever layer
-    transformers sizes it by."""
+    says whether the layer attends through a sliding window (`KVStore.attention_windows`). No
+    model's forward depends on it here: the registered mask function builds no mask, whatever
+    layer transformers sizes it by."""
 
     def __init__(self, store: KVStore, layer_idx: int):
         super().__init__()
         self.store = store
         self.layer_idx = layer_idx
-        self.is_sliding = store.windows[layer_idx] is not None
+        self.is_sliding = store.attention_windows[layer_idx] is not None
 
     def get_seq_length(self) -> int:
         """Most live tokens of any row in this layer (after eviction: fewer than seen)."""

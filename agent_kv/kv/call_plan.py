@@ -21,7 +21,7 @@ class CallPlan:
         profile: whether a multi-token call measures the shape of its attention
             (`KVStore.record_profile`; ARKV plans from it).
         observation_window: how many of a multi-token call's last queries measure
-            `window_mass` (SnapKV's observation window, Li et al. 2024, §4.1; 0: none).
+            `observation_mass` (SnapKV's observation window, Li et al. 2024, §4.1; 0: none).
         recall: whether the call and the policy eviction after it use the store's cold tier
             (evictions go there, recalls come from it).
         reconstruct: a reconstruction pass (KVzip, Kim et al. 2025, §3.2): its attention only

@@ -12,7 +12,7 @@ the mass folded into the per-token statistics, with a handful of operations over
 policy's, `Policy.prepare`): the statistics it folds, a prefill profile, SnapKV's observation
 window, recall from the cold tier, or a reconstruction pass.
 
-In a sliding-window layer (`KVStore.windows`) every segment also carries its window mask
+In a sliding-window layer (`KVStore.attention_windows`) every segment also carries its window mask
 (`Segment.window`): query `i` of a row, at original position `origin + i`, sees the stored and
 new tokens at positions `> origin + i - window`, from the positions the store keeps per slot,
 so a chunk is masked per query and a decode step reads the mask from tensors like the rest.
@@ -118,7 +118,7 @@ class ForwardCall:
         self._read: list[tuple[str, ...]] = [()] * layers
         self._new: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
         self._masses: list[dict[str, torch.Tensor] | None] = [None] * layers
-        self._windows: list[dict[str, torch.Tensor] | None] = [None] * layers
+        self._observations: list[dict[str, torch.Tensor] | None] = [None] * layers
         self._maxes: list[dict[str, torch.Tensor] | None] = [None] * layers
         self._scored: torch.Tensor | None = None
         self._group = 1
@@ -277,7 +277,7 @@ class ForwardCall:
                     "value_scales": self._view(store.scales, "values", layer, None),
                     "scale_index": self._view(table, "group", layer, width),
                 }
-            window = store.windows[layer]
+            window = store.attention_windows[layer]
             mask = None
             if window is not None:
                 positions = self._view(table, "positions", layer, width)
@@ -353,7 +353,7 @@ class ForwardCall:
         """The call's own tokens `[R, H, n, D]` as the last, causal segment: query `i` of a row
         sees new token `j <= i`, and in a sliding-window `layer` (when given) only
         `j > i - window` (a mask only when the call is longer than the window)."""
-        window = None if layer is None else self.store.windows[layer]
+        window = None if layer is None else self.store.attention_windows[layer]
         mask = None
         if window is not None and self.n > window:
             offsets = self._new_positions
@@ -398,7 +398,7 @@ class ForwardCall:
         """Hold a layer's observation-window attention (SnapKV, Li et al. 2024, §4.1): per
         segment and then the new tokens, `[R, H, width]`, the attention from the call's last
         `observed` queries, summed over them and the query heads of each KV head."""
-        self._windows[layer] = self._by_segment(layer, masses)
+        self._observations[layer] = self._by_segment(layer, masses)
         self._observed = observed
 
     def record_reconstruction(self, layer: int, maxes: list[torch.Tensor]) -> None:
@@ -456,7 +456,7 @@ class ForwardCall:
             else:
                 region = getattr(store, where)[field][:, rows]
                 region.narrow(-1, 0, value.shape[-1]).copy_(value)
-        if self._windows[0] is not None and self.plan.keeps_tokens:
+        if self._observations[0] is not None and self.plan.keeps_tokens:
             for row in self.rows:
                 store.observed_from[row] = store.seen(row) + self.n - self._observed
 
@@ -504,7 +504,7 @@ class ForwardCall:
         - ARKV's Welford statistics of the relative attention `x_j = a_j * L` (L the row's
           live tokens after the call): `count += 1; d = x - mean; mean += d / count;
           m2 += d * (x - mean)` (Welford, 1962); new tokens start at count 1, mean `x`;
-        - SnapKV's window mass, when the call measured one.
+        - SnapKV's observation-window mass, when the call measured one.
         Statistics the policy does not ask for are left as they are (new tokens: 0).
         """
         store = self.store
@@ -520,13 +520,13 @@ class ForwardCall:
         weight = n / count
         live = (self.tensors.q_lengths + self.tensors.fp_lengths + n).float()[:, :, None, None]
         lengths = {"q": self.tensors.q_lengths, "fp": self.tensors.fp_lengths}
-        windows = self._windows[0] is not None
+        observing = self._observations[0] is not None
         attended = self._masses[0] is not None  # False: tokens appended without a model call
         out = {}
         for name in SEGMENTS:
-            window = self._stacked(self._windows, name) if windows else None
-            if window is not None:
-                out[f"{name}.window_mass"] = window
+            observation = self._stacked(self._observations, name) if observing else None
+            if observation is not None:
+                out[f"{name}.observation_mass"] = observation
             mass = self._stacked(self._masses, name) if attended else None
             if mass is None:  # [L, R, H, W], or nothing read
                 continue
@@ -544,8 +544,8 @@ class ForwardCall:
         out["new.hit_mean"] = step * live if welford else zero
         out["new.hit_m2"] = zero
         out["new.reconstruction"] = zero
-        out["new.window_mass"] = (
-            torch.stack([layer["new"] for layer in self._windows]) if windows else zero
+        out["new.observation_mass"] = (
+            torch.stack([layer["new"] for layer in self._observations]) if observing else zero
         )
         out["new.hits"] = torch.full_like(step[:, :, 0], float(welford))  # observations
         return out

@@ -22,7 +22,7 @@ def prefix_cache_for(model: torch.nn.Module, rerotate: bool) -> PrefixCache | No
     rerotate positions, sliding-window layers. Its identity: the model's name or path, its
     weights' dtype and its stores' dtype."""
     store = KVStore.for_model(model)
-    if rerotate or any(window is not None for window in store.windows):
+    if rerotate or any(window is not None for window in store.attention_windows):
         return None
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     weights = next(model.parameters()).dtype

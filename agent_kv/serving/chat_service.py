@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError
+from agent_kv.kv.attention_windows import attention_windows
 from agent_kv.kv.kv_figures import KVFigures
-from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.policies import Policy, check_policy_precision
-from agent_kv.kv.store import WINDOW_SLACK
+from agent_kv.kv.store import ATTENTION_WINDOW_SLACK
 from agent_kv.runtime.batch_scheduler import BatchScheduler
 from agent_kv.runtime.chat_layout import RenderedChat, render_placed
 from agent_kv.runtime.chat_session import ChatSession
@@ -222,9 +222,9 @@ class ChatService:
         self.queue_timeout_s = queue_timeout_s
         self.max_anonymous = max_anonymous
         self.scheduler = BatchScheduler(engine, max_batch)
-        self._window_holds = [
-            None if window is None else window - 1 + WINDOW_SLACK
-            for window in layer_windows(engine.model.config)
+        self._attention_window_holds = [
+            None if window is None else window - 1 + ATTENTION_WINDOW_SLACK
+            for window in attention_windows(engine.model.config)
         ]  # per layer, what a sliding-window layer can hold between calls
         self._count_lock = threading.Lock()
         self._waiting = 0
@@ -439,8 +439,8 @@ class ChatService:
         (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
         than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
         next eviction (a sliding-window layer, whatever the policy: `max(L, window - 1 +
-        WINDOW_SLACK)` plus the chunk, `agent_kv.kv.layer_windows`); the store's growth rule
-        then bounds its buffers (`StoreFootprint.allocation_bound`).
+        ATTENTION_WINDOW_SLACK)` plus the chunk, `agent_kv.kv.attention_windows`); the store's
+        growth rule then bounds its buffers (`StoreFootprint.allocation_bound`).
         """
         sync = plan_history_sync(
             outline.token_ids, prompt_ids, outline.changed_at, outline.intact_tokens
@@ -456,7 +456,7 @@ class ChatService:
             if sync.rebuild == "truncated":
                 held = min(held, sync.reused_tokens)
             grown = held + appended
-            hold = self._window_holds[layer]
+            hold = self._attention_window_holds[layer]
             if hold is not None:  # a sliding-window layer: its window bounds it, not the policy
                 grown = min(grown, max(held, hold) + chunk)
             elif budgets is not None:

@@ -211,7 +211,9 @@ class TriState(Policy):
         pinned_live = store.pins.live()
         due_layers = []
         for idx, plan in enumerate(plans):
-            if store.windows[idx] is not None:  # its window is its policy (`Policy.evict`)
+            if (
+                store.attention_windows[idx] is not None
+            ):  # its window is its policy (`Policy.evict`)
                 continue
             unpinned = store.length(idx, row) - pinned_live[idx][row]
             fp_unpinned = unpinned - store.q.lengths[idx][row]  # pinned tokens are all FP

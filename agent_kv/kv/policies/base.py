@@ -12,8 +12,8 @@ INT8 when the store keeps mixed precision. Ranks, protection and the choice are 
 handful of operations whatever the number of layers and rows.
 
 Policies evict in the full-attention layers only: a sliding-window layer (Mistral, Gemma-2/3,
-gpt-oss) keeps its window, which the store trims after every call (`KVStore.trim_windows`),
-and no budget, pin or rank changes what it holds.
+gpt-oss) keeps its window, which the store trims after every call
+(`KVStore.trim_attention_windows`), and no budget, pin or rank changes what it holds.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def _over_budget(store: KVStore, rows: range, budgets: list[list[int]]) -> bool:
         store.length(layer, row) - pinned[layer][row] > budget[layer]
         for row, budget in zip(rows, budgets, strict=True)
         for layer in range(store.num_layers)
-        if store.windows[layer] is None
+        if store.attention_windows[layer] is None
     )
 
 

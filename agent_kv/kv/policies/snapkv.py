@@ -97,7 +97,7 @@ class SnapKV(FixedBudgetPolicy):
         positions = torch.take_along_dim(view.positions, order, dim=-1)  # position order
         valid = torch.take_along_dim(view.valid, order, dim=-1)
         scored = valid & (positions < observed[None, :, None])  # a prefix in position order
-        mass = store.joint("window_mass", rows=view.rows)  # [L, R, H, S]
+        mass = store.joint("observation_mass", rows=view.rows)  # [L, R, H, S]
         mass = torch.take_along_dim(mass, order[:, :, None], dim=-1)
         mass = torch.where(scored[:, :, None], mass, -torch.inf)
         layers, batch, heads, width = mass.shape

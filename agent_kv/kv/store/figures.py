@@ -22,8 +22,8 @@ class StoreFigures:
         evicted_tokens: tokens evicted, summed over layers and rows (a recalled token leaves
             the count again).
         quantized_tokens: tokens moved to the quantized segment, summed over layers and rows.
-        window_dropped: tokens dropped from sliding-window layers as they left the window (not
-            evictions).
+        attention_window_dropped: tokens dropped from sliding-window layers as they left the
+            window (not evictions).
         reencoded_tokens: tokens fed again by `Engine.reencode`, summed over its runs.
     """
 
@@ -34,7 +34,7 @@ class StoreFigures:
         self.call_allocated_bytes = 0
         self.evicted_tokens = 0
         self.quantized_tokens = 0
-        self.window_dropped = 0
+        self.attention_window_dropped = 0
         self.reencoded_tokens = 0
 
     def carry(self, earlier: StoreFigures) -> None:
@@ -49,7 +49,7 @@ class StoreFigures:
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, earlier.peak_allocated_bytes)
         self.evicted_tokens += earlier.evicted_tokens
         self.quantized_tokens += earlier.quantized_tokens
-        self.window_dropped += earlier.window_dropped
+        self.attention_window_dropped += earlier.attention_window_dropped
         self.reencoded_tokens += earlier.reencoded_tokens
 
     def note_allocated(self, allocated: int) -> None:

@@ -17,11 +17,12 @@ sliding-window layers no longer see, and accounts for what a forward call append
 (`note_appended`). A forward call itself is `agent_kv.kv.forward_call.ForwardCall`, made over a
 store with `ForwardCall.open`: the store knows nothing of calls.
 
-Sliding-window layers (`windows`, from the model's config: `agent_kv.kv.layer_windows`): the
-attention masks each query to its window, and after every forward call the store drops from
-those layers the tokens no later query can see (`trim_windows`), so such a layer holds its
-window and no more: the window is its policy, and eviction policies evict in the full-attention
-layers only (`Policy.evict`). Pinned tokens are dropped with the rest once out of the window.
+Sliding-window layers (`attention_windows`, from the model's config:
+`agent_kv.kv.attention_windows`): the attention masks each query to its window, and after every
+forward call the store drops from those layers the tokens no later query can see
+(`trim_attention_windows`), so such a layer holds its window and no more: the window is its
+policy, and eviction policies evict in the full-attention layers only (`Policy.evict`). Pinned
+tokens are dropped with the rest once out of the window.
 
 Positions: by default keys are stored rotated at their original positions and the next
 token's position is the number of tokens the row has seen. In `rerotate` mode (StreamingLLM,
@@ -35,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from agent_kv.errors import ContextOverflowError
+from agent_kv.kv.attention_windows import attention_windows
 from agent_kv.kv.cold_tier import ColdTier
-from agent_kv.kv.layer_windows import layer_windows
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store.capacity import BLOCK_TOKENS, StoreFootprint, fitted_capacity
 from agent_kv.kv.store.figures import StoreFigures
@@ -51,10 +52,11 @@ KV_DTYPE_ATTRIBUTE = "agent_kv_kv_dtype"
 """A model whose KV cache is stored in another dtype than its weights' (bfloat16 weights, a
 float32 cache: `agent_kv.runtime.weight_formats`) carries that dtype as this attribute;
 `KVStore.for_model` stores in it, and the attention function computes in it."""
-WINDOW_SLACK = 32
-"""Tokens a sliding-window layer may hold past its window before `trim_windows` drops them
-(they are masked out meanwhile): the compaction then runs once per `WINDOW_SLACK + 1` decode
-steps instead of after each, as `Policy.evict_slack` does for evictions."""
+ATTENTION_WINDOW_SLACK = 32
+"""Tokens a sliding-window layer may hold past its window before `trim_attention_windows` drops
+them (they are masked out meanwhile): the compaction then runs once per
+`ATTENTION_WINDOW_SLACK + 1` decode steps instead of after each, as `Policy.evict_slack` does
+for evictions."""
 
 
 class KVStore:
@@ -73,21 +75,22 @@ class KVStore:
             positions.
         max_positions: the model's trained context in tokens (0: unchecked); no forward call
             may place a token past it.
-        windows: per layer, its sliding window in tokens (a query at position `p` sees keys
-            at `p - window < k <= p`), or None for a full-attention layer; default all None.
+        attention_windows: per layer, its sliding window in tokens (a query at position `p`
+            sees keys at `p - window < k <= p`), or None for a full-attention layer; default
+            all None.
 
     Attributes:
         segments, pins, precision, recall, prefix, figures: the parts (module docstring).
-        window_slack: tokens a sliding-window layer may hold past its window before they are
-            dropped (`WINDOW_SLACK`; 0: after every call).
+        attention_window_slack: tokens a sliding-window layer may hold past its window before
+            they are dropped (`ATTENTION_WINDOW_SLACK`; 0: after every call).
         profile: `[num_layers, 4]`, sums of the three prefill attention statistics and the
             calls counted (`record_profile`), or None.
         observed_from: per row, the position of the first query of the last observation
-            window: tokens from there on have no `window_mass` of their own.
+            window: tokens from there on have no `observation_mass` of their own.
 
     Raises:
-        ValueError: non-positive sizes, an `ema_decay` outside [0, 1), or `windows` without
-            one positive window or None per layer.
+        ValueError: non-positive sizes, an `ema_decay` outside [0, 1), or `attention_windows`
+            without one positive window or None per layer.
         ConfigError: invalid `int8` settings.
     """
 
@@ -103,13 +106,13 @@ class KVStore:
         int8: Int8Config | None = None,
         rotary: Rotary | None = None,
         max_positions: int = 0,
-        windows: tuple[int | None, ...] | None = None,
+        attention_windows: tuple[int | None, ...] | None = None,
     ):
         if min(num_layers, kv_heads, head_dim, batch) <= 0:
             raise ValueError("num_layers, kv_heads, head_dim and batch must be positive")
-        windows = (None,) * num_layers if windows is None else tuple(windows)
+        windows = (None,) * num_layers if attention_windows is None else tuple(attention_windows)
         if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
-            raise ValueError(f"windows must give {num_layers} positive windows or None")
+            raise ValueError(f"attention_windows must give {num_layers} positive windows or None")
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay}")
         if int8 is not None:
@@ -124,8 +127,8 @@ class KVStore:
         self.ema_decay = ema_decay
         self.rotary = rotary
         self.max_positions = max_positions
-        self.windows = windows
-        self.window_slack = WINDOW_SLACK
+        self.attention_windows = windows
+        self.attention_window_slack = ATTENTION_WINDOW_SLACK
         self._global = torch.tensor([w is None for w in windows], device=device)
         self.figures = StoreFigures(batch)
         self.segments = Segments(num_layers, kv_heads, head_dim, dtype, device, batch, self.figures)
@@ -140,12 +143,12 @@ class KVStore:
     @classmethod
     def for_model(cls, model: torch.nn.Module, rerotate: bool = False, **kwargs) -> KVStore:
         """A store shaped for a transformers causal LM (reads `model.config`, its sliding-window
-        layers included: `agent_kv.kv.layer_windows`); `rerotate` selects in-cache positions.
+        layers included: `agent_kv.kv.attention_windows`); `rerotate` selects in-cache positions.
         Its dtype is the model's `KV_DTYPE_ATTRIBUTE` when set, else its weights' dtype.
 
         Raises:
             ConfigError: `rerotate` for a model without one RoPE for all layers, or a model
-                whose layers agent_kv cannot run (`layer_windows`).
+                whose layers agent_kv cannot run (`attention_windows`).
         """
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -156,7 +159,7 @@ class KVStore:
         if rerotate:
             kwargs["rotary"] = Rotary.from_model(model)
         kwargs.setdefault("max_positions", int(getattr(cfg, "max_position_embeddings", 0) or 0))
-        kwargs.setdefault("windows", layer_windows(cfg))
+        kwargs.setdefault("attention_windows", attention_windows(cfg))
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, **kwargs)
 
     # -- what a row holds --------------------------------------------------------------------
@@ -265,11 +268,11 @@ class KVStore:
         call appends one, so the step reads that much of the FP segment, not the chunk's room.
 
         The policy bounds the full-attention layers; a sliding-window layer holds up to
-        `window_hold()` tokens between calls whatever the policy, so a bounded segment holds
-        at least that (FP: up to the INT8 FP window, with mixed precision).
+        `attention_window_hold()` tokens between calls whatever the policy, so a bounded segment
+        holds at least that (FP: up to the INT8 FP window, with mixed precision).
         """
         pinned = max(max(row) for row in self.pins.live())
-        hold = self.window_hold()
+        hold = self.attention_window_hold()
         fp_hold = hold if self.int8 is None else min(hold, self.int8.max_fp_tokens)
         fp = None if fp_tokens is None else max(pinned + fp_tokens, fp_hold) + chunk
         if q_tokens:  # a quantized segment that sliding-window layers may fill too
@@ -307,7 +310,7 @@ class KVStore:
     def note_appended(self, rows: range, n: int) -> None:
         """A committed forward call wrote `n` new tokens after each of `rows`' FP slots:
         host lengths, positions seen, pins and peaks follow, and sliding-window layers drop
-        what no later query sees (`trim_windows`)."""
+        what no later query sees (`trim_attention_windows`)."""
         seg = self.segments
         self.pins.appended(rows, n)
         for lengths in seg.fp.lengths:
@@ -316,7 +319,7 @@ class KVStore:
         for row in rows:
             seg.appended[row] += n
         seg.note_peak(rows)
-        self.trim_windows(rows)
+        self.trim_attention_windows(rows)
 
     def skip(self, n: int, row: int = 0) -> None:
         """Move a row's next original position on by `n` positions it will never hold (the
@@ -334,38 +337,43 @@ class KVStore:
 
     # -- sliding-window layers ---------------------------------------------------------------
 
-    def window_hold(self) -> int:
+    def attention_window_hold(self) -> int:
         """The most tokens a sliding-window layer's row holds between forward calls: its
-        window less the new query's own slot, plus `window_slack` (0 without such layers)."""
-        return max((w - 1 + self.window_slack for w in self.windows if w), default=0)
+        window less the new query's own slot, plus `attention_window_slack` (0 without such
+        layers)."""
+        return max(
+            (w - 1 + self.attention_window_slack for w in self.attention_windows if w), default=0
+        )
 
     def global_layers(self) -> torch.Tensor:
         """`[L]` bool on the store's device: which layers attend to every token (the ones an
         eviction policy evicts in)."""
         return self._global
 
-    def trim_windows(self, rows: range) -> int:
+    def trim_attention_windows(self, rows: range) -> int:
         """Drop from every sliding-window layer of `rows` the tokens no later query can see
         (positions `<= seen - window`: the next query sits at `seen`), once a layer holds
-        more than `window - 1 + window_slack`; pinned ones too (the window wins: the model
-        cannot see them). Decided on host counts first: nothing due, no tensor operation.
-        Returns the tokens dropped (`figures.window_dropped`; not evictions: no cold tier).
+        more than `window - 1 + attention_window_slack`; pinned ones too (the window wins: the
+        model cannot see them). Decided on host counts first: nothing due, no tensor operation.
+        Returns the tokens dropped (`figures.attention_window_dropped`; not evictions: no cold
+        tier).
         """
         due = [
             layer
-            for layer, window in enumerate(self.windows)
-            if window and any(self.length(layer, r) > window - 1 + self.window_slack for r in rows)
+            for layer, window in enumerate(self.attention_windows)
+            if window
+            and any(self.length(layer, r) > window - 1 + self.attention_window_slack for r in rows)
         ]
         if not due:
             return 0
         layers, span = slice(due[0], due[-1] + 1), slice(rows.start, rows.stop)
-        windows = torch.tensor([w or 0 for w in self.windows[layers]], device=self.device)
+        windows = torch.tensor([w or 0 for w in self.attention_windows[layers]], device=self.device)
         horizon = torch.tensor([self.seen(r) for r in rows], device=self.device)
         positions = self.joint("positions", layers, span)  # [L', R, S]
         seen = positions > horizon[None, :, None] - windows[:, None, None]
         keep = self.valid(layers, span) & (seen | (windows == 0)[:, None, None])
         dropped = self._compact_counted(keep, layers, span)
-        self.figures.window_dropped += dropped
+        self.figures.attention_window_dropped += dropped
         return dropped
 
     # -- prefill attention profile -----------------------------------------------------------
@@ -551,8 +559,10 @@ class KVStore:
             "ema_decay": self.ema_decay,
             "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
             "max_positions": self.max_positions,
-            "windows": list(self.windows),
-            "window_slack": self.window_slack,
+            # the keys these had before `attention_windows` and `attention_window_slack` were
+            # named so: saved sessions must load
+            "windows": list(self.attention_windows),
+            "window_slack": self.attention_window_slack,
             "rerotate": self.rotary is not None,
             "pinned": self.pins.flags,
             "counters": [
@@ -560,7 +570,7 @@ class KVStore:
                 figures.evicted_tokens,
                 figures.quantized_tokens,
                 figures.peak_allocated_bytes,
-                figures.window_dropped,
+                figures.attention_window_dropped,
                 figures.reencoded_tokens,
             ],
             "row_counters": [figures.row_peak_bytes, seg.changed_at],
@@ -596,12 +606,12 @@ class KVStore:
         if state.get("shared") is not None:
             store.prefix.load(state["shared"])
         store.observed_from = list(state.get("observed_from", store.observed_from))
-        store.window_slack = state.get("window_slack", WINDOW_SLACK)
+        store.attention_window_slack = state.get("window_slack", ATTENTION_WINDOW_SLACK)
         store.pins.load(state["pinned"])
         counters, figures = state["counters"], store.figures
         figures.peak_bytes, figures.evicted_tokens, figures.quantized_tokens = counters[:3]
         figures.peak_allocated_bytes = max(counters[3], store.allocated_nbytes())
-        figures.window_dropped = counters[4] if len(counters) > 4 else 0
+        figures.attention_window_dropped = counters[4] if len(counters) > 4 else 0
         figures.reencoded_tokens = counters[5] if len(counters) > 5 else 0
         row_peaks, changed_at = state["row_counters"]
         figures.row_peak_bytes = list(row_peaks)

@@ -31,10 +31,11 @@ from agent_kv.kv.store.capacity import (
 )
 from agent_kv.kv.store.figures import StoreFigures
 from agent_kv.kv.store.slot_table import FieldSpec, SlotTable
+from agent_kv.renamed_fields import RENAMED_STORE_FIELDS, current_names
 from kernels.int8 import SCALE_DTYPE, dequantize
 
 META_FIELDS = (
-    "scores", "accumulated", "hit_mean", "hit_m2", "window_mass", "reconstruction",
+    "scores", "accumulated", "hit_mean", "hit_m2", "observation_mass", "reconstruction",
 )  # fmt: skip
 """Per-token float32 statistics of both segments, one value per KV head (`[L, B, H, S]`)."""
 ALLOCATED_FIELDS = {"fp": ("keys", "values"), "q": ("keys", "values"), "scales": ("keys", "values")}
@@ -367,10 +368,12 @@ class Segments:
 
     def load(self, state: dict) -> None:
         """Take the tables and positions of `state()` back (copies), each table reallocated to
-        its saved capacity."""
+        its saved capacity. Columns saved under an old name are read under their current one
+        (`agent_kv.renamed_fields.RENAMED_STORE_FIELDS`: a session saved before
+        `observation_mass` was named so holds `window_mass`)."""
         for name in TABLES:
             table = getattr(self, name)
-            saved = state[name]
+            saved = current_names(state[name], RENAMED_STORE_FIELDS)
             for field, tensor in saved.items():
                 spec = table.specs[field]
                 table.specs[field] = FieldSpec(spec.lead, spec.tail, tensor.dtype)

@@ -20,7 +20,7 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 
-def layer_windows(config) -> tuple[int | None, ...]:
+def attention_windows(config) -> tuple[int | None, ...]:
     """Per decoder layer, its sliding window in tokens, or None for a full-attention layer.
 
     Args:
