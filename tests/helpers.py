@@ -77,5 +77,5 @@ def recorded_call(
         if masses is not None:
             call.record_attention(layer, split_mass(call, layer, masses), group=1)
         if window is not None:
-            call.record_window(layer, split_mass(call, layer, window), observed)
+            call.record_observation_window(layer, split_mass(call, layer, window), observed)
     call.close()

@@ -11,7 +11,7 @@
   (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
   calls, when the call's plan asks, the shape of the attention:
   `kernels.reference.attention_profile`, and the mass from the last `observation_window`
-  queries: `ForwardCall.record_window`);
+  queries: `ForwardCall.record_observation_window`);
 - before reading, when the call's plan recalls and a recall is due (never in a static call),
   the best cold pages of the layer back into the hot store (`ForwardCall.recall`,
   `agent_kv.kv.policies.cold_recall`); in a vote pass, only the cold pages' scores and the
@@ -239,8 +239,9 @@ def _record_prefill_statistics(
     extras: SoftmaxExtras,
 ) -> None:
     """What a prefill call's plan asks for beyond the mass: the mass from the last
-    `observation_window` queries (`ForwardCall.record_window`; `masses`, the call's mass per
-    segment, when it covers exactly those queries) and the attention profile of the last
+    `observation_window` queries (`ForwardCall.record_observation_window`; `masses`, the
+    call's mass per segment, when it covers exactly those queries) and the attention profile
+    of the last
     `PROFILED_QUERIES` (`attention_profile`, `KVStore.record_profile`). `whole` is the
     segments read whole, or None when the call did not read them so."""
     query_len = query.shape[2]
@@ -249,7 +250,7 @@ def _record_prefill_statistics(
         if observed != query_len or query_len > SCORED_QUERIES:
             last = [segment.last_queries(observed) for segment in segments]
             _, masses = segmented_attention(query[:, :, -observed:], last, scale, extras=extras)
-        call.record_window(layer, masses, observed)
+        call.record_observation_window(layer, masses, observed)
     if call.plan.profile:
         window = query[:, :, -PROFILED_QUERIES:]
         stats = attention_profile(window, segments, scale, whole, extras)

@@ -394,7 +394,9 @@ class ForwardCall:
         self._group = group
         self._scored = scored
 
-    def record_window(self, layer: int, masses: list[torch.Tensor], observed: int) -> None:
+    def record_observation_window(
+        self, layer: int, masses: list[torch.Tensor], observed: int
+    ) -> None:
         """Hold a layer's observation-window attention (SnapKV, Li et al. 2024, §4.1): per
         segment and then the new tokens, `[R, H, width]`, the attention from the call's last
         `observed` queries, summed over them and the query heads of each KV head."""
