@@ -241,9 +241,8 @@ def _record_prefill_statistics(
     """What a prefill call's plan asks for beyond the mass: the mass from the last
     `observation_window` queries (`ForwardCall.record_observation_window`; `masses`, the
     call's mass per segment, when it covers exactly those queries) and the attention profile
-    of the last
-    `PROFILED_QUERIES` (`attention_profile`, `KVStore.record_profile`). `whole` is the
-    segments read whole, or None when the call did not read them so."""
+    of the last `PROFILED_QUERIES` (`attention_profile`, `KVStore.record_profile`). `whole` is
+    the segments read whole, or None when the call did not read them so."""
     query_len = query.shape[2]
     if call.plan.observation_window:
         observed = min(query_len, call.plan.observation_window)
