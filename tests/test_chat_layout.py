@@ -56,10 +56,12 @@ def tokenizer(request):
 
 
 class Counted:
-    """Counts a tokenizer's chat renderings and tokenizer calls (patched on its class)."""
+    """Counts a tokenizer's chat renderings and tokenizer calls (patched on its class), and
+    keeps the texts tokenized."""
 
     def __init__(self, monkeypatch, tokenizer):
         self.renders = self.tokenizations = 0
+        self.texts = []
         cls = type(tokenizer)
         render, call = cls.apply_chat_template, cls.__call__
 
@@ -69,6 +71,7 @@ class Counted:
 
         def counted_call(tok, *args, **kwargs):
             self.tokenizations += 1
+            self.texts.append(args[0] if args else kwargs["text"])
             return call(tok, *args, **kwargs)
 
         monkeypatch.setattr(cls, "apply_chat_template", counted_render)
@@ -116,21 +119,34 @@ def test_a_chat_the_frame_cannot_place_falls_back_to_prefix_renderings(tokenizer
         assert place_messages(tokenizer, messages, TOOLS, text) == reference
 
 
-async def test_a_chat_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypatch):
+@pytest.mark.parametrize("session_id", ["s", None], ids=["named", "anonymous"])
+async def test_a_chat_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypatch, session_id):
+    """One rendering and one tokenization per `/chat` turn; after the first, only the text
+    past the session's last prompt is tokenized, and the cache reuses that whole prompt."""
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
     app = create_app(ChatService(engine), "smollm2-135m")
     transport = httpx.ASGITransport(app=app)
     messages = [{"role": "system", "content": "Answer in one word."}]
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as http:
-        counts = []
+        counts, tokenized, prompts, reused = [], [], [], []
         for turn in range(3):
             messages.append({"role": "user", "content": f"Question {turn}: a colour?"})
+            prompts.append(render_chat(smollm.tokenizer, messages, (), generation_prompt=True))
             counted = Counted(monkeypatch, smollm.tokenizer)
-            body = {"messages": messages, "session_id": "s", "max_tokens": 4}
+            body = {"messages": messages, "max_tokens": 4} | (
+                {"session_id": session_id} if session_id else {}
+            )
             response = await http.post("/chat", json=body)
             assert response.status_code == 200, response.text
             counts.append((counted.renders, counted.tokenizations))
+            tokenized.append(counted.texts[-1])
+            reused.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             messages.append(response.json()["message"])
             monkeypatch.undo()
     assert counts[1:] == [(1, 1), (1, 1)]  # the first turn also learns the template's frame
     assert counts[0][1] == 1
+    assert tokenized[0] == prompts[0]
+    for turn in (1, 2):
+        assert tokenized[turn] == prompts[turn][len(prompts[turn - 1]) :]
+        previous = smollm.tokenizer(prompts[turn - 1], add_special_tokens=False)["input_ids"]
+        assert reused[turn] >= len(previous)

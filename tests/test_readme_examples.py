@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import kept_positions
 
 ROOT = Path(__file__).resolve().parents[1]
 README = "README.md"
@@ -24,11 +25,12 @@ KINDS = {
     "langchain-server": "ChatAgentKV(base_url=",
     "openai": "OpenAI(base_url=",
     "harness": "BrowserEnv(",
+    "conversation": "Conversation(engine",
 }
 """Each example, by a string only it contains on its page."""
 EXAMPLES = {
     README: {"in-process", "openai", "harness"},
-    "docs/python.md": {"in-process", "langchain-server", "harness"},
+    "docs/python.md": {"in-process", "langchain-server", "harness", "conversation"},
     "docs/server.md": {"openai"},
 }
 """The examples each page holds, all of its ```python blocks."""
@@ -209,6 +211,32 @@ def test_openai_client_against_the_server(live_server, capsys):
     assert usage.prompt_tokens > first_turn and 0 < usage.completion_tokens <= 16
     last = capsys.readouterr().out.splitlines()[-1]
     assert last == f"{kv['peak_kv_live_bytes']} {first_turn} of {usage.prompt_tokens}"
+
+
+@pytest.mark.model
+def test_your_own_agent_loop_in_one_cache(capsys):
+    variables = run(example("docs/python.md", "conversation"), "docs/python.md")
+    chat, kv, reply = variables["chat"], variables["kv"], variables["reply"]
+    system, first_page, first_reply, second_page, second_reply = chat.spans
+    roles = ["system", "user", "assistant", "user", "assistant"]
+    assert [message["role"] for message in chat.messages] == roles
+    # the second turn prefilled the second page and the headers around it, nothing earlier
+    assert second_page[1] - first_reply[1] <= reply.prompt_tokens < second_page[1] - system[1]
+    assert kv.tokens_seen == second_reply[1] == chat.sequence.store.seen_tokens
+    # pinned: the system message and the latest page; the first page was released
+    pinned = chat.sequence.store.pins.positions()
+    assert kv.pinned_tokens == (system[1] - system[0]) + (second_page[1] - second_page[0])
+    assert pinned[slice(*system)].all() and pinned[slice(*second_page)].all()
+    assert not pinned[slice(*first_page)].any()
+    kept = set(kept_positions(chat.sequence.store))
+    assert set(range(*system)) <= kept and set(range(*second_page)) <= kept
+    assert kv.evicted_tokens > 0 and not set(range(*first_page)) <= kept
+    assert kv.kv_allocated_bytes >= kv.kv_live_bytes > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == str(chat.spans)
+    assert lines[-1] == (
+        f"{kv.kv_allocated_bytes} {kv.kv_live_bytes} {kv.evicted_tokens} {kv.pinned_tokens}"
+    )
 
 
 @pytest.mark.browser

@@ -141,34 +141,51 @@ def template_frame(tokenizer, tools: Sequence[Tool] = ()) -> TemplateFrame | Non
         return frames[key]
 
 
-def render_placed(tokenizer, messages: list[dict], tools: Sequence[Tool] = ()) -> RenderedChat:
+def render_placed(
+    tokenizer,
+    messages: list[dict],
+    tools: Sequence[Tool] = (),
+    previous: RenderedChat | None = None,
+) -> RenderedChat:
     """`messages` rendered once with the generation prompt, tokenized once (a fast tokenizer,
-    for the offsets), and each message placed (module docstring).
+    for the offsets; past `previous` only, when given and its text starts the rendering:
+    `placed_chat`), and each message placed (module docstring).
 
     Raises:
         ConfigError: the chat template re-renders earlier messages when one is added, so
             messages have no fixed place.
         jinja2 errors and ValueError from the template, as `render_chat` raises them.
     """
-    return placed_chat(
-        tokenizer, messages, tools, render_chat(tokenizer, messages, tools, generation_prompt=True)
-    )
+    text = render_chat(tokenizer, messages, tools, generation_prompt=True)
+    return placed_chat(tokenizer, messages, tools, text, previous)
 
 
-def placed_chat(tokenizer, messages: list[dict], tools: Sequence[Tool], text: str) -> RenderedChat:
+def placed_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: Sequence[Tool],
+    text: str,
+    previous: RenderedChat | None = None,
+) -> RenderedChat:
     """`text`, the rendering of `messages` with the generation prompt, tokenized once (a fast
-    tokenizer, for the offsets) and each message placed in it.
+    tokenizer, for the offsets) and each message placed in it. When `previous` (an earlier
+    turn's chat) is a text prefix of `text`, its tokens are kept and only the text past it is
+    tokenized (the split falls where that turn's generation prompt ended, before the reply
+    the cache holds as generated).
 
     Raises:
         ConfigError: the chat template re-renders earlier messages when one is added.
     """
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    kept = previous is not None and text.startswith(previous.text)
+    new_from = len(previous.text) if kept else 0
+    encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     return RenderedChat(
         text=text,
-        token_ids=list(encoded["input_ids"]),
-        token_starts=[start for start, _ in offsets],
-        token_ends=[end for _, end in offsets],
+        token_ids=(previous.token_ids if kept else []) + list(encoded["input_ids"]),
+        token_starts=(previous.token_starts if kept else [])
+        + [new_from + start for start, _ in offsets],
+        token_ends=(previous.token_ends if kept else []) + [new_from + end for _, end in offsets],
         message_chars=place_messages(tokenizer, messages, tools, text),
         preamble_chars=preamble_chars(tokenizer, tools, text),
     )

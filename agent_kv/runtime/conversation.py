@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.chat_session import MESSAGE_FLAGS_ONLY, ChatSession
 from agent_kv.runtime.pin_rules import PinRules
@@ -88,6 +89,11 @@ class Conversation:
     def spans(self) -> list[tuple[int, int]]:
         """Each placed message's token positions `[start, end)` (`ChatSession.spans`)."""
         return self.chat.spans
+
+    def figures(self) -> KVFigures:
+        """What the conversation's KV cache holds now (`KVFigures`, the record the server's
+        turns report too)."""
+        return self.chat.figures()
 
     def add(self, role: str, content: str, pin: bool = False) -> None:
         """Append a message; it is placed and prefilled with the next reply.

@@ -2,10 +2,12 @@
 `/v1/chat/completions` and `/chat`, and the in-process LangChain model).
 
 A turn renders the messages with the model's chat template and tokenizes them, once
-(`agent_kv.runtime.chat_layout`); then, holding the session, a `ChatSession` over its sequence
-(the session object the agent's `Conversation` runs on too) matches the tokens against the
-history so only what is new is prefilled (`agent_kv.runtime.history_sync`) and pins what the
-rules protect (`agent_kv.runtime.pin_rules`); then the reply is decoded.
+(`agent_kv.runtime.chat_layout`; only the text past the session's last prompt when the
+rendering extends it, `agent_kv.serving.last_prompts`); then, holding the session, a
+`ChatSession` over its sequence (the session object the agent's `Conversation` runs on too)
+matches the tokens against the history so only what is new is prefilled
+(`agent_kv.runtime.history_sync`) and pins what the rules protect
+(`agent_kv.runtime.pin_rules`); then the reply is decoded.
 
 Which session a turn runs in:
 - a turn naming a session id runs in that session (created on first use);
@@ -44,7 +46,8 @@ from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.store import ATTENTION_WINDOW_SLACK
 from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.chat_layout import RenderedChat, render_placed
+from agent_kv.runtime.chat_layout import RenderedChat, placed_chat
+from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.chat_session import ChatSession
 from agent_kv.runtime.engine import Engine, Generation
 from agent_kv.runtime.history_sync import HistorySync, plan_history_sync
@@ -53,6 +56,7 @@ from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import CallRecord, SequenceOutline
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
+from agent_kv.serving.last_prompts import LastPrompts
 from agent_kv.serving.session_store import SessionStore
 from agent_kv.valid_text import check_unicode
 
@@ -232,6 +236,7 @@ class ChatService:
         self._anonymous: OrderedDict[str, int] = OrderedDict()  # id -> its last prompt length
         self._claimed: set[str] = set()  # anonymous sessions a turn has chosen and not ended
         self.issued_calls = IssuedCalls()
+        self.last_prompts = LastPrompts(ANONYMOUS_PREFIX)
 
     def queue_full(self) -> bool:
         """Whether a turn admitted now would be refused with `QueueFullError`."""
@@ -253,10 +258,14 @@ class ChatService:
             self._waiting += 1
         return Admission(self)
 
-    def render(self, messages: list[dict], tools: Sequence[Tool] = ()) -> RenderedChat:
+    def render(
+        self, messages: list[dict], tools: Sequence[Tool] = (), session_id: str | None = None
+    ) -> RenderedChat:
         """`messages` (`{"role", "content"}` dicts, see `agent_kv.runtime.chat_rendering`)
         rendered with the chat template, the `tools` offered and the generation prompt, once,
-        tokenized once, each message placed (`render_placed`).
+        tokenized once (past the last prompt of the session `session_id` (None: of an
+        anonymous one) that the rendering extends, `last_prompts`), each message placed
+        (`placed_chat`).
 
         Raises:
             ConfigError: a message whose content is not a string of valid Unicode (a lone
@@ -268,7 +277,10 @@ class ChatService:
             if not isinstance(content, str):
                 raise ConfigError(f"messages[{i}].content must be a string")
             check_unicode(content, f"messages[{i}].content")
-        return render_placed(self.engine.tokenizer, messages, tools)
+        tokenizer = self.engine.tokenizer
+        text = render_chat(tokenizer, messages, tools, generation_prompt=True)
+        previous = self.last_prompts.find(session_id, text)
+        return placed_chat(tokenizer, messages, tools, text, previous)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, policy: Policy | None = None):
         """Refuse, before any compute, a turn that cannot fit the model's context: with
@@ -344,7 +356,7 @@ class ChatService:
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             messages = self.issued_calls.restore(messages)
-            chat = self.render(messages, reply.tools)
+            chat = self.render(messages, reply.tools, session_id)
             self.check_fits(len(chat.token_ids), params.max_new_tokens, policy)
             deadline = time.monotonic() + self.queue_timeout_s
             turn = self._run_turn(
@@ -408,6 +420,7 @@ class ChatService:
                     confidence=ConfidenceSummary.of(session.steps[steps_before:]),
                 )
                 ran = True
+            self.last_prompts.remember(session_id, chat, self.sessions.in_memory())
         finally:
             if anonymous:
                 self._release_anonymous(session_id, len(prompt_ids) if ran else None)
