@@ -60,6 +60,13 @@ def env():
             yield browser
 
 
+def pages_seen(record) -> list[tuple[str, int]]:
+    """Each page of a recall task's trace: its URL and the characters the agent saw of it
+    (what a failing recall assertion shows)."""
+    pages = json.loads((Path(record.trace_dir) / TRACE_JSON).read_text())["pages"]
+    return [(page["url"], len(page["observation"])) for page in pages]
+
+
 @pytest.mark.parametrize(
     "ids", [[413, 401], pytest.param([401, 413, 416], marks=pytest.mark.slow)], ids=["two", "three"]
 )
@@ -73,7 +80,9 @@ def test_full_kv_recalls_its_note(default_model, env, tmp_path, ids):
 
     records = run_recall(tasks, engine, env, tmp_path, default_model.name, FORMATS["notes"])
     assert len(factory_calls) == len(ids)
-    assert [r.answer for r in records] == [RECALLED[i] for i in ids]
+    assert [r.answer for r in records] == [RECALLED[i] for i in ids], [
+        (r.task_id, r.reply, r.history_tokens, r.reference_hits, pages_seen(r)) for r in records
+    ]
     assert all(r.success and r.score == 1.0 and r.error is None for r in records)
     for record in records:
         assert 2000 < record.history_tokens < 4500
