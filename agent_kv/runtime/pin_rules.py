@@ -15,9 +15,10 @@ rendered with the model's chat template. Rules pin, in token positions of that r
   it occurs. Patterns are RE2 syntax, matched by RE2 (`google-re2`) in time linear in the
   text, so no pattern can backtrack catastrophically (RE2 has no backreferences or
   lookaround); at most `MAX_PATTERNS` patterns of at most `MAX_PATTERN_CHARS` characters.
-`protected_spans` computes the spans from scratch for the whole conversation, so applying
-them (`apply_pins`) after each request both pins the new and releases the superseded; the
-append-only `Conversation` applies the same rules turn by turn. Messages are placed by
+`agent_kv.runtime.chat_session.ChatSession` applies them for every chat: turn by turn while a
+chat extends what its cache holds (pinning what is new, releasing a superseded observation),
+and from scratch when it does not. `protected_spans` gives the spans of a whole conversation at
+once (what bounds a server turn's pinned tokens). Messages are placed by
 `agent_kv.runtime.chat_layout`, from one rendering of the chat.
 """
 
