@@ -27,6 +27,7 @@ from agent_kv.runtime.chat_layout import (
     overlapping_tokens,
     place_messages,
     placed_chat,
+    preamble_chars,
 )
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.history_sync import HistorySync, prepare_history
@@ -112,16 +113,17 @@ class ChatSession:
 
     def take_prompt(self, tokenizer, fresh: Callable[[], SequenceState]) -> TurnPrompt:
         """The next turn's prompt: the chat rendered once with the generation prompt; when it
-        extends `rendered`, only the new text is tokenized, else the chat is tokenized whole
-        and met with the history (`take_chat`; a sequence rebuilt from scratch is made by
-        `fresh`). The new messages are placed and the pins applied before anything is fed.
+        extends `rendered` (the first turn's always does), only the new text is tokenized and
+        follows what the sequence holds, else the chat is tokenized whole and met with the
+        history (`take_chat`; a sequence rebuilt from scratch is made by `fresh`). The new
+        messages are placed and the pins applied before anything is fed.
 
         Raises:
             ConfigError: the chat template re-renders earlier messages when one is added (no
                 message has a fixed place).
         """
         text = render_chat(tokenizer, self.messages, self.tools, generation_prompt=True)
-        if not self.rendered or not text.startswith(self.rendered):
+        if not text.startswith(self.rendered):
             return self.take_chat(placed_chat(tokenizer, self.messages, self.tools, text), fresh)
         new_from = len(self.rendered)
         encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
@@ -134,7 +136,7 @@ class ChatSession:
             starts=[new_from + start for start, _ in offsets],
             ends=[new_from + end for _, end in offsets],
             base=base,
-            preamble_chars=0,
+            preamble_chars=preamble_chars(tokenizer, self.tools, text) if new_from == 0 else 0,
         )
         self._place(new, place_messages(tokenizer, self.messages, self.tools, text))
         return TurnPrompt(new.ids, HistorySync(base, len(new.ids), "none"), base + len(new.ids))
