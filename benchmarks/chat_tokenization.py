@@ -1,6 +1,7 @@
-"""A long agent chat's turn prompt, tokenized whole against only past the last prompt it
-extends (`agent_kv.runtime.chat_layout.placed_chat` with `previous`, what the server does for a
-session's next turn, `agent_kv.serving.last_prompts`), side by side in one run: the median of
+"""A long agent chat's turn prompt, tokenized whole against only from the generation prompt on
+of the last prompt it extends (`agent_kv.runtime.chat_layout.placed_chat` with `previous`, what
+the server does for a session's next turn, `agent_kv.serving.last_prompts`), side by side in
+one run: the median of
 `--repeats` alternating timings of each, with their ratio. The chat is a system message, then
 `--turns` turns of a page observation and a one-line action, then the next observation.
 
@@ -55,7 +56,7 @@ def main() -> None:
         print(
             f"{name}: {len(whole.token_ids)} tokens ({new_tokens}"
             f" past the last prompt; same tokens: {past.token_ids == whole.token_ids}): "
-            f"whole {whole_ms:.1f} ms, past the last prompt {past_ms:.1f} ms, "
+            f"whole {whole_ms:.1f} ms, from the last generation prompt {past_ms:.1f} ms, "
             f"ratio {whole_ms / past_ms:.1f}x"
         )
 

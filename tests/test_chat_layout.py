@@ -122,7 +122,8 @@ def test_a_chat_the_frame_cannot_place_falls_back_to_prefix_renderings(tokenizer
 @pytest.mark.parametrize("session_id", ["s", None], ids=["named", "anonymous"])
 async def test_a_chat_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypatch, session_id):
     """One rendering and one tokenization per `/chat` turn; after the first, only the text
-    past the session's last prompt is tokenized, and the cache reuses that whole prompt."""
+    from the session's last generation prompt is tokenized, and the cache reuses that whole
+    prompt."""
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
     app = create_app(ChatService(engine), "smollm2-135m")
     transport = httpx.ASGITransport(app=app)
@@ -146,7 +147,20 @@ async def test_a_chat_turn_renders_and_tokenizes_the_chat_once(smollm, monkeypat
     assert counts[1:] == [(1, 1), (1, 1)]  # the first turn also learns the template's frame
     assert counts[0][1] == 1
     assert tokenized[0] == prompts[0]
-    for turn in (1, 2):
-        assert tokenized[turn] == prompts[turn][len(prompts[turn - 1]) :]
+    for turn in (1, 2):  # from the previous prompt's generation prompt (its last added token)
+        split = prompts[turn - 1].rindex("<|im_start|>assistant\n")
+        assert tokenized[turn] == prompts[turn][split:]
         previous = smollm.tokenizer(prompts[turn - 1], add_special_tokens=False)["input_ids"]
         assert reused[turn] >= len(previous)
+
+
+@pytest.mark.parametrize("reply", ["\n\nSure.", "  two", "\t tab", " ", "\n", "plain"])
+def test_tokenizing_past_a_previous_prompt_gives_the_whole_chats_tokens(tokenizer, reply):
+    """The split falls at the previous prompt's last added token, so whitespace that starts
+    the reply after its generation prompt merges as it does in the whole chat."""
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+    previous = render_placed(tokenizer, messages)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
+    whole = render_placed(tokenizer, messages)
+    extended = render_placed(tokenizer, messages, previous=previous)
+    assert extended == whole

@@ -8,9 +8,11 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store.pins import flag_runs
 from agent_kv.runtime.chat_layout import render_placed
 from agent_kv.runtime.chat_session import ChatSession
+from agent_kv.runtime.conversation import Conversation
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.history_sync import common_prefix
 from agent_kv.runtime.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.sampling import SamplingParams
 
 RULES = PinRules(latest_observations=1, observation_roles=frozenset({"user"}), patterns=("#\\d+",))
 
@@ -45,3 +47,47 @@ def test_a_changed_chat_is_met_with_the_history_and_pinned_again(smollm):
     fresh = engine.feed(engine.new_sequence(), whole.token_ids)
     assert (logits - fresh).abs().max() < 1e-4
     assert chat.figures().tokens_seen == len(whole.token_ids)
+
+
+def test_content_added_after_the_generation_prompt_is_tokenized_as_the_whole_chat(smollm):
+    """An assistant message added after a prefill starts with whitespace the generation
+    prompt's newline merges with in the whole chat: the chat is matched whole, not split."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    chat = Conversation(engine)
+    chat.add("user", "Pick a colour.")
+    chat.prefill()
+    chat.add("assistant", "\n\nBlue.")
+    chat.add("user", "Another one?")
+    logits = chat.prefill()
+    whole = render_placed(smollm.tokenizer, chat.messages)
+    assert chat.sequence.token_ids == whole.token_ids
+    fresh = engine.feed(engine.new_sequence(), whole.token_ids)
+    assert (logits - fresh).abs().max() < 1e-4
+
+
+def test_reply_pins_and_pattern_matches_in_replies_outlive_an_edit(smollm):
+    """A pattern match in a reply is pinned as in any new text, and a pinned reply stays
+    pinned when an earlier message is edited and the chat is rebuilt from there."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    tokenizer = smollm.tokenizer
+    chat = Conversation(engine, rules=PinRules(roles=frozenset(), latest_observations=0,
+                                               patterns=("#\\d+",)))  # fmt: skip
+    chat.add("system", "Track orders.")
+    chat.add("user", "Where is it?")
+    chat.force_reply("It is order #61.", pin=2)
+    chat.add("user", "Thanks.")
+    chat.reply(SamplingParams(max_new_tokens=4), pin=True)
+    chat.add("user", "Bye.")
+    chat.prefill()
+
+    def pinned_text() -> list[str]:
+        runs = flag_runs(chat.sequence.store.pins.positions().tolist())
+        return [tokenizer.decode(chat.sequence.token_ids[a:b]) for a, b in runs]
+
+    before = pinned_text()
+    assert " #61" in before and before[0] == "It is"
+    chat.messages[1] = {"role": "user", "content": "Where is my order?"}
+    chat.add("user", "Really bye.")
+    chat.prefill()
+    assert chat.sequence.token_ids == render_placed(tokenizer, chat.messages).token_ids
+    assert pinned_text() == before

@@ -169,25 +169,42 @@ def placed_chat(
 ) -> RenderedChat:
     """`text`, the rendering of `messages` with the generation prompt, tokenized once (a fast
     tokenizer, for the offsets) and each message placed in it. When `previous` (an earlier
-    turn's chat) is a text prefix of `text`, its tokens are kept and only the text past it is
-    tokenized (the split falls where that turn's generation prompt ended, before the reply
-    the cache holds as generated).
+    turn's chat) is a text prefix of `text`, its tokens before its last clean split
+    (`clean_split_tokens`: the `<|im_start|>` of its generation prompt) are kept and
+    only the text from there is tokenized, which gives the tokens of tokenizing `text` whole.
 
     Raises:
         ConfigError: the chat template re-renders earlier messages when one is added.
     """
-    kept = previous is not None and text.startswith(previous.text)
-    new_from = len(previous.text) if kept else 0
+    kept = 0
+    if previous is not None and text.startswith(previous.text):
+        clean = clean_split_tokens(tokenizer)
+        ids = previous.token_ids
+        kept = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in clean), 0)
+    new_from = previous.token_starts[kept] if kept else 0
     encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     return RenderedChat(
         text=text,
-        token_ids=(previous.token_ids if kept else []) + list(encoded["input_ids"]),
-        token_starts=(previous.token_starts if kept else [])
+        token_ids=(previous.token_ids[:kept] if kept else []) + list(encoded["input_ids"]),
+        token_starts=(previous.token_starts[:kept] if kept else [])
         + [new_from + start for start, _ in offsets],
-        token_ends=(previous.token_ends if kept else []) + [new_from + end for _, end in offsets],
+        token_ends=(previous.token_ends[:kept] if kept else [])
+        + [new_from + end for _, end in offsets],
         message_chars=place_messages(tokenizer, messages, tools, text),
         preamble_chars=preamble_chars(tokenizer, tools, text),
+    )
+
+
+def clean_split_tokens(tokenizer) -> frozenset[int]:
+    """The tokens where a text may be split and tokenized part by part as it tokenizes whole:
+    the tokenizer's added tokens (the chat template's `<|im_start|>`, `<|im_end|>`), which are
+    cut out of the text before its pre-tokenization, so no merge crosses them, that strip no
+    whitespace beside them (`lstrip`, `rstrip` off)."""
+    return frozenset(
+        token_id
+        for token_id, added in tokenizer.added_tokens_decoder.items()
+        if not added.lstrip and not added.rstrip
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.runtime.chat_layout import (
     RenderedChat,
+    clean_split_tokens,
     overlapping_tokens,
     place_messages,
     placed_chat,
@@ -105,6 +106,7 @@ class ChatSession:
         self._pinned: set[int] = set()  # messages the rules pin now
         self._text_pins: list[tuple[int, int]] = []  # token spans of pattern matches
         self._reply_pins: list[tuple[int, int]] = []  # token spans of replies pinned
+        self._pinned_replies: dict[int, int] = {}  # reply message -> its characters pinned
 
     def add(self, message: dict) -> None:
         """Append `message` (`{"role", "content"}`, optionally `"pin": True`); it is placed
@@ -113,10 +115,11 @@ class ChatSession:
 
     def take_prompt(self, tokenizer, fresh: Callable[[], SequenceState]) -> TurnPrompt:
         """The next turn's prompt: the chat rendered once with the generation prompt; when it
-        extends `rendered` (the first turn's always does), only the new text is tokenized and
-        follows what the sequence holds, else the chat is tokenized whole and met with the
-        history (`take_chat`; a sequence rebuilt from scratch is made by `fresh`). The new
-        messages are placed and the pins applied before anything is fed.
+        extends `rendered` (the first turn's always does) at a clean split (`_splits_cleanly`:
+        a reply's footer starts the new text), only the new text is tokenized and follows what
+        the sequence holds, else the chat is tokenized whole and met with the history
+        (`take_chat`; a sequence rebuilt from scratch is made by `fresh`). The new messages are
+        placed and the pins applied before anything is fed.
 
         Raises:
             ConfigError: the chat template re-renders earlier messages when one is added (no
@@ -128,11 +131,14 @@ class ChatSession:
         new_from = len(self.rendered)
         encoded = tokenizer(text[new_from:], add_special_tokens=False, return_offsets_mapping=True)
         offsets = encoded["offset_mapping"]
+        ids = list(encoded["input_ids"])
+        if new_from and ids and not self._splits_cleanly(tokenizer, ids[0], offsets[0][0]):
+            return self.take_chat(placed_chat(tokenizer, self.messages, self.tools, text), fresh)
         base = self.sequence.store.seen_tokens
         new = _NewText(
             text=text,
             new_from=new_from,
-            ids=list(encoded["input_ids"]),
+            ids=ids,
             starts=[new_from + start for start, _ in offsets],
             ends=[new_from + end for _, end in offsets],
             base=base,
@@ -140,6 +146,16 @@ class ChatSession:
         )
         self._place(new, place_messages(tokenizer, self.messages, self.tools, text))
         return TurnPrompt(new.ids, HistorySync(base, len(new.ids), "none"), base + len(new.ids))
+
+    def _splits_cleanly(self, tokenizer, first_new: int, first_offset: int) -> bool:
+        """Whether the new text, whose first token is `first_new` at character `first_offset`
+        of it, tokenizes after what the cache holds as the whole rendering does: the split
+        lies at a token no merge crosses (`clean_split_tokens`), the new text's first or the
+        cache's last (a reply's `<|im_end|>` follows it; content added after the generation
+        prompt, which ends in a newline, does not)."""
+        clean = clean_split_tokens(tokenizer)
+        held = self.sequence.token_ids
+        return (first_new in clean and first_offset == 0) or bool(held and held[-1] in clean)
 
     def take_chat(
         self,
@@ -158,7 +174,7 @@ class ChatSession:
         sync = prepare_history(self.sequence, chat.token_ids, fresh)
         apply_pins(self.sequence.store, [])
         self.spans, self._pinned, self._text_pins = [], set(), []
-        self._reply_pins = [span for span in self._reply_pins if span[1] <= sync.reused_tokens]
+        self._reply_pins = self._replies_pinned_in(chat)
         self.rendered = ""
         new = _NewText(
             text=chat.text,
@@ -171,6 +187,19 @@ class ChatSession:
         )
         self._place(new, chat.message_chars)
         return TurnPrompt(chat.token_ids[sync.reused_tokens :], sync, len(chat.token_ids))
+
+    def _replies_pinned_in(self, chat: RenderedChat) -> list[tuple[int, int]]:
+        """The token spans of `chat` holding the characters each pinned reply keeps pinned
+        (`add_reply`), from the start of its content, for the replies `chat` still has."""
+        spans = []
+        for index, chars in sorted(self._pinned_replies.items()):
+            if index >= len(self.messages):
+                continue
+            content = self.messages[index]["content"]
+            at = chat.text.find(content, chat.message_chars[index][0])
+            if at >= 0:
+                spans.append(chat.token_span(at, at + chars))
+        return spans
 
     def _place(self, new: _NewText, placed: list[tuple[int, int]]) -> None:
         """Record the token span of each message not placed yet (and the footer the last
@@ -209,24 +238,43 @@ class ChatSession:
             pins.pin(*span)
 
     def pin_reply(self, start: int, end: int) -> None:
-        """Pin token positions `[start, end)` of a reply (they may lie ahead of the tokens
-        seen); they stay pinned while the cache holds them."""
+        """Pin token positions `[start, end)` ahead of a reply being decoded (they may lie past
+        the tokens seen); `add_reply` says which of them the reply keeps pinned."""
         self.sequence.store.pins.pin(start, end)
-        self._reply_pins.append((start, end))
 
     def release_reply_tail(self, reply_end: int, pinned_end: int) -> None:
         """Release positions `[reply_end, pinned_end)` pinned ahead for a reply that ended
         before them (`pin_reply`)."""
         self.sequence.store.pins.unpin(reply_end, pinned_end)
-        self._reply_pins = [(start, min(end, reply_end)) for start, end in self._reply_pins]
 
-    def add_reply(self, text: str, start: int) -> None:
+    def add_reply(self, tokenizer, text: str, start: int, pinned_tokens: int = 0) -> None:
         """Append the reply the cache now holds from position `start` to its last token:
         `text` is what was fed (the generated text, stop strings included), as the template
-        renders the assistant message."""
+        renders the assistant message. Its first `pinned_tokens` tokens stay pinned (also when
+        a later turn rebuilds the chat: `take_chat` pins the same characters of the message
+        again), and the rules' pattern matches in it are pinned, as in any new text."""
+        seen = self.sequence.store.seen_tokens
+        index = len(self.messages)
         self.messages.append({"role": "assistant", "content": text})
-        self.spans.append((start, self.sequence.store.seen_tokens))
+        self.spans.append((start, seen))
         self.rendered += text
+        fed = self.sequence.token_ids[start:seen]
+        if pinned_tokens:
+            pinned_end = min(start + pinned_tokens, seen)
+            self._reply_pins.append((start, pinned_end))
+            self._pinned_replies[index] = len(tokenizer.decode(fed[: pinned_end - start]))
+        matches = self.rules.text_spans(text)
+        if matches:
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            starts = [first for first, _ in encoded["offset_mapping"]]
+            ends = [last for _, last in encoded["offset_mapping"]]
+            exact = list(encoded["input_ids"]) == fed  # else the whole reply, to be safe
+            for match_start, match_end in matches:
+                first, last = overlapping_tokens(starts, ends, match_start, match_end)
+                span = (start + first, start + last) if exact else (start, seen)
+                if span[1] > span[0]:
+                    self._text_pins.append(span)
+                    self.sequence.store.pins.pin(*span)
 
     def figures(self) -> KVFigures:
         """What the session's KV cache holds now (`KVFigures`)."""
@@ -242,4 +290,5 @@ class ChatSession:
         twin._pinned = set(self._pinned)
         twin._text_pins = list(self._text_pins)
         twin._reply_pins = list(self._reply_pins)
+        twin._pinned_replies = dict(self._pinned_replies)
         return twin

@@ -147,7 +147,8 @@ class Conversation:
             self.chat.release_reply_tail(
                 self.sequence.store.seen_tokens, reply_start + params.max_new_tokens
             )
-        self.chat.add_reply(generation.raw_text, reply_start)
+        pinned = self.sequence.store.seen_tokens - reply_start if pin else 0
+        self.chat.add_reply(self.engine.tokenizer, generation.raw_text, reply_start, pinned)
         return generation
 
     def force_reply(
@@ -196,7 +197,7 @@ class Conversation:
             logits = self.engine.feed(self.sequence, [token])
         if keep_distributions:
             forced.distributions = torch.stack(distributions)
-        self.chat.add_reply(text, reply_start)
+        self.chat.add_reply(self.engine.tokenizer, text, reply_start, pinned)
         return forced
 
     @property

@@ -2,8 +2,8 @@
 `/v1/chat/completions` and `/chat`, and the in-process LangChain model).
 
 A turn renders the messages with the model's chat template and tokenizes them, once
-(`agent_kv.runtime.chat_layout`; only the text past the session's last prompt when the
-rendering extends it, `agent_kv.serving.last_prompts`); then, holding the session, a
+(`agent_kv.runtime.chat_layout`; only the text from the session's last generation prompt on
+when the rendering extends it, `agent_kv.serving.last_prompts`); then, holding the session, a
 `ChatSession` over its sequence (the session object the agent's `Conversation` runs on too)
 matches the tokens against the history so only what is new is prefilled
 (`agent_kv.runtime.history_sync`) and pins what the rules protect
@@ -263,9 +263,9 @@ class ChatService:
     ) -> RenderedChat:
         """`messages` (`{"role", "content"}` dicts, see `agent_kv.runtime.chat_rendering`)
         rendered with the chat template, the `tools` offered and the generation prompt, once,
-        tokenized once (past the last prompt of the session `session_id` (None: of an
-        anonymous one) that the rendering extends, `last_prompts`), each message placed
-        (`placed_chat`).
+        tokenized once (only from the generation prompt on of the last prompt the rendering
+        extends, of the session `session_id` or, for None, of an anonymous one:
+        `last_prompts`), each message placed (`placed_chat`).
 
         Raises:
             ConfigError: a message whose content is not a string of valid Unicode (a lone

@@ -1,6 +1,7 @@
 """Each session's last prompt as rendered and tokenized, so that the next turn, whose
 rendering a stateless client's resent chat makes a text extension of it, tokenizes only the
-text past it (`agent_kv.runtime.chat_layout.placed_chat`) instead of the whole history.
+text from its generation prompt on (`agent_kv.runtime.chat_layout.placed_chat`, which splits
+at an added token so the tokens are those of the whole chat) instead of the whole history.
 
 Only a tokenization is kept here, never a cache: the tokens a turn gets are still matched
 against its session's history (`agent_kv.runtime.history_sync`), so a stale or missing entry
