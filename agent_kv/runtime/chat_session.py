@@ -167,7 +167,8 @@ class ChatSession:
         (`render_placed`; a stateless client's whole conversation, `messages`, which replace
         the session's when given): its tokens are met with the history (`prepare_history`: the
         cache is cut back where they diverge, or rebuilt on `fresh()`), every message is
-        placed and every pin chosen again (pinned replies the cache still holds stay pinned).
+        placed and every pin chosen again (a pinned reply the chat still has is pinned again,
+        its same characters: `add_reply`).
         """
         if messages is not None:
             self.messages = list(messages)
