@@ -33,5 +33,15 @@ class KVCapacityError(AgentKVError):
 
 
 class GrammarError(ConfigError):
-    """A constrained-decoding grammar (Lark, JSON schema or regex) cannot be built, or a
-    token outside it was forced."""
+    """A constrained-decoding grammar (Lark, JSON schema or regex) cannot be built from what
+    the request gave (a token fed outside a grammar is a `GrammarStateError`)."""
+
+
+class ToolFormatError(ConfigError):
+    """A model's chat template writes tool calls in a layout agent_kv does not read, so no
+    tool can be offered to it."""
+
+
+class GrammarStateError(AgentKVError):
+    """A token outside the reply's grammar was fed in the middle of decoding: the server's
+    fault (a mask and its matcher disagree), never the request's."""

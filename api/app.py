@@ -268,7 +268,7 @@ def create_app(
         images = image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else pin_rules(request)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
+        reply = await run_in_threadpool(reply_spec, request, engine, model_name)
         session_id = header_text(x_session_id) or request.user
         admission = admit(service)
         turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
@@ -295,7 +295,7 @@ def create_app(
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else pin_rules(request)
         policy = None if request.policy is None else policy_override(request, service)
-        reply = await run_in_threadpool(reply_spec, request, engine.grammars)
+        reply = await run_in_threadpool(reply_spec, request, engine, model_name)
         admission = admit(service)
         turn = await run_watched(
             raw, admission, metrics, service, messages, params, session_id=request.session_id,

@@ -3,19 +3,21 @@ is admitted: each error is an `APIError` 400 naming the field."""
 
 from __future__ import annotations
 
-from agent_kv.errors import GrammarError
-from agent_kv.runtime.grammar import GrammarCompiler
+from agent_kv.errors import GrammarError, ToolFormatError
 from agent_kv.runtime.tool_calls import ReplySpec, ToolChoice
 from api.errors import APIError
 from api.schemas import ChatMessage, ReplyFields
 
 
-def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
+def reply_spec(request: ReplyFields, engine, model_name: str) -> ReplySpec:
     """The request's `ReplySpec`, each tool's schema and the reply format compiled on their
     own first (so an error names the part at fault), then the whole grammar, against the
-    model's tokenizer: a schema llguidance cannot compile is refused before anything runs.
+    model's tokenizer (`engine.grammars`, calls in `engine.tokenizer`'s tool-call format): a
+    schema llguidance cannot compile is refused before anything runs.
 
     Raises:
+        APIError: 400 (param `tools`) for tools offered to a model whose chat template
+            writes calls in a layout agent_kv does not read, naming `model_name`;
         APIError: 400 for a `tool_choice` naming no offered tool (or `required` without
             tools), tools offered twice, a tool's `parameters` that are not an object schema,
             too large or too deep (`json_schemas.check_schema`) or cannot be compiled (param
@@ -29,6 +31,11 @@ def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
         spec = ReplySpec.from_openai(**fields)
     except GrammarError as err:
         raise APIError(400, str(err), _param_of(str(err), fields), "invalid_value") from None
+    try:
+        calls = spec.call_format(engine.tokenizer)
+    except ToolFormatError as err:
+        message = f"model {model_name!r} cannot take tools: its chat template {err}"
+        raise APIError(400, message, "tools", "unsupported") from None
     parts = [
         (ReplySpec((tool,), ToolChoice("required")), f"tools.{i}.function.parameters")
         for i, tool in enumerate(spec.tools)
@@ -37,9 +44,9 @@ def reply_spec(request: ReplyFields, grammars: GrammarCompiler) -> ReplySpec:
         parts.append((ReplySpec(format=spec.format), "response_format"))
     for part, param in [*parts, (spec, "tools")]:
         try:
-            grammar = part.grammar()
+            grammar = part.grammar(calls)
             if grammar is not None:
-                grammars.matcher(grammar)
+                engine.grammars.matcher(grammar)
         except GrammarError as err:
             raise APIError(400, str(err), param, "invalid_value") from None
     return spec

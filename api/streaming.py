@@ -84,20 +84,20 @@ async def stream_reply(
     headers: dict[str, str] = {}
     set_session_header(headers, sid)
     reply = turn_args["reply"]
-    body = _events(queue, metrics, request, model_name, cancel, worker, reply, images)
+    splitter = ToolCallStream(reply, reply.call_format(service.engine.tokenizer))
+    body = _events(queue, metrics, request, model_name, cancel, worker, splitter, images)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 async def _events(
-    queue: asyncio.Queue, metrics, request, model_name, cancel, worker, reply, images
+    queue: asyncio.Queue, metrics, request, model_name, cancel, worker, splitter, images
 ):
     """The stream's events, from the worker's queue up to the finish (or error) event and
-    `data: [DONE]`; leaving early (the client went away) cancels the turn. Under a
-    `ReplySpec` offering tools, the reply's text goes through `ToolCallStream`: each call
-    is one `tool_calls` delta (index, id, type, name and the whole arguments) once its
-    closing tag is decoded, and the finish reason is then "tool_calls"."""
+    `data: [DONE]`; leaving early (the client went away) cancels the turn. The reply's text
+    goes through `splitter` (the turn's `ToolCallStream`): each call is one `tool_calls`
+    delta (index, id, type, name and the whole arguments) once its closing marker is
+    decoded, and the finish reason is then "tool_calls"."""
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    splitter = ToolCallStream(reply)
 
     def event(choices: list, **extra) -> str:
         body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created}

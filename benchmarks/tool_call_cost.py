@@ -25,6 +25,7 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.tool_call_format import tool_call_format
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, ToolChoice, render_calls
 
 
@@ -58,7 +59,8 @@ def main() -> None:
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"))
     offered = tools(args.tools)
     call = ToolCall("call_0", "tool_0", '{"city": "Oslo", "days": 2, "units": "metric"}')
-    tokens = loaded.tokenizer(render_calls([call]), add_special_tokens=False)["input_ids"]
+    calls = tool_call_format(loaded.tokenizer)
+    tokens = loaded.tokenizer(render_calls([call], calls), add_special_tokens=False)["input_ids"]
     messages = [{"role": "user", "content": "What is the weather in Oslo for two days?"}]
     prompt = render_chat(loaded.tokenizer, messages, offered, generation_prompt=True)
     sequence = engine.new_sequence()
@@ -73,7 +75,7 @@ def main() -> None:
         builds, steps, decodes = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            matcher = engine.grammars.matcher(spec.grammar())
+            matcher = engine.grammars.matcher(spec.grammar(calls))
             builds.append(time.perf_counter() - start)
             for token in tokens:
                 start = time.perf_counter()

@@ -1,5 +1,7 @@
 """Shared fixtures: SmolLM2-135M is loaded once per test session; a live server on it serves
-each module that asks.
+each module that asks. Where a tokenizer's special tokens or chat template matter (tools,
+templates), `qwen_tokenizer` and `tiny_qwen` stand for the default model: its real tokenizer
+and template, behind a tiny random-weight model.
 
 `TRITON_INTERPRET=1` is set here, before anything imports `triton.language` (transformers'
 modeling code does): Triton reads it when a `@triton.jit` function is defined, and the kernel
@@ -52,6 +54,39 @@ def tiny_llama(smollm):
     )  # fmt: skip
     with torch_seed(0):
         return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The default model's (Qwen2.5-Coder-0.5B's) tokenizer and chat template, loaded without
+    its weights: `<tool_call>` and `</tool_call>` are single added tokens in it."""
+    from agent_kv.runtime.model_loading import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(qwen_tokenizer):
+    """A 2-layer Qwen2 with random weights (seed 0) on the default model's vocabulary, special
+    tokens and context, attention through the KV store: behind `qwen_tokenizer` it serves
+    requests in the default model's tokens and template at a fraction of its compute (the
+    shape of requests and replies, not what the model writes)."""
+    import transformers
+
+    from agent_kv.kv.attention import register_attention
+    from agent_kv.runtime.model_loading import model_config
+
+    register_attention()
+    cfg = model_config()
+    config = transformers.Qwen2Config(
+        vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id, attn_implementation="agent_kv",
+    )  # fmt: skip
+    with torch_seed(0):
+        return transformers.Qwen2ForCausalLM(config).eval()
 
 
 @contextlib.contextmanager

@@ -10,9 +10,10 @@ import jsonschema
 import pytest
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.chat_rendering import render_chat, template_takes_tools, tools_block
+from agent_kv.runtime.chat_rendering import render_chat, tools_block
 from agent_kv.runtime.grammar import GrammarCompiler
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_call_format import ToolCallFormat, template_takes_tools, tool_call_format
 from agent_kv.runtime.tool_calls import (
     ReplyFormat,
     ReplySpec,
@@ -37,22 +38,42 @@ WEATHER = Tool(
 SEARCH = Tool(
     "search", "Search the web.", {"type": "object", "properties": {"q": {"type": "string"}}}
 )
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+GENERIC = ToolCallFormat("<tool_call>", "</tool_call>", "<tool_call>", "", "")
+"""The generic format where the markers are text (SmolLM2's)."""
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen"])
+def tokens(request):
+    """`(tokenizer, vocab size)` of SmolLM2 (no tool template: the generic format, markers as
+    text) and of the default model (Qwen's template: markers as added tokens)."""
+    if request.param == "smollm2":
+        smollm = request.getfixturevalue("smollm")
+        return smollm.tokenizer, smollm.model.config.vocab_size
+    return request.getfixturevalue("qwen_tokenizer"), request.getfixturevalue(
+        "tiny_qwen"
+    ).config.vocab_size
 
 
 @pytest.fixture(scope="module")
-def grammars(smollm):
-    """`(compiler, eos, tokenize)` for the default model."""
-    tokenizer = smollm.tokenizer
+def grammars(tokens):
+    """`(compiler, eos, tokenize, format)` for the tokenizer."""
+    tokenizer, vocab = tokens
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    compiler = GrammarCompiler(tokenizer, smollm.model.config.vocab_size, eos)
-    return compiler, eos, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    compiler = GrammarCompiler(tokenizer, vocab, eos)
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    return compiler, eos, tokenize, tool_call_format(tokenizer)
+
+
+def call_text(fmt, name: str, arguments: dict | str) -> str:
+    """A call in `fmt` (`arguments` as given when text)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return fmt.render_call(name, text)
 
 
 def accepts(grammars, spec: ReplySpec, text: str) -> bool:
     """Whether the spec's grammar lets the tokens of `text` and then EOS through."""
-    compiler, eos, tokenize = grammars
-    matcher = compiler.matcher(spec.grammar())
+    compiler, eos, tokenize, fmt = grammars
+    matcher = compiler.matcher(spec.grammar(fmt))
     for token in [*tokenize(text), eos]:
         if not bool(matcher.allowed()[token]):
             return False
@@ -60,44 +81,76 @@ def accepts(grammars, spec: ReplySpec, text: str) -> bool:
     return matcher.done
 
 
+OSLO = {"city": "Oslo", "days": 2}
+
+
 @pytest.mark.parametrize(
-    "choice, text, ok",
+    "choice, reply, ok",
     [
-        (ToolChoice("required"), CALL, True),
-        (ToolChoice("required"), "It is sunny.", False),
-        (ToolChoice("required"), CALL.replace('"days": 2', '"days": 0'), False),
-        (ToolChoice("required"), CALL.replace('"days": 2', '"days": "2"'), False),
-        (ToolChoice("required"), CALL.replace("get_weather", "get_wether"), False),
-        (ToolChoice("required"), CALL + CALL, True),
-        (ToolChoice("function", "search"), CALL, False),
-        (
-            ToolChoice("function", "search"),
-            '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>',
-            True,
-        ),
-        (ToolChoice("auto"), CALL, True),
-        (ToolChoice("auto"), "It is sunny in Oslo.", True),
-        (ToolChoice("auto"), "Let me check. " + CALL, False),
-        (ToolChoice("auto"), CALL.replace('"days": 2', '"days":  2'), False),
+        (ToolChoice("required"), lambda c: c, True),
+        (ToolChoice("required"), lambda c: "It is sunny.", False),
+        (ToolChoice("required"), lambda c: c.replace('"days": 2', '"days": 0'), False),
+        (ToolChoice("required"), lambda c: c.replace('"days": 2', '"days": "2"'), False),
+        (ToolChoice("required"), lambda c: c.replace("get_weather", "get_wether"), False),
+        (ToolChoice("function", "search"), lambda c: c, False),
+        (ToolChoice("auto"), lambda c: c, True),
+        (ToolChoice("auto"), lambda c: "It is sunny in Oslo.", True),
+        (ToolChoice("auto"), lambda c: c.replace('"days": 2', '"days":  2'), False),
     ],
 )
-def test_the_grammar_admits_exactly_valid_calls(grammars, choice, text, ok):
+def test_the_grammar_admits_exactly_valid_calls(grammars, choice, reply, ok):
     spec = ReplySpec((WEATHER, SEARCH), choice)
-    assert accepts(grammars, spec, text) is ok
+    assert accepts(grammars, spec, reply(call_text(grammars[3], "get_weather", OSLO))) is ok
+
+
+def test_calls_follow_each_other_in_the_format_and_text_precedes_them_where_it_may(grammars):
+    fmt = grammars[3]
+    weather, search = call_text(fmt, "get_weather", OSLO), call_text(fmt, "search", {"q": "x"})
+    spec = ReplySpec((WEATHER, SEARCH), ToolChoice("required"))
+    assert accepts(grammars, spec, fmt.separator.join([weather, search]))
+    assert accepts(grammars, ReplySpec((WEATHER, SEARCH), ToolChoice("function", "search")), search)
+    auto = ReplySpec((WEATHER, SEARCH), ToolChoice("auto"))
+    preface = "Let me check." + fmt.text_separator + weather
+    assert accepts(grammars, auto, preface) is fmt.text_before_calls
+    assert not accepts(grammars, spec, preface)
+    assert not accepts(grammars, auto, "Let me check. " + fmt.marker + " no call")
+
+
+def test_the_default_models_format_names_its_added_tokens(qwen_tokenizer, tiny_qwen):
+    """Qwen2.5's calls: markers as the added tokens 151657/151658, newlines around the body,
+    as its template renders them; the grammar forces those tokens, never their bytes."""
+    fmt = tool_call_format(qwen_tokenizer)
+    assert (fmt.open, fmt.close, fmt.separator, fmt.text_separator) == (
+        "<tool_call>\n", "\n</tool_call>", "\n", "\n",
+    )  # fmt: skip
+    assert dict(fmt.added_tokens) == {"<tool_call>": 151657, "</tool_call>": 151658}
+    eos = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(qwen_tokenizer, tiny_qwen.config.vocab_size, eos)
+    matcher = compiler.matcher(ReplySpec((WEATHER,), ToolChoice("required")).grammar(fmt))
+    assert matcher.allowed().nonzero().flatten().tolist() == [151657]
+    auto = compiler.matcher(ReplySpec((WEATHER,), ToolChoice("auto")).grammar(fmt))
+    allowed = auto.allowed()
+    assert allowed[151657] and allowed[qwen_tokenizer.convert_tokens_to_ids("It")]
+    lt = qwen_tokenizer.convert_tokens_to_ids("<")
+    auto.advance(lt)  # text may start with "<", but not spell the marker out
+    for token in qwen_tokenizer("tool_call>", add_special_tokens=False)["input_ids"][:-1]:
+        auto.advance(token)
+    assert not auto.allowed()[qwen_tokenizer.convert_tokens_to_ids(">")]
 
 
 def test_object_schemas_that_list_properties_are_closed(grammars):
+    fmt = grammars[3]
     open_tool = Tool("f", "", {"type": "object", "properties": {"a": {"type": "integer"}}})
     spec = ReplySpec((open_tool,), ToolChoice("required"))
-    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
-    assert accepts(grammars, spec, call)
-    assert not accepts(grammars, spec, call.replace('"a": 1', '"a": 1, "b": 2'))
+    assert accepts(grammars, spec, call_text(fmt, "f", {"a": 1}))
+    assert not accepts(grammars, spec, call_text(fmt, "f", {"a": 1, "b": 2}))
     explicit = {**open_tool.parameters, "additionalProperties": {"type": "integer"}}
     spec = ReplySpec((Tool("f", "", explicit),), ToolChoice("required"))
-    assert accepts(grammars, spec, call.replace('"a": 1', '"a": 1, "b": 2'))
+    assert accepts(grammars, spec, call_text(fmt, "f", {"a": 1, "b": 2}))
 
 
 def test_references_inside_tool_parameters_resolve(grammars):
+    fmt = grammars[3]
     address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}}
     book = Tool(
         "book",
@@ -118,13 +171,9 @@ def test_references_inside_tool_parameters_resolve(grammars):
         },
     )
     spec = ReplySpec((book, tree), ToolChoice("required"))
-    book_call = '<tool_call>{"name": "book", "arguments": {"to": {"city": "Oslo"}}}</tool_call>'
-    assert accepts(grammars, spec, book_call)
-    assert not accepts(grammars, spec, book_call.replace('"Oslo"', "3"))
-    nested = '{"kids": [{"kids": []}, {}]}'
-    assert accepts(
-        grammars, spec, f'<tool_call>{{"name": "tree", "arguments": {nested}}}</tool_call>'
-    )
+    assert accepts(grammars, spec, call_text(fmt, "book", {"to": {"city": "Oslo"}}))
+    assert not accepts(grammars, spec, call_text(fmt, "book", {"to": {"city": 3}}))
+    assert accepts(grammars, spec, call_text(fmt, "tree", '{"kids": [{"kids": []}, {}]}'))
 
 
 def test_schemas_are_checked_before_the_decoder_sees_them():
@@ -132,14 +181,14 @@ def test_schemas_are_checked_before_the_decoder_sees_them():
     for _ in range(40):
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(GrammarError, match="nest deeper than 32"):
-        ReplySpec((Tool("f", "", deep),)).grammar()
+        ReplySpec((Tool("f", "", deep),)).grammar(GENERIC)
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
     with pytest.raises(GrammarError, match="bytes of JSON"):
-        ReplySpec(format=ReplyFormat(wide)).grammar()
+        ReplySpec(format=ReplyFormat(wide)).grammar(None)
     with pytest.raises(GrammarError, match="object schema"):
-        ReplySpec((Tool("f", "", {"type": "string"}),)).grammar()
+        ReplySpec((Tool("f", "", {"type": "string"}),)).grammar(GENERIC)
     with pytest.raises(GrammarError, match="not valid Unicode"):
-        ReplySpec((Tool("f", "", {"description": "x\ud800"}),)).grammar()
+        ReplySpec((Tool("f", "", {"description": "x\ud800"}),)).grammar(GENERIC)
     # data keywords are data: closing objects leaves a const alone
     from agent_kv.runtime.json_schemas import closed
 
@@ -148,23 +197,28 @@ def test_schemas_are_checked_before_the_decoder_sees_them():
     assert closed({"properties": {}})["additionalProperties"] is False
 
 
-def test_a_close_tag_inside_an_argument_string_stays_in_the_call():
+def test_a_close_tag_inside_an_argument_string_stays_in_the_call(grammars):
+    fmt = grammars[3]
     spec = ReplySpec((SEARCH,), ToolChoice("auto"))
-    call = '<tool_call>{"name": "search", "arguments": {"q": "a</tool_call>b"}}</tool_call>'
-    text, calls = parse_reply(call, spec)
+    call = call_text(fmt, "search", {"q": "a</tool_call>b"})
+    text, calls = parse_reply(call, spec, fmt)
     assert text == "" and json.loads(calls[0].arguments) == {"q": "a</tool_call>b"}
-    splitter = ToolCallStream(spec)
+    splitter = ToolCallStream(spec, fmt)
     events = [e for i in range(0, len(call), 3) for e in splitter.feed(call[i : i + 3])]
     assert [e[0] for e in events] == ["call"] and splitter.finish() == []
-    assert parse_reply("<tool_call>" + "[" * 5000, spec)[1] == []
+    assert parse_reply(fmt.open + "[" * 5000, spec, fmt)[1] == []
 
 
 def test_one_call_only_without_parallel_calls(grammars):
+    fmt = grammars[3]
+    call = call_text(fmt, "get_weather", OSLO)
     spec = ReplySpec((WEATHER,), ToolChoice("required"), parallel=False)
-    assert accepts(grammars, spec, CALL) and not accepts(grammars, spec, CALL + CALL)
+    two = fmt.separator.join([call, call])
+    assert accepts(grammars, spec, call) and not accepts(grammars, spec, two)
 
 
 def test_a_reply_format_constrains_text_and_leaves_calls_open(grammars):
+    call = call_text(grammars[3], "get_weather", OSLO)
     schema = {
         "type": "object",
         "properties": {"answer": {"type": "string"}},
@@ -176,16 +230,18 @@ def test_a_reply_format_constrains_text_and_leaves_calls_open(grammars):
     assert not accepts(grammars, alone, "blue")
     assert not accepts(grammars, alone, '{"answer": 3}')
     with_tools = ReplySpec((WEATHER,), ToolChoice("auto"), format=ReplyFormat(schema))
-    assert accepts(grammars, with_tools, CALL) and accepts(grammars, with_tools, '{"answer": "x"}')
+    assert accepts(grammars, with_tools, call) and accepts(grammars, with_tools, '{"answer": "x"}')
     assert not accepts(grammars, with_tools, "plain text")
-    assert ReplySpec().grammar() is None
+    assert ReplySpec().grammar(None) is None
 
 
 def test_tool_choice_none_is_text_that_opens_no_call(grammars):
+    fmt = grammars[3]
+    call = call_text(fmt, "get_weather", OSLO)
     none = ReplySpec((WEATHER,), ToolChoice("none"))
     assert accepts(grammars, none, "It is sunny in Paris.\nTake a hat.")
-    assert not accepts(grammars, none, CALL)
-    assert not accepts(grammars, none, "Calling it: " + CALL)
+    assert not accepts(grammars, none, call)
+    assert not accepts(grammars, none, "Calling it:" + fmt.text_separator + call)
 
 
 @pytest.mark.parametrize(
@@ -201,79 +257,123 @@ def test_tool_choice_none_is_text_that_opens_no_call(grammars):
     ],
 )
 def test_stop_strings_are_scoped_to_the_free_text_a_reply_may_be(spec, stop, call_open):
-    scoped = spec.scope_stop(SamplingParams(stop=["\n"]))
+    scoped = spec.scope_stop(SamplingParams(stop=["\n"]), GENERIC)
     assert (scoped.stop, scoped.call_open) == (stop, call_open)
 
 
-def test_constrained_generation_always_parses_and_validates(smollm):
+@pytest.mark.parametrize("model", ["smollm2", "qwen"])
+def test_constrained_generation_always_parses_validates_and_renders_back(request, model):
+    """Sampled calls (temperature 1, three seeds) parse, validate against their schemas and,
+    sent back, render through the chat template to the very text the model generated."""
     from agent_kv.kv.policies import make_policy
     from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.sampling import SamplingParams
 
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    if model == "smollm2":
+        smollm = request.getfixturevalue("smollm")
+        network, tokenizer = smollm.model, smollm.tokenizer
+    else:
+        network, tokenizer = (
+            request.getfixturevalue("tiny_qwen"),
+            request.getfixturevalue("qwen_tokenizer"),
+        )
+    engine = Engine(network, tokenizer, make_policy("full"))
+    fmt = tool_call_format(tokenizer)
     spec = ReplySpec((WEATHER, SEARCH), ToolChoice("required"))
     messages = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-    prompt = render_chat(smollm.tokenizer, messages, spec.tools, generation_prompt=True)
-    ids = smollm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt = render_chat(tokenizer, messages, spec.tools, generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     for seed in range(3):
         params = SamplingParams(
-            max_new_tokens=120, temperature=1.0, seed=seed, grammar=spec.grammar()
+            max_new_tokens=120, temperature=1.0, seed=seed, grammar=spec.grammar(fmt)
         )
         reply = engine.generate(engine.new_sequence(), ids, params)
         assert reply.finish_reason == "stop", reply.text
-        text, calls = parse_reply(reply.text, spec)
+        text, calls = parse_reply(reply.text, spec, fmt)
         assert text == "" and calls, reply.text
         for call in calls:
             tool = {"get_weather": WEATHER, "search": SEARCH}[call.name]
             jsonschema.validate(json.loads(call.arguments), tool.parameters)
-        assert render_calls(calls) == reply.text  # renders back as generated
+        assert render_calls(calls, fmt) == reply.text  # renders back as generated
+        sent_back = [*messages, {"role": "assistant", "content": "", "tool_calls": calls}]
+        history = render_chat(tokenizer, sent_back, spec.tools)
+        assert history.startswith(prompt + reply.text + "<|im_end|>"), history[len(prompt) :]
 
 
-def test_parse_reply_keeps_text_and_refuses_broken_calls():
+def test_parse_reply_keeps_text_and_refuses_broken_calls(grammars):
+    fmt = grammars[3]
+    call = call_text(fmt, "get_weather", OSLO)
     spec = ReplySpec((WEATHER,), ToolChoice("auto"))
-    text, calls = parse_reply(CALL, spec)
+    text, calls = parse_reply(call, spec, fmt)
     assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo", "days": 2})
     ]
     assert calls[0].id.startswith("call_") and len(calls[0].id) == 29
-    assert parse_reply("Sunny.", spec) == ("Sunny.", [])
-    cut = CALL[:30]
-    assert parse_reply(cut, spec) == (cut, [])  # cut short by max_tokens: text
-    unknown = CALL.replace("get_weather", "fly")
-    assert parse_reply(unknown, spec) == (unknown, [])
-    assert parse_reply(CALL, ReplySpec((WEATHER,), ToolChoice("none"))) == (CALL, [])
+    assert parse_reply("Sunny.", spec, fmt) == ("Sunny.", [])
+    cut = call[:30]
+    assert parse_reply(cut, spec, fmt) == (cut, [])  # cut short by max_tokens: text
+    unknown = call.replace("get_weather", "fly")
+    assert parse_reply(unknown, spec, fmt) == (unknown, [])
+    assert parse_reply(call, ReplySpec((WEATHER,), ToolChoice("none")), fmt) == (call, [])
+    prefaced = "Checking." + fmt.text_separator + call
+    text, calls = parse_reply(prefaced, spec, fmt)
+    if fmt.text_before_calls:
+        assert text == "Checking." and [c.name for c in calls] == ["get_weather"]
+    else:
+        assert (text, calls) == (prefaced, [])
 
 
-def test_the_stream_splitter_holds_back_a_possible_call_and_emits_whole_calls():
+def test_the_stream_splitter_holds_back_a_possible_call_and_emits_whole_calls(grammars):
+    fmt = grammars[3]
+    call = call_text(fmt, "get_weather", OSLO)
+    two = fmt.separator.join([call, call])
     spec = ReplySpec((WEATHER,), ToolChoice("auto"))
-    splitter = ToolCallStream(spec)
+    splitter = ToolCallStream(spec, fmt)
     events = []
-    for i in range(0, len(CALL + CALL), 7):
-        events += splitter.feed((CALL + CALL)[i : i + 7])
+    for i in range(0, len(two), 7):
+        events += splitter.feed(two[i : i + 7])
     events += splitter.finish()
     assert [e[0] for e in events] == ["call", "call"] and [e[1] for e in events] == [0, 1]
     assert events[0][2].name == "get_weather" and events[0][2].id != events[1][2].id
-    text = ToolCallStream(spec)
+    text = ToolCallStream(spec, fmt)
     assert text.feed("<to") == [] and text.feed("day") == [("text", "<today")]
     assert text.feed(" is") == [("text", " is")] and text.finish() == []
-    cut = ToolCallStream(spec)
-    assert cut.feed(CALL[:40]) == [] and cut.finish() == [("text", CALL[:40])]
+    cut = ToolCallStream(spec, fmt)
+    assert cut.feed(call[:40]) == [] and cut.finish() == [("text", call[:40])]
+
+
+def test_the_stream_splitter_sends_text_before_calls_where_the_format_allows_it(
+    qwen_tokenizer,
+):
+    fmt = tool_call_format(qwen_tokenizer)
+    spec = ReplySpec((WEATHER,), ToolChoice("auto"))
+    reply = "Line one.\nChecking." + fmt.text_separator + call_text(fmt, "get_weather", OSLO)
+    splitter = ToolCallStream(spec, fmt)
+    events = [e for i in range(0, len(reply), 4) for e in splitter.feed(reply[i : i + 4])]
+    events += splitter.finish()
+    text = "".join(e[1] for e in events if e[0] == "text")
+    assert text == "Line one.\nChecking." and [e[0] for e in events][-1] == "call"
+    cut = ToolCallStream(spec, fmt)
+    short = "Checking." + fmt.text_separator + fmt.open + '{"na'
+    sent = [e for i in range(0, len(short), 3) for e in cut.feed(short[i : i + 3])]
+    assert "".join(e[1] for e in [*sent, *cut.finish()]) == short  # no call: all text
 
 
 def test_spec_errors_name_the_problem():
     with pytest.raises(GrammarError, match="not in tools"):
-        ReplySpec((WEATHER,), ToolChoice("function", "search")).grammar()
+        ReplySpec((WEATHER,), ToolChoice("function", "search")).grammar(GENERIC)
     with pytest.raises(GrammarError, match="offered twice"):
-        ReplySpec((WEATHER, WEATHER)).grammar()
+        ReplySpec((WEATHER, WEATHER)).grammar(GENERIC)
     with pytest.raises(GrammarError, match="needs at least one tool"):
-        ReplySpec((), ToolChoice("required")).grammar()
+        ReplySpec((), ToolChoice("required")).grammar(GENERIC)
+    with pytest.raises(GrammarError, match="no tool-call format"):
+        ReplySpec((WEATHER,)).grammar(None)
 
 
 def test_a_bad_schema_is_a_grammar_error(grammars):
-    compiler = grammars[0]
+    compiler, fmt = grammars[0], grammars[3]
     broken = Tool("f", "", {"type": "object", "properties": {"a": {"type": "nonsense"}}})
     with pytest.raises(GrammarError, match="cannot build"):
-        compiler.matcher(ReplySpec((broken,), ToolChoice("required")).grammar())
+        compiler.matcher(ReplySpec((broken,), ToolChoice("required")).grammar(fmt))
 
 
 def test_generic_rendering_lists_tools_in_the_system_message_and_calls_after_text(smollm):
@@ -288,7 +388,8 @@ def test_generic_rendering_lists_tools_in_the_system_message_and_calls_after_tex
     ]
     text = render_chat(tokenizer, messages, (WEATHER,))
     assert text.startswith("<|im_start|>system\nBe brief.\n\n" + tools_block((WEATHER,)))
-    assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in text
+    call_text_ = call_text(tool_call_format(tokenizer), "get_weather", OSLO)
+    assert f"<|im_start|>assistant\n{call_text_}<|im_end|>" in text
     assert "<|im_start|>tool\nRain.<|im_end|>" in text
     # no system message: one holding only the tools comes first
     alone = render_chat(tokenizer, messages[1:2], (WEATHER,))

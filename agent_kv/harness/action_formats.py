@@ -29,6 +29,7 @@ from agent_kv.harness.action_decoding import ActionDecoding, action_decoding
 from agent_kv.harness.action_tools import ACTION_TOOLS, action_call, call_action, page_tools
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_call_format import tool_call_format
 from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, parse_reply, render_calls
 from envs.action_grammar import TEXT_CHARS, URL_CHARS, element_ids
 from envs.actions import ACTION_FORMATS, ActionParseError, parse_action
@@ -93,9 +94,10 @@ class ActionFormat:
     tools: tuple[Tool, ...]
     observation_role: str
 
-    def few_shot(self) -> list[tuple[str, str]]:
-        """`FEW_SHOT` with each action written as this format's reply."""
-        return [(page, self.reply(action)) for page, action in FEW_SHOT]
+    def few_shot(self, tokenizer) -> list[tuple[str, str]]:
+        """`FEW_SHOT` with each action written as this format's reply for the model of
+        `tokenizer`."""
+        return [(page, self.reply(action, tokenizer)) for page, action in FEW_SHOT]
 
     def decoding(
         self,
@@ -113,23 +115,27 @@ class ActionFormat:
             return ActionDecoding(free, constrained=False)
         spec = self._page_spec(element_ids(observation_text), tabs)
         try:
-            grammar = spec.grammar()
+            grammar = spec.grammar(tool_call_format(engine.tokenizer))
             engine.grammars.matcher(grammar)
         except GrammarError as err:
             return ActionDecoding(free, constrained=False, unconstrained_reason=str(err))
         return ActionDecoding(replace(free, grammar=grammar), True)
 
-    def action(self, reply: str) -> str:
+    def action(self, reply: str, tokenizer) -> str:
         """The action text of a reply, for the environment: the reply itself in text (the
-        environment parses it); in tools the action of its one call.
+        environment parses it); in tools the action of its one call, in the tool-call format
+        of the model of `tokenizer`.
 
         Raises:
             ActionParseError: in tools, the reply is not exactly one call that makes an
                 action; the message says how to call, for the error observation.
+            ToolFormatError: in tools, the model's template has no tool-call format
+                agent_kv reads.
         """
         if self.name == "text":
             return reply
-        _, calls = parse_reply(reply, ReplySpec(self.tools, ToolChoice("required")))
+        spec = ReplySpec(self.tools, ToolChoice("required"))
+        _, calls = parse_reply(reply, spec, tool_call_format(tokenizer))
         if len(calls) != 1:
             found = f"{len(calls)} calls" if calls else "no complete call"
             raise ActionParseError(f"the reply holds {found}. {CALL_HELP}")
@@ -138,17 +144,19 @@ class ActionFormat:
         except ValueError as err:
             raise ActionParseError(f"{err}. {CALL_HELP}") from None
 
-    def reply(self, action: str) -> str:
-        """The reply the model writes for an action text (canonical in tools; as given in
-        text).
+    def reply(self, action: str, tokenizer) -> str:
+        """The reply the model of `tokenizer` writes for an action text (a canonical call in
+        its tool-call format in tools; as given in text).
 
         Raises:
             ActionParseError: in tools, `action` is no action.
             ValueError: in tools, it names its element by reference, not by id.
+            ToolFormatError: in tools, the model's template has no tool-call format
+                agent_kv reads.
         """
         if self.name == "text":
             return action
-        return render_calls([action_call(parse_action(action))])
+        return render_calls([action_call(parse_action(action))], tool_call_format(tokenizer))
 
     def _page_spec(self, ids: list[int], tabs: int) -> ReplySpec:
         return ReplySpec(page_tools(ids, tabs), ToolChoice("required"), parallel=False)

@@ -188,7 +188,7 @@ def open_conversation(
     reply; the format's own unless given), pinned for good."""
     chat = Conversation(engine, tools=fmt.tools, rules=AGENT_PIN_RULES)
     chat.add("system", fmt.system_prompt.format(intent=intent))
-    for example, action in fmt.few_shot() if few_shot is None else few_shot:
+    for example, action in fmt.few_shot(engine.tokenizer) if few_shot is None else few_shot:
         chat.add("user", example, pin=True)
         chat.add("assistant", action, pin=True)
     return chat
@@ -323,7 +323,7 @@ class _Episode:
         reply = chat.reply(decoding.params, pin=bool(reply_pin(config.pin_replies)))
         self.ttfts.append(reply.ttft_s)
         self.rates.append(reply.decode_tokens_per_s)
-        result = _act(self.env, self.fmt, reply.text)
+        result = _act(self.env, self.fmt, reply.text, chat.engine.tokenizer)
         self.steps = step
         self.step_times.append(time.perf_counter() - step_started)
         record = _write_step(
@@ -380,11 +380,12 @@ def _episode_result(
     )
 
 
-def _act(env: BrowserEnv, fmt: ActionFormat, reply: str) -> StepResult:
-    """Carry out the reply's action; a reply that is no action in the format's terms is
-    answered with the format's error observation (`BrowserEnv.reject`)."""
+def _act(env: BrowserEnv, fmt: ActionFormat, reply: str, tokenizer) -> StepResult:
+    """Carry out the reply's action (written by the model of `tokenizer`); a reply that is no
+    action in the format's terms is answered with the format's error observation
+    (`BrowserEnv.reject`)."""
     try:
-        action = fmt.action(reply)
+        action = fmt.action(reply, tokenizer)
     except ActionParseError as err:
         return env.reject(str(err))
     return env.step(action)

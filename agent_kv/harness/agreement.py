@@ -64,10 +64,11 @@ def read_trajectory(trace_dir: Path) -> list[ReferenceStep]:
     return steps
 
 
-def _action_text(fmt: ActionFormat, reply: str) -> str:
-    """The action text of a reply in `fmt`; the reply itself when it makes no action."""
+def _action_text(fmt: ActionFormat, reply: str, tokenizer) -> str:
+    """The action text of a reply in `fmt` (by the model of `tokenizer`); the reply itself
+    when it makes no action."""
     try:
-        return fmt.action(reply)
+        return fmt.action(reply, tokenizer)
     except ActionParseError:
         return reply
 
@@ -142,14 +143,14 @@ def replay_agreement(
             chat.prefill()
             if name == "policy":
                 decoding = fmt.decoding(engine, greedy, text, step.tabs, config.constrain)
-                own = _action_text(fmt, chat.fork().reply(decoding.params).text)
+                own = _action_text(fmt, chat.fork().reply(decoding.params).text, engine.tokenizer)
             pin = reply_pin(config.pin_replies)
             forced = chat.force_reply(step.action, keep_distributions=True, pin=pin)
             distributions[name] = forced.distributions  # [tokens, vocab]
         previous = len(chats["policy"].messages) - 2  # the observation before the reply
         p, q = distributions["full"], distributions["policy"]
         kl = (p.exp() * (p - q)).sum(-1)  # [tokens]
-        reference_action = canonical(_action_text(fmt, step.action))
+        reference_action = canonical(_action_text(fmt, step.action, engine.tokenizer))
         compared.append(
             StepAgreement(
                 step=number,

@@ -12,9 +12,9 @@ a tool message answers). Tools offered (`Tool`s) are shown to the model in one o
   JSON object per line between `<tools>` and `</tools>` with how to call them, at the end
   of the first system message (a system message holding only that is put first when there
   is none); an assistant message's calls follow its text as the model writes them
-  (`tool_calls.render_calls`); a tool result is a message of role `tool`.
+  (`ToolCallFormat.render_reply`); a tool result is a message of role `tool`.
 
-In both, calls are generated in the Hermes format of `agent_kv.runtime.tool_calls`.
+In both, calls are generated in the model's format (`agent_kv.runtime.tool_call_format`).
 """
 
 from __future__ import annotations
@@ -22,25 +22,23 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from agent_kv.runtime.tool_calls import CALL_CLOSE, CALL_OPEN, Tool, render_calls
+from agent_kv.runtime.tool_call_format import (
+    GENERIC_CLOSE,
+    GENERIC_OPEN,
+    template_takes_tools,
+    tool_call_format,
+)
+from agent_kv.runtime.tool_calls import Tool
 
 TOOLS_PREAMBLE = (
     "You can call functions. Their signatures are listed, one JSON object per line, "
     "between <tools> and </tools>:"
 )
 CALL_INSTRUCTION = (
-    f'To call one, reply with {CALL_OPEN}{{"name": <function name>, "arguments": '
-    f"<arguments as a JSON object>}}{CALL_CLOSE}, once per call. A function's result comes "
+    f'To call one, reply with {GENERIC_OPEN}{{"name": <function name>, "arguments": '
+    f"<arguments as a JSON object>}}{GENERIC_CLOSE}, once per call. A function's result comes "
     "back in a message of role tool."
 )
-
-
-def template_takes_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template reads a `tools` variable (its own tool format)."""
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: the default one renders chats
-        template = template.get("default", "")
-    return "tools" in (template or "")
 
 
 def tools_block(tools: Sequence[Tool]) -> str:
@@ -73,7 +71,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=generation_prompt,
         )
-    rendered = _generic_messages(messages, tools)
+    rendered = _generic_messages(tokenizer, messages, tools)
     if tools and not (messages and messages[0]["role"] == "system"):
         rendered.insert(0, {"role": "system", "content": tools_block(tools)})
     return tokenizer.apply_chat_template(
@@ -87,23 +85,27 @@ def content_as_rendered(tokenizer, messages: list[dict], tools: Sequence[Tool] =
     after its text, and the tools' description after the first system message's text."""
     if template_takes_tools(tokenizer):
         return [message["content"] for message in messages]
-    return [message["content"] for message in _generic_messages(messages, tools)]
+    return [message["content"] for message in _generic_messages(tokenizer, messages, tools)]
 
 
-def _generic_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
+def _generic_messages(tokenizer, messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
     """The messages in the generic format, one per message: calls after an assistant's text,
     the tools' description at the end of a first system message."""
-    rendered = [_generic_message(message) for message in messages]
+    calls = tool_call_format(tokenizer)
+    rendered = [
+        {
+            "role": message["role"],
+            "content": calls.render_reply(
+                message["content"],
+                [(call.name, call.arguments) for call in message.get("tool_calls") or []],
+            ),
+        }
+        for message in messages
+    ]
     if tools and rendered and rendered[0]["role"] == "system":
         block = tools_block(tools)
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{block}"}
     return rendered
-
-
-def _generic_message(message: dict) -> dict:
-    """`{"role", "content"}` with an assistant's calls written after its text."""
-    content = message["content"] + render_calls(message.get("tool_calls") or [])
-    return {"role": message["role"], "content": content}
 
 
 def _hf_message(message: dict) -> dict:

@@ -24,7 +24,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from agent_kv.errors import GrammarError
+from agent_kv.errors import GrammarError, GrammarStateError
 
 GRAMMAR_KINDS = ("lark", "json_schema", "regex")
 
@@ -122,12 +122,13 @@ class GrammarMatcher:
         """Take `token` as the reply's next token.
 
         Raises:
-            GrammarError: the grammar does not allow `token` here (only when it was not
-                chosen from `constrain`'s logits).
+            GrammarStateError: the grammar does not allow `token` here (only when it was not
+                chosen from `constrain`'s logits, or the mask and the matcher disagree: the
+                server's fault, not the request's).
         """
         if not self._matcher.consume_token(token):
             reason = _first_line(self._matcher.get_error())
-            raise GrammarError(f"token {token} is outside the grammar: {reason}")
+            raise GrammarStateError(f"token {token} is outside the grammar: {reason}")
 
     @property
     def done(self) -> bool:

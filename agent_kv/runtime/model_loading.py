@@ -222,3 +222,41 @@ def load_model(
         ) from None
     apply_weight_format(hf_model, weights)
     return LoadedModel(hf_model, tokenizer, name, target, cached is not None, weights)
+
+
+def load_tokenizer(model: str | None = None):
+    """The tokenizer (with its chat template) of a bundled model, without its weights: from
+    the converted cache when there is one, else read from the GGUF file (a few seconds).
+
+    Args:
+        model: a bundled model's name; None for the default model.
+
+    Raises:
+        ModelNotFoundError: the model is not bundled, not installed or damaged
+            (`bundled_models.resolve`), or its tokenizer cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    gguf = bundled_models.resolve(model or bundled_models.DEFAULT_MODEL)
+    cached = cached_conversion(gguf)
+    with _load_errors(cached or gguf), _quiet_transformers():
+        if cached is not None:
+            return AutoTokenizer.from_pretrained(cached)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def model_config(model: str | None = None):
+    """The transformers config of a bundled model, without its weights (from the converted
+    cache, else the GGUF file's metadata).
+
+    Raises:
+        ModelNotFoundError: as `load_tokenizer`.
+    """
+    from transformers import AutoConfig
+
+    gguf = bundled_models.resolve(model or bundled_models.DEFAULT_MODEL)
+    cached = cached_conversion(gguf)
+    with _load_errors(cached or gguf), _quiet_transformers():
+        if cached is not None:
+            return AutoConfig.from_pretrained(cached)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

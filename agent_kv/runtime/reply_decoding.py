@@ -102,8 +102,8 @@ class ReplyDecoder:
         token drawn is an end-of-turn token, which is not fed).
 
         Raises:
-            GrammarError: the matcher refused the token (not possible for a token drawn from
-                its own mask).
+            GrammarStateError: the matcher refused the token (not possible for a token drawn
+                from its own mask).
         """
         if self.finished:
             return None
@@ -155,11 +155,15 @@ class ReplyDecoder:
         )
 
     def _stops(self, text: str) -> bool:
-        """Whether a stop string ends the reply `text`: one occurs in it, and it is not a tool
-        call (nor the start of one: `SamplingParams.call_open`)."""
+        """Whether a stop string ends the reply `text`: one occurs in its text before any tool
+        call (`SamplingParams.call_open`, the opening marker; a reply that may still become
+        one has no text yet)."""
         opener = self.params.call_open
-        if opener is not None and (text.startswith(opener) or opener.startswith(text)):
-            return False
+        if opener is not None:
+            if opener.startswith(text):
+                return False
+            at = text.find(opener)
+            text = text if at < 0 else text[:at]
         return any(s in text for s in self.params.stop)
 
     def _end(self, reason: str) -> None:

@@ -7,17 +7,19 @@ reply (`ReplyFormat`: any JSON object, or one that validates against a JSON Sche
 (`agent_kv.runtime.grammar`, llguidance), so a forced call or a schema'd reply always
 parses and validates:
 
-- a call is `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>` (the Hermes format
-  that Qwen2.5/3's and Hermes' chat templates use), where `ARGS` is a JSON object valid
-  against the tool's `parameters` schema; with `parallel` several calls follow each other;
+- a call is the model's own layout of `{"name": NAME, "arguments": ARGS}` between markers
+  (`agent_kv.runtime.tool_call_format`: Qwen2.5's `<tool_call>\\n...\\n</tool_call>`, its
+  markers named as the added tokens they are), where `ARGS` is a JSON object valid against
+  the tool's `parameters` schema; with `parallel` several calls follow each other;
 - schemas are checked for size and depth, and object schemas that list their properties
   are closed unless they say otherwise, as in OpenAI's strict mode
   (`agent_kv.runtime.json_schemas`); a tool's `$defs` and `$ref`s keep working inside the
   call's document;
 - `required` and a named function allow only calls (of any tool, or of that one);
-- `auto` allows either a call or a text reply that contains no `<tool_call>`
-  (or, with a `ReplyFormat`, a JSON reply);
-- `none` allows text that contains no `<tool_call>` (or the `ReplyFormat`'s JSON); with
+- `auto` allows calls, a text reply that contains no opening marker (or, with a
+  `ReplyFormat`, a JSON reply), or, where the opening marker is an added token, text and
+  then calls (`ToolCallFormat.text_before_calls`);
+- `none` allows text that contains no opening marker (or the `ReplyFormat`'s JSON); with
   no tools, only a `ReplyFormat` constrains the reply.
 
 JSON is generated compact except for `", "` and `": "` separators (`JSON_LAYOUT`), the layout
@@ -39,9 +41,8 @@ from agent_kv.errors import GrammarError
 from agent_kv.runtime.grammar import Grammar
 from agent_kv.runtime.json_schemas import check_schema, closed, embedded
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_call_format import CALL_BODY_HEAD, ToolCallFormat, tool_call_format
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON layout for constrained JSON (`x-guidance`): no free whitespace, the
 separators of `json.dumps`."""
@@ -220,21 +221,33 @@ class ReplySpec:
         spec.validate()
         return spec
 
-    def scope_stop(self, params: SamplingParams) -> SamplingParams:
+    def call_format(self, tokenizer) -> ToolCallFormat | None:
+        """The model's tool-call format when tools are offered (`tool_call_format`), else
+        None (the reply's grammar and parse need it only with tools).
+
+        Raises:
+            ToolFormatError: tools are offered and the model's template writes calls in a
+                layout agent_kv does not read.
+        """
+        return tool_call_format(tokenizer) if self.tools else None
+
+    def scope_stop(self, params: SamplingParams, calls: ToolCallFormat | None) -> SamplingParams:
         """`params` with its stop strings scoped to the free text this reply may be, as OpenAI
         accepts `stop` beside tools and a `response_format`: a reply that may be text keeps
-        them, except a reply that opens a call (`SamplingParams.call_open`); a reply that may
-        only be calls or JSON drops them (a stop string would cut it mid-call or mid-JSON,
-        leaving text that neither parses nor validates).
+        them for its text before any call (`SamplingParams.call_open`, the format's opening
+        marker); a reply that may only be calls or JSON drops them (a stop string would cut
+        it mid-call or mid-JSON, leaving text that neither parses nor validates).
 
         Raises:
             GrammarError: `validate` fails.
         """
         self.validate()
-        calls = bool(self.callable_tools())
-        text = self.format is None and (not calls or self.choice.mode == "auto")
+        callable_ = bool(self.callable_tools())
+        text = self.format is None and (not callable_ or self.choice.mode == "auto")
         return replace(
-            params, stop=list(params.stop) if text else [], call_open=CALL_OPEN if calls else None
+            params,
+            stop=list(params.stop) if text else [],
+            call_open=calls.marker if callable_ and calls is not None else None,
         )
 
     @property
@@ -250,36 +263,51 @@ class ReplySpec:
             return tuple(tool for tool in self.tools if tool.name == self.choice.name)
         return self.tools
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, calls: ToolCallFormat | None) -> Grammar | None:
         """The reply's grammar (a Lark grammar in llguidance's dialect, JSON parts as
-        `%json`), or None when the reply is free text. Text is never free when tools are
-        offered: under `tool_choice` none it may not open a call (`CALL_OPEN`), which the
-        model, shown the tools, would otherwise write.
+        `%json`, the format's added tokens as `<[id]>`), or None when the reply is free text.
+        Text is never free when tools are offered: under `tool_choice` none it may not open a
+        call (`ToolCallFormat.marker`), which the model, shown the tools, would otherwise
+        write.
+
+        Args:
+            calls: the model's tool-call format (`call_format`; None without tools).
 
         Raises:
-            GrammarError: `validate` fails.
+            GrammarError: `validate` fails, or tools are offered without a format.
         """
         self.validate()
-        calls = self.callable_tools()
-        if not calls:
+        if self.tools and calls is None:
+            raise GrammarError("tools are offered but no tool-call format was given")
+        tools = self.callable_tools()
+        if not tools:
             if self.format is not None:
                 return Grammar("lark", f"start: {_json_rule(self.format.schema)}\n")
-            return Grammar("lark", f"start: TEXT\n{_text_rule()}\n") if self.tools else None
-        defs, refs = embedded({tool.name: tool.arguments_schema for tool in calls})
-        bodies = [_call_schema(tool.name, refs[tool.name]) for tool in calls]
+            if not self.tools:
+                return None
+            return Grammar("lark", f"start: TEXT\n{_text_rule(calls.marker)}\n")
+        defs, refs = embedded({tool.name: tool.arguments_schema for tool in tools})
+        bodies = [_call_schema(tool.name, refs[tool.name]) for tool in tools]
         call_schema = bodies[0] if len(bodies) == 1 else {"oneOf": bodies}
         call_schema = {**call_schema, "$defs": defs}
-        rules = [
-            f"calls: call{'+' if self.parallel else ''}",
-            f"call: {json.dumps(CALL_OPEN)} {_json_rule(call_schema)} {json.dumps(CALL_CLOSE)}",
-        ]
+        item = " ".join(
+            part
+            for part in (calls.lark(calls.open), _json_rule(call_schema), calls.lark(calls.close))
+            if part
+        )
+        more = f"({calls.lark(calls.separator)} call)*" if calls.separator else "call*"
+        rules = [f"calls: call {more}" if self.parallel and calls.parallel else "calls: call"]
+        rules.append(f"call: {item}")
         if self.choice.mode in ("required", "function"):
             start = "start: calls"
         elif self.format is not None:
             start = f"start: calls | {_json_rule(self.format.schema)}"
+        elif calls.text_before_calls:
+            start = "start: TEXT | calls | PREFACE calls"
+            rules += [_text_rule(calls.marker), _preface_rule(calls)]
         else:
             start = "start: calls | TEXT"
-            rules.append(_text_rule())
+            rules.append(_text_rule(calls.marker))
         return Grammar("lark", "\n".join([start, *rules]) + "\n")
 
 
@@ -299,64 +327,94 @@ def _json_rule(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**closed(schema), "x-guidance": JSON_LAYOUT})
 
 
-def _text_rule() -> str:
-    """The Lark terminal TEXT: any non-empty text without `CALL_OPEN` in it."""
-    return f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{_regex_literal(CALL_OPEN)}(.|\\n)*/"
+def _text_rule(marker: str) -> str:
+    """The Lark terminal TEXT: any non-empty text without `marker` in it."""
+    return f"TEXT: /(.|\\n)+/ & ~{_containing(marker)}"
+
+
+def _preface_rule(calls: ToolCallFormat) -> str:
+    """The Lark terminal PREFACE: text before calls, without the opening marker, ending in
+    the format's `text_separator`."""
+    text = f"(.|\\n)*{_regex_literal(calls.text_separator)}" if calls.text_separator else "(.|\\n)+"
+    return f"PREFACE: /{text}/ & ~{_containing(calls.marker)}"
+
+
+def _containing(text: str) -> str:
+    """A Lark regex for any text that contains `text`."""
+    return f"/(.|\\n)*{_regex_literal(text)}(.|\\n)*/"
 
 
 def _regex_literal(text: str) -> str:
     """`text` escaped for a Lark regex between slashes."""
-    return "".join(f"\\{c}" if c in r"\/.^$*+?()[]{}|" else c for c in text)
+    escaped = "".join(f"\\{c}" if c in r"\/.^$*+?()[]{}|" else c for c in text)
+    return escaped.replace("\n", "\\n")
 
 
-def render_calls(calls: list[ToolCall]) -> str:
-    """The calls as the model writes them (`CALL_OPEN`, the body, `CALL_CLOSE`, one after
-    another); `arguments` is taken as its text, so a generated call renders as generated."""
-    return "".join(
-        f'{CALL_OPEN}{{"name": {json.dumps(call.name, ensure_ascii=False)}, '
-        f'"arguments": {call.arguments}}}{CALL_CLOSE}'
-        for call in calls
-    )
+def render_calls(calls: list[ToolCall], fmt: ToolCallFormat) -> str:
+    """The calls as the model writes them in `fmt`; `arguments` is taken as its text, so a
+    generated call renders as generated."""
+    return fmt.render_calls([(call.name, call.arguments) for call in calls])
 
 
-def parse_reply(text: str, spec: ReplySpec) -> tuple[str, list[ToolCall]]:
+def parse_reply(
+    text: str, spec: ReplySpec, fmt: ToolCallFormat | None
+) -> tuple[str, list[ToolCall]]:
     """Split a finished reply into its text and its tool calls.
 
-    Only a reply that is wholly calls (as the grammar generates them) counts as calls, each
-    naming a tool the choice allows and carrying a JSON object of arguments; anything else
+    A reply counts as calls when it is wholly calls as the grammar generates them, or (where
+    `fmt.text_before_calls`) text, the format's text separator and then wholly calls; each
+    call names a tool the choice allows and carries a JSON object of arguments. Anything else
     (free text, a call cut short by `max_tokens`) is text.
 
     Returns:
-        `(text, calls)`: `("", calls)` for a reply of calls, `(text, [])` otherwise.
+        `(text, calls)`: the text before the calls ("" for a reply of calls only) and the
+        calls; `(text, [])` when the reply holds no complete calls.
     """
-    if not spec.calls_allowed:
+    if not spec.calls_allowed or fmt is None:
         return text, []
     allowed = {tool.name for tool in spec.callable_tools()}
+    preface, rest = _split_preface(text, fmt)
     calls = []
-    rest = text.strip()
+    rest = rest.strip()
     while rest:
-        taken = _take_call(rest, allowed)
+        taken = _take_call(rest, allowed, fmt)
         if not isinstance(taken, tuple):
             return text, []
         call, rest = taken
         calls.append(call)
         rest = rest.strip()
-    return ("", calls) if calls else (text, [])
+    return (preface, calls) if calls else (text, [])
+
+
+def _split_preface(text: str, fmt: ToolCallFormat) -> tuple[str, str]:
+    """`(text before the calls, the rest)`: the rest starts at the first opening marker where
+    text may precede calls (the separator before it dropped), else it is the whole reply."""
+    if not fmt.text_before_calls:
+        return "", text
+    at = text.find(fmt.marker)
+    if at <= 0:
+        return "", text
+    preface = text[:at]
+    if fmt.text_separator and preface.endswith(fmt.text_separator):
+        preface = preface[: -len(fmt.text_separator)]
+    return preface, text[at:]
 
 
 _DECODER = json.JSONDecoder()
 
 
-def _take_call(text: str, allowed: set[str]) -> tuple[ToolCall, str] | str:
+def _take_call(text: str, allowed: set[str], fmt: ToolCallFormat) -> tuple[ToolCall, str] | str:
     """The call at the start of `text` and the text after it; or "incomplete" when `text`
     may still grow into a call, or "invalid" when it cannot.
 
-    The body is read as one JSON value (so `CALL_CLOSE` inside an argument string does not
-    end it), then `CALL_CLOSE` must follow; it must be `{"name", "arguments"}` naming an
-    allowed tool with an object of arguments."""
-    if not text.startswith(CALL_OPEN):
-        return "incomplete" if CALL_OPEN.startswith(text) else "invalid"
-    body = text[len(CALL_OPEN) :]
+    The body is read as one JSON value after the opening marker (so a closing marker inside
+    an argument string does not end it), then the closing marker must follow, whitespace
+    around the body aside; it must be `{"name", "arguments"}` naming an allowed tool with an
+    object of arguments."""
+    opener, closer = fmt.marker, fmt.close.strip()
+    if not text.startswith(opener):
+        return "incomplete" if opener.startswith(text) else "invalid"
+    body = text[len(opener) :]
     start = len(body) - len(body.lstrip())
     try:
         parsed, end = _DECODER.raw_decode(body, start)
@@ -365,19 +423,19 @@ def _take_call(text: str, allowed: set[str]) -> tuple[ToolCall, str] | str:
     except json.JSONDecodeError as err:
         return "incomplete" if err.pos >= len(body.rstrip()) else "invalid"
     after = body[end:].lstrip()
-    if not after.startswith(CALL_CLOSE):
-        return "incomplete" if CALL_CLOSE.startswith(after) else "invalid"
+    if not after.startswith(closer):
+        return "incomplete" if closer.startswith(after) else "invalid"
     if not isinstance(parsed, dict) or set(parsed) != {"name", "arguments"}:
         return "invalid"
     if parsed["name"] not in allowed or not isinstance(parsed["arguments"], dict):
         return "invalid"
     raw = body[start:end]
-    head = f'{{"name": {json.dumps(parsed["name"], ensure_ascii=False)}, "arguments": '
+    head = CALL_BODY_HEAD.format(name=json.dumps(parsed["name"], ensure_ascii=False))
     if raw.startswith(head):
         arguments = raw[len(head) : -1]  # as generated, so it renders back the same
     else:
         arguments = json.dumps(parsed["arguments"], ensure_ascii=False)
-    return ToolCall(ToolCall.new_id(), parsed["name"], arguments), after[len(CALL_CLOSE) :]
+    return ToolCall(ToolCall.new_id(), parsed["name"], arguments), after[len(closer) :]
 
 
 class ToolCallStream:
@@ -385,19 +443,24 @@ class ToolCallStream:
 
     Feed each new piece of the reply to `feed`; it returns the events that piece settles:
     `("text", delta)` for reply text, `("call", index, ToolCall)` for each call once its
-    body and `CALL_CLOSE` are complete. Text that might still become `CALL_OPEN` is held
-    back until it cannot. Once the reply has started as a call, everything is read as
+    body and closing marker are complete. Text that might still become the start of a call
+    (the opening marker, or where text may precede calls the text separator and the marker)
+    is held back until it cannot. Once a call has started, everything after it is read as
     calls; `finish` returns what is left (a call cut short comes back as text).
 
     Args:
         spec: the turn's reply spec (no calls allowed: every piece is text at once).
+        fmt: the model's tool-call format (`ReplySpec.call_format`; None without tools).
     """
 
-    def __init__(self, spec: ReplySpec):
+    def __init__(self, spec: ReplySpec, fmt: ToolCallFormat | None):
         self.spec = spec
+        self.fmt = fmt
         self._allowed = {tool.name for tool in spec.callable_tools()}
         self._buffer = ""
-        self._mode = "text" if not spec.calls_allowed else "undecided"
+        self._mode = "text" if not spec.calls_allowed or fmt is None else "undecided"
+        self._lead = fmt.text_separator + fmt.marker if fmt else ""  # opens calls after text
+        self._held_separator = ""  # the separator taken off text before calls
         self.calls: list[ToolCall] = []
 
     def feed(self, piece: str) -> list[tuple]:
@@ -405,21 +468,44 @@ class ToolCallStream:
         self._buffer += piece
         if self._mode == "undecided":
             head = self._buffer.lstrip()
-            if head.startswith(CALL_OPEN):
+            if head.startswith(self.fmt.marker):
                 self._mode = "calls"
-            elif not CALL_OPEN.startswith(head):
-                self._mode = "text"
+            elif not self.fmt.marker.startswith(head):
+                self._mode = "preface" if self.fmt.text_before_calls else "text"
         if self._mode == "text":
             text, self._buffer = self._buffer, ""
             return [("text", text)] if text else []
+        if self._mode == "preface":
+            return self._take_preface()
         if self._mode == "undecided":
             return []
         return self._take_calls()
 
+    def _take_preface(self) -> list[tuple]:
+        """Text up to the calls' lead (the separator and marker), holding back a tail that may
+        still become it; once the lead is complete, the calls after it."""
+        at = self._buffer.find(self._lead)
+        if at >= 0:
+            text, self._buffer = (
+                self._buffer[:at],
+                self._buffer[at + len(self.fmt.text_separator) :],
+            )
+            self._held_separator = self.fmt.text_separator
+            self._mode = "calls"
+            return ([("text", text)] if text else []) + self._take_calls()
+        keep = next(
+            (n for n in range(min(len(self._lead), len(self._buffer)), 0, -1)
+             if self._lead.startswith(self._buffer[-n:])),
+            0,
+        )  # fmt: skip
+        text = self._buffer[: len(self._buffer) - keep]
+        self._buffer = self._buffer[len(text) :]
+        return [("text", text)] if text else []
+
     def _take_calls(self) -> list[tuple]:
         events = []
         while True:
-            taken = _take_call(self._buffer.lstrip(), self._allowed)
+            taken = _take_call(self._buffer.lstrip(), self._allowed, self.fmt)
             if not isinstance(taken, tuple):
                 return events
             call, self._buffer = taken
@@ -431,4 +517,6 @@ class ToolCallStream:
         rest, self._buffer = self._buffer, ""
         if self._mode == "calls" and not rest.strip():
             return []
+        if self._mode == "calls" and not self.calls:
+            rest = self._held_separator + rest  # the calls never came: it was all text
         return [("text", rest)] if rest else []

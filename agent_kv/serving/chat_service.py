@@ -350,9 +350,10 @@ class ChatService:
             rules = rules or self.rules
             rules.validate()
             reply = reply or ReplySpec()
-            params = reply.scope_stop(params)
+            calls = reply.call_format(self.engine.tokenizer)
+            params = reply.scope_stop(params, calls)
             if params.grammar is None:
-                params = replace(params, grammar=reply.grammar())
+                params = replace(params, grammar=reply.grammar(calls))
             if params.grammar is not None:
                 self.engine.grammars.matcher(params.grammar)  # refuse it before any compute
             messages = self.issued_calls.restore(messages)
@@ -363,7 +364,7 @@ class ChatService:
                 messages, reply.tools, rules, chat, params, session_id,
                 policy or self.engine.policy, on_text, cancel, on_start, admitted, deadline,
             )  # fmt: skip
-            turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply)
+            turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply, calls)
             self.issued_calls.record(turn.tool_calls)
             return turn
 

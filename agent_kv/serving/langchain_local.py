@@ -42,16 +42,19 @@ def _turn_fields(turn: ChatTurn, model_name: str) -> dict:
     return {"usage_metadata": usage, "response_metadata": {**metadata, "kv": asdict(turn.kv)}}
 
 
-def local_stream(run: TurnRunner, kwargs: dict, model_name: str) -> Iterator[ChatGenerationChunk]:
+def local_stream(
+    run: TurnRunner, kwargs: dict, model_name: str, tokenizer
+) -> Iterator[ChatGenerationChunk]:
     """The chunks of one turn that `run` runs in a worker thread (`kwargs`: the call's keyword
-    arguments, whose `REPLY_KWARGS` say what the reply may be): text and tool-call chunks as
-    they are decoded, then a last chunk with the usage and response metadata.
+    arguments, whose `REPLY_KWARGS` say what the reply may be; `tokenizer`: the model's, whose
+    tool-call format splits calls out of the text): text and tool-call chunks as they are
+    decoded, then a last chunk with the usage and response metadata.
 
     Raises:
         whatever the turn raised, when the chunks reach it.
     """
     events: queue.Queue = queue.Queue()
-    threading.Thread(target=_run_into, args=(run, kwargs, events.put)).start()
+    threading.Thread(target=_run_into, args=(run, kwargs, tokenizer, events.put)).start()
     while True:
         chunk = _event_chunk(events.get(), model_name)
         yield chunk
@@ -60,7 +63,7 @@ def local_stream(run: TurnRunner, kwargs: dict, model_name: str) -> Iterator[Cha
 
 
 async def alocal_stream(
-    run: TurnRunner, kwargs: dict, model_name: str
+    run: TurnRunner, kwargs: dict, model_name: str, tokenizer
 ) -> AsyncIterator[ChatGenerationChunk]:
     """`local_stream` without blocking the event loop (the turn runs in the loop's
     executor). Raises as `local_stream`."""
@@ -70,7 +73,7 @@ async def alocal_stream(
     def put(event: tuple) -> None:
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    worker = loop.run_in_executor(None, _run_into, run, kwargs, put)
+    worker = loop.run_in_executor(None, _run_into, run, kwargs, tokenizer, put)
     while True:
         chunk = _event_chunk(await events.get(), model_name)
         yield chunk
@@ -79,12 +82,12 @@ async def alocal_stream(
     await worker
 
 
-def _run_into(run: TurnRunner, kwargs: dict, put: Callable[[tuple], None]) -> None:
+def _run_into(run: TurnRunner, kwargs: dict, tokenizer, put: Callable[[tuple], None]) -> None:
     """One in-process turn reported to `put` as ("text", piece) and ("call", index,
     `ToolCall`) events (`ToolCallStream`), then ("done", turn) or ("error", exception)."""
     try:
         spec = reply_spec(kwargs)
-        splitter = ToolCallStream(spec)
+        splitter = ToolCallStream(spec, spec.call_format(tokenizer))
 
         def on_text(text: str) -> None:
             for event in splitter.feed(text):

@@ -88,7 +88,9 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
         add_observation(chat, observation["text"], task.intent, config, role)
         previous = len(chat.messages) - 1
         concrete = env.concrete_action(reference)
-        forced = chat.force_reply(fmt.reply(concrete), pin=reply_pin(config.pin_replies))
+        forced = chat.force_reply(
+            fmt.reply(concrete, engine.tokenizer), pin=reply_pin(config.pin_replies)
+        )
         matches.append(forced.greedy)
         logprobs += forced.logprobs
         result = env.step(concrete)
