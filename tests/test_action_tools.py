@@ -21,6 +21,7 @@ from agent_kv.harness.agent import AgentConfig, _act, run_episode
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.tool_call_format import tool_call_format
 from agent_kv.runtime.tool_calls import ToolCall, render_calls
 from envs.action_grammar import element_ids
 from envs.actions import ACTION_FORMATS, ACTION_GRAMMAR, ActionParseError, parse_action
@@ -45,16 +46,38 @@ ACTIONS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["smollm2", "qwen"])
+def tokenizer(request):
+    """SmolLM2's tokenizer (calls in the generic format) and the default model's (Qwen's own
+    format, markers as added tokens)."""
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm").tokenizer
+    return request.getfixturevalue("qwen_tokenizer")
+
+
+def calls_text(tokenizer, *actions: str) -> str:
+    """The reply calling `actions` in the tokenizer's format."""
+    calls = [action_call(parse_action(action)) for action in actions]
+    return render_calls(calls, tool_call_format(tokenizer))
+
+
+def call_of(tokenizer, name: str, arguments: str) -> str:
+    """One call of `name` with `arguments` (JSON text) in the tokenizer's format."""
+    return tool_call_format(tokenizer).render_call(name, arguments)
+
+
 def test_one_tool_per_action_kind():
     assert [tool.name for tool in ACTION_TOOLS] == list(ACTION_GRAMMAR)
 
 
 @pytest.mark.parametrize("action", ACTIONS)
-def test_an_action_and_its_call_translate_both_ways(action):
+def test_an_action_and_its_call_translate_both_ways(action, tokenizer):
     call = action_call(parse_action(action))
     assert call_action(call) == str(parse_action(action))
-    assert TOOL_ACTIONS.action(render_calls([call])) == str(parse_action(action))
-    assert TOOL_ACTIONS.reply(action) == render_calls([call])
+    assert TOOL_ACTIONS.action(calls_text(tokenizer, action), tokenizer) == str(
+        parse_action(action)
+    )
+    assert TOOL_ACTIONS.reply(action, tokenizer) == calls_text(tokenizer, action)
 
 
 def test_calls_that_make_no_action_are_refused():
@@ -69,29 +92,29 @@ def test_calls_that_make_no_action_are_refused():
 @pytest.mark.parametrize(
     "reply, needle",
     [
-        ("click [12]", "no complete call"),
-        ("", "no complete call"),
-        (render_calls([action_call(parse_action("go_back"))] * 2), "2 calls"),
-        ('<tool_call>{"name": "go_back", "arguments": {"x": 1}}</tool_call>', "go_back takes"),
-        ('<tool_call>{"name": "stop", "arguments": {"answer": null}}</tool_call>', "answer"),
-        ('<tool_call>{"name": "click", "arguments": {"element_id": "12"}}</tool_call>', "12"),
-        ('<tool_call>{"name": "click", "arguments": {"element_id": true}}</tool_call>', "true"),
-        ('<tool_call>{"name": "scroll", "arguments": {"direction": "left"}}</tool_call>', "left"),
+        (lambda t: "click [12]", "no complete call"),
+        (lambda t: "", "no complete call"),
+        (lambda t: calls_text(t, "go_back", "go_back"), "2 calls"),
+        (lambda t: call_of(t, "go_back", '{"x": 1}'), "go_back takes"),
+        (lambda t: call_of(t, "stop", '{"answer": null}'), "answer"),
+        (lambda t: call_of(t, "click", '{"element_id": "12"}'), "12"),
+        (lambda t: call_of(t, "click", '{"element_id": true}'), "true"),
+        (lambda t: call_of(t, "scroll", '{"direction": "left"}'), "left"),
         (
-            '<tool_call>{"name": "type", "arguments": {"element_id": 3, "text": "x", '
-            '"press_enter": null}}</tool_call>',
+            lambda t: call_of(t, "type", '{"element_id": 3, "text": "x", "press_enter": null}'),
             "press_enter",
         ),
     ],
 )
-def test_a_tool_reply_that_is_no_action_is_refused_with_how_to_call(reply, needle):
+def test_a_tool_reply_that_is_no_action_is_refused_with_how_to_call(reply, needle, tokenizer):
     with pytest.raises(ActionParseError, match=needle) as err:
-        TOOL_ACTIONS.action(reply)
+        TOOL_ACTIONS.action(reply(tokenizer), tokenizer)
     assert str(err.value).endswith(CALL_HELP)
 
 
-def test_the_text_format_passes_replies_through_and_both_formats_are_known():
-    assert TEXT_ACTIONS.action("click [12]") == TEXT_ACTIONS.reply("click [12]") == "click [12]"
+def test_the_text_format_passes_replies_through_and_both_formats_are_known(tokenizer):
+    action = TEXT_ACTIONS.action("click [12]", tokenizer)
+    assert action == TEXT_ACTIONS.reply("click [12]", tokenizer) == "click [12]"
     assert tuple(FORMATS) == ACTION_FORMATS
     with pytest.raises(ValueError, match="unknown agent 'voice'"):
         action_format("voice")
@@ -110,11 +133,11 @@ class RecordingEnv:
         self.calls.append(("reject", error))
 
 
-def test_the_harness_rejects_a_tool_reply_that_is_no_action():
+def test_the_harness_rejects_a_tool_reply_that_is_no_action(tokenizer):
     env = RecordingEnv()
-    _act(env, TOOL_ACTIONS, render_calls([action_call(parse_action("go_back"))] * 2))
-    _act(env, TOOL_ACTIONS, render_calls([action_call(parse_action("click [4]"))]))
-    _act(env, TEXT_ACTIONS, "click [[4]]")  # the environment parses text itself
+    _act(env, TOOL_ACTIONS, calls_text(tokenizer, "go_back", "go_back"), tokenizer)
+    _act(env, TOOL_ACTIONS, calls_text(tokenizer, "click [4]"), tokenizer)
+    _act(env, TEXT_ACTIONS, "click [[4]]", tokenizer)  # the environment parses text itself
     assert [kind for kind, _ in env.calls] == ["reject", "step", "step"]
     assert env.calls[0][1].endswith(CALL_HELP)
     assert env.calls[1:] == [("step", "click [4]"), ("step", "click [[4]]")]
@@ -184,7 +207,33 @@ def test_a_tool_agent_acts_on_its_page_and_reads_results_as_tool_turns(smollm, t
             assert action.element_id in element_ids(page)
     records = [json.loads((tmp_path / f"step_{n:03d}.json").read_text()) for n in (1, 2, 3)]
     assert all(r["constrained"] and r["reply"].startswith("<tool_call>") for r in records)
-    assert [TOOL_ACTIONS.action(r["reply"]) for r in records] == [t for t, _ in env.received]
+    actions = [TOOL_ACTIONS.action(r["reply"], smollm.tokenizer) for r in records]
+    assert actions == [t for t, _ in env.received]
     prompt = "".join(piece for r in records for piece in r["tokens"])  # steps 1-3 concatenated
     assert prompt.count("<|im_start|>tool\nPage:") == 2  # the pages after the first two calls
     assert '<tools>\n{"name": "click"' in prompt  # the tools, listed once, in the system turn
+
+
+@pytest.mark.model
+def test_a_tool_agent_on_the_default_models_tokens_calls_through_its_added_tokens(
+    qwen_tokenizer, tiny_qwen, tmp_path
+):
+    """The tool agent on the default model's tokenizer and template (a random-weight model):
+    every action is decoded as a call opened by the added token `<tool_call>`, and each next
+    page comes back inside the template's own tool result (`<tool_response>`)."""
+    engine = Engine(tiny_qwen, qwen_tokenizer, make_policy("conf-kv", budget=512))
+    env = ListingPages(steps=3)
+    config = AgentConfig(max_steps=3, agent="tools")
+    result = run_episode(load_task(1), engine, env, tmp_path, "tiny-qwen", config)
+    assert result.agent == "tools" and result.steps == 3
+    open_id = qwen_tokenizer.convert_tokens_to_ids("<tool_call>")
+    records = [json.loads((tmp_path / f"step_{n:03d}.json").read_text()) for n in (1, 2, 3)]
+    for record, (text, page) in zip(records, env.received, strict=True):
+        assert record["constrained"] and record["reply"].startswith("<tool_call>\n{")
+        assert TOOL_ACTIONS.action(record["reply"], qwen_tokenizer) == text
+        action = parse_action(text)
+        if action.element_id is not None:
+            assert action.element_id in element_ids(page)
+        assert qwen_tokenizer(record["reply"], add_special_tokens=False)["input_ids"][0] == open_id
+    prompt = "".join(piece for r in records for piece in r["tokens"])
+    assert prompt.count("<tool_response>\nPage:") == 2  # the pages after the first two calls
