@@ -70,7 +70,12 @@ def tiny_qwen(qwen_tokenizer):
     """A 2-layer Qwen2 with random weights (seed 0) on the default model's vocabulary, special
     tokens and context, attention through the KV store: behind `qwen_tokenizer` it serves
     requests in the default model's tokens and template at a fraction of its compute (the
-    shape of requests and replies, not what the model writes)."""
+    shape of requests and replies, not what the model writes). Its output layer has a bias
+    toward the tokens that end a JSON string (`"`, +15), a number (`}` and `,`, +12) and a turn
+    (`<|im_end|>`, +20),
+    so that, sampled or greedy, its replies and call arguments end within a few tokens, as a
+    trained model's do (without it, a string under a grammar runs to `max_tokens`)."""
+    import torch
     import transformers
 
     from agent_kv.kv.attention import register_attention
@@ -86,7 +91,16 @@ def tiny_qwen(qwen_tokenizer):
         eos_token_id=cfg.eos_token_id, attn_implementation="agent_kv",
     )  # fmt: skip
     with torch_seed(0):
-        return transformers.Qwen2ForCausalLM(config).eval()
+        model = transformers.Qwen2ForCausalLM(config).eval()
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+    head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[qwen_tokenizer.convert_tokens_to_ids('"')] = 15.0
+        head.bias[qwen_tokenizer.convert_tokens_to_ids(["}", ","])] = 12.0
+        head.bias[qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")] = 20.0
+    model.lm_head = head
+    return model
 
 
 @contextlib.contextmanager
@@ -149,12 +163,12 @@ def live_server(live_service) -> str:
 
 
 def pytest_collection_modifyitems(items):
-    """Tests on a live server keep their sockets in a run that disables them
+    """Tests on a live server (a `live_...` fixture) keep their sockets in a run that disables them
     (`--disable-socket` of pytest-socket, which langchain-tests installs). A module's
     `CASE_MARKS`, `{test name with its parameters: mark}`, marks single cases of an inherited
     parametrized test, which its class may not override (langchain-tests forbids it)."""
     for item in items:
-        if "live_service" in getattr(item, "fixturenames", ()):
+        if any(name.startswith("live_") for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.enable_socket)
         module = getattr(item, "module", None)
         if (mark := getattr(module, "CASE_MARKS", {}).get(item.name)) is not None:

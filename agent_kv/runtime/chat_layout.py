@@ -77,7 +77,10 @@ class TemplateFrame:
                 continue
             if text.startswith(plain) and _PROBE in text:
                 headers[role] = text[len(plain) : text.index(_PROBE)]
-        return cls(headers, prompted[len(plain) :], _tools_preamble(tokenizer, tools))
+        preamble = _tools_preamble(tokenizer, tools) or _preamble_before(
+            plain, opener["content"], headers.get("user")
+        )
+        return cls(headers, prompted[len(plain) :], preamble if tools else "")
 
 
 def _tools_preamble(tokenizer, tools: Sequence[Tool]) -> str:
@@ -89,6 +92,21 @@ def _tools_preamble(tokenizer, tools: Sequence[Tool]) -> str:
         return render_chat(tokenizer, [], tools)
     except _TEMPLATE_ERRORS:  # the template needs a message
         return ""
+
+
+def _preamble_before(plain: str, content: str, user_header: str | None) -> str:
+    """What a template that needs a message renders before a lone user message of `content`
+    (`plain`): a system message of its own holding the tools' description (Qwen's templates:
+    their default system prompt and the tools); "" when nothing precedes the message. The
+    message's own header is `user_header` (what follows a message before a user message's
+    content) less the footer the template ends a message with."""
+    end = plain.rfind(content)
+    if user_header is None or end < 0:
+        return ""
+    footer = plain[end + len(content) :]
+    opening = user_header[len(footer) :] if user_header.startswith(footer) else user_header
+    at = plain.rfind(opening + content)
+    return plain[:at] if at > 0 else ""
 
 
 @dataclass(frozen=True)
