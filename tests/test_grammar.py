@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from agent_kv.errors import GrammarError
+from agent_kv.errors import GrammarError, GrammarStateError
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.grammar import Grammar, GrammarCompiler
@@ -112,7 +112,7 @@ def test_constrain_masks_every_other_token(compiler, smollm):
 
 def test_a_token_outside_the_grammar_is_an_error(compiler, smollm):
     matcher = compiler.matcher(Grammar("regex", "yes"))
-    with pytest.raises(GrammarError, match="outside the grammar"):
+    with pytest.raises(GrammarStateError, match="outside the grammar"):
         matcher.advance(smollm.tokenizer("no", add_special_tokens=False)["input_ids"][0])
 
 

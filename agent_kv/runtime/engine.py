@@ -33,7 +33,7 @@ from agent_kv.runtime.batched_calls import BatchGeneration, PackedPart
 from agent_kv.runtime.call_runner import CallRunner, check_cancel
 from agent_kv.runtime.chat_engine import ChatEngine
 from agent_kv.runtime.decode_graph import DecodeGraph
-from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher
+from agent_kv.runtime.grammar import GrammarCompiler, GrammarMatcher, end_of_generation_ids
 from agent_kv.runtime.model_call import run_call
 from agent_kv.runtime.policy_setup import check_store_options, policy_from_spec
 from agent_kv.runtime.prefix_sharing import (
@@ -111,6 +111,7 @@ class Engine(CallRunner, ChatEngine):
             *_as_list(tokenizer.eos_token_id),
             *_as_list(model.config.eos_token_id),
             *_as_list(getattr(generation_config, "eos_token_id", None)),
+            *end_of_generation_ids(tokenizer),
         ]
         self.eos_ids = {int(e) for e in candidates if e is not None}
 
@@ -120,7 +121,7 @@ class Engine(CallRunner, ChatEngine):
         use; the tokenizer's EOS, or else the lowest end-of-turn id, ends a reply)."""
         eos = self.tokenizer.eos_token_id
         eos = min(self.eos_ids) if eos is None else eos
-        return GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos)
+        return GrammarCompiler(self.tokenizer, self.model.config.vocab_size, eos, self.eos_ids)
 
     def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
         """A matcher for `params.grammar` (None without one)."""

@@ -65,11 +65,14 @@ class GrammarCompiler:
         tokenizer: a fast Hugging Face tokenizer.
         vocab_size: width of the model's logits (may exceed the tokenizer's vocabulary).
         eos_id: the token that ends a reply (the chat template's end-of-turn token).
+        end_ids: other tokens that end a reply (`end_of_generation_ids`): allowed wherever
+            `eos_id` is.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_id: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int, end_ids=()):
         self.vocab_size = vocab_size
         self.eos_id = eos_id
+        self.end_ids = sorted({int(e) for e in end_ids if 0 <= e < vocab_size} - {eos_id})
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=eos_id
         )
@@ -97,22 +100,30 @@ class GrammarCompiler:
         if matcher.is_error():
             reason = _first_line(matcher.get_error())
             raise GrammarError(f"cannot build the {grammar.kind} grammar: {reason}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        return GrammarMatcher(matcher, self.vocab_size, self.eos_id, self.end_ids)
 
 
 class GrammarMatcher:
     """The state of one reply under a grammar (made by `GrammarCompiler.matcher`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_id: int, end_ids: list[int]
+    ):
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._eos_id = eos_id
+        self._end_ids = end_ids
         self._bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self) -> torch.Tensor:
-        """`[vocab]` bool: the tokens that keep the reply inside the grammar now."""
+        """`[vocab]` bool: the tokens that keep the reply inside the grammar now (every
+        end-of-generation token where the reply may end)."""
         self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self._vocab_size].astype(bool))
+        allowed = bits[: self._vocab_size].astype(bool)
+        if self._end_ids and allowed[self._eos_id]:
+            allowed[self._end_ids] = True
+        return torch.from_numpy(allowed)
 
     def constrain(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` `[vocab]` with every token outside the grammar set to -inf (a copy)."""
@@ -140,6 +151,25 @@ class GrammarMatcher:
     def accepting(self) -> bool:
         """The reply may end here (it is a complete sentence of the grammar)."""
         return self._matcher.is_accepting()
+
+
+END_OF_GENERATION_TEXTS = (
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|return|>", "</s>",
+)  # fmt: skip
+"""Added tokens that end a generation by their text, as llama.cpp's vocabulary loader marks
+its end-of-generation tokens (`llama_vocab::impl::load`, src/llama-vocab.cpp): Qwen2.5-Coder,
+for one, ends a reply of tool calls with `<|endoftext|>`, which neither its tokenizer's EOS
+nor its config names."""
+
+
+def end_of_generation_ids(tokenizer) -> list[int]:
+    """The ids of the tokenizer's added tokens whose text is in `END_OF_GENERATION_TEXTS`."""
+    return sorted(
+        token_id
+        for token_id, token in tokenizer.added_tokens_decoder.items()
+        if token.content in END_OF_GENERATION_TEXTS
+    )
 
 
 REASON_CHARS = 300

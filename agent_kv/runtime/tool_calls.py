@@ -295,8 +295,11 @@ class ReplySpec:
             for part in (calls.lark(calls.open), _json_rule(call_schema), calls.lark(calls.close))
             if part
         )
-        more = f"({calls.lark(calls.separator)} call)*" if calls.separator else "call*"
+        separator = calls.lark(calls.separator)
+        more = f"({separator} call)*" if separator else "call*"
         rules = [f"calls: call {more}" if self.parallel and calls.parallel else "calls: call"]
+        if separator and not calls.separator.strip():  # the model may end on the separator
+            rules[0] += f" {separator}?"
         rules.append(f"call: {item}")
         if self.choice.mode in ("required", "function"):
             start = "start: calls"
