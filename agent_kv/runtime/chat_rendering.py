@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import jinja2
+
 from agent_kv.runtime.tool_calls import CALL_CLOSE, CALL_OPEN, Tool, render_calls
 
 TOOLS_PREAMBLE = (
@@ -37,10 +39,42 @@ CALL_INSTRUCTION = (
 
 def template_takes_tools(tokenizer) -> bool:
     """Whether the tokenizer's chat template reads a `tools` variable (its own tool format)."""
+    return "tools" in _chat_template(tokenizer)
+
+
+NAME_PROBE = "agent_kv_name_probe"
+"""The name `template_takes_names` looks for in a probe conversation's rendering."""
+
+
+def template_takes_names(tokenizer, role: str) -> bool:
+    """Whether the tokenizer's chat template renders the `name` of a message of `role`
+    ("system", "user", "assistant" or "tool"). A message dict's optional `name` (OpenAI's
+    name of its author) goes to the template as it is, which renders it or not: this renders
+    a probe conversation (system, user, assistant, then a user or tool message) with
+    `NAME_PROBE` as the name of its message of that role, and looks for the probe. A template
+    that never mentions `name`, or fails on the probe, renders none."""
+    if "name" not in _chat_template(tokenizer):
+        return False
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool" if role == "tool" else "user", "content": "t"},
+    ]
+    chat[{"system": 0, "user": 1, "assistant": 2, "tool": 3}[role]]["name"] = NAME_PROBE
+    try:
+        return NAME_PROBE in tokenizer.apply_chat_template(chat, tokenize=False)
+    except (jinja2.TemplateError, ValueError, TypeError):
+        return False
+
+
+def _chat_template(tokenizer) -> str:
+    """The source of the tokenizer's chat template ("" for none), which the probes above
+    read: of named templates, the default one, which renders chats."""
     template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: the default one renders chats
+    if isinstance(template, dict):
         template = template.get("default", "")
-    return "tools" in (template or "")
+    return template or ""
 
 
 def tools_block(tools: Sequence[Tool]) -> str:
@@ -101,14 +135,15 @@ def _generic_messages(messages: list[dict], tools: Sequence[Tool]) -> list[dict]
 
 
 def _generic_message(message: dict) -> dict:
-    """`{"role", "content"}` with an assistant's calls written after its text."""
+    """`{"role", "content"}` with an assistant's calls written after its text (and `name`
+    when the message has one)."""
     content = message["content"] + render_calls(message.get("tool_calls") or [])
-    return {"role": message["role"], "content": content}
+    return {"role": message["role"], "content": content, **_name_of(message)}
 
 
 def _hf_message(message: dict) -> dict:
     """The message in Hugging Face's chat format (calls' arguments as objects)."""
-    out = {"role": message["role"], "content": message["content"]}
+    out = {"role": message["role"], "content": message["content"], **_name_of(message)}
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {
@@ -121,3 +156,8 @@ def _hf_message(message: dict) -> dict:
     if message.get("tool_call_id"):
         out["tool_call_id"] = message["tool_call_id"]
     return out
+
+
+def _name_of(message: dict) -> dict:
+    """`{"name": ...}` of a message that has a name, else `{}`."""
+    return {"name": message["name"]} if message.get("name") is not None else {}
