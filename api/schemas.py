@@ -507,15 +507,24 @@ Those are accepted with no effect, any other value is a 400 saying unsupported
 (`api.chat_request.refuse_unsupported`). `functions` and `function_call` are OpenAI's
 deprecated forms of `tools` and `tool_choice`."""
 
+JSON_TYPES = {bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
+"""The JSON Schema type of a Python value read from JSON, by its class."""
+
+
+def _accepted_only(accepted: list) -> dict:
+    """The JSON schema of a field of `UNSUPPORTED_FIELDS` that accepts the values `accepted`
+    (of one JSON type) besides null."""
+    if not accepted:
+        return {"type": "null"}
+    return {"type": JSON_TYPES[type(accepted[0])], "enum": accepted}
+
+
 UnsupportedFields = create_model(
     "UnsupportedFields",
     __doc__="The fields of `UNSUPPORTED_FIELDS`: any JSON value is read (so that the 400 says "
     "unsupported), and the JSON schema lists the values accepted.",
     **{
-        name: (
-            Annotated[Any, WithJsonSchema({"enum": accepted} if accepted else {"type": "null"})],
-            None,
-        )
+        name: (Annotated[Any, WithJsonSchema(_accepted_only(accepted))], None)
         for name, accepted in UNSUPPORTED_FIELDS.items()
     },
 )
