@@ -146,6 +146,8 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
+        """The body without its optional fields that are null (so they take their defaults);
+        anything but a JSON object as it is."""
         if not isinstance(data, dict):
             return data
         optional = {name for name, info in cls.model_fields.items() if not info.is_required()}
