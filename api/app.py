@@ -13,7 +13,8 @@ so no body stalls other requests. A client that disconnects stops its turn, stre
 whether it is waiting for the model, prefilling or decoding.
 
 Client errors are 4xx with an OpenAI-shaped body `{"error": {"message", "type", "param",
-"code"}}`, never a 500: 400 for malformed or unsupported input, a Host not allowed and
+"code"}}`, never a 500: 400 for malformed or unsupported input (a field a request body does
+not define: "Unrecognized request argument supplied", as OpenAI says it), a Host not allowed and
 prompts over the context or the KV cap, 401 without the API key (when one is set), 404 for
 unknown routes and sessions, 405 (with `Allow`) for a wrong method, 409 for deleting a
 session in use, 413 for a body over `max_body_bytes`, 422 for well-formed `/chat` pin rules or
@@ -40,12 +41,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent_kv.errors import ConfigError
+from agent_kv.errors import ConfigError, GrammarError
+from agent_kv.runtime.tool_calls import ReplySpec
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.session_store import SessionBusyError
 from api.access import AccessControl
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
 from api.chat_request import (
+    check_names,
     header_text,
     image_parts,
     pin_rules,
@@ -58,7 +61,7 @@ from api.metrics import ServerMetrics
 from api.openapi_doc import error_responses, openapi_without_validation_422
 from api.replies import completion_body, native_reply, set_session_header
 from api.reply_spec import check_tool_results, reply_spec
-from api.request_log import CLIENT_CLOSED, RequestLine, note_error, note_turn
+from api.request_log import CLIENT_CLOSED, RequestLine, client_closed, note_error, note_turn
 from api.schemas import (
     SESSION_ID_CHARS,
     ChatCompletion,
@@ -150,16 +153,19 @@ def create_app(
         endpoint = (
             path if path in routes else "/sessions" if path.startswith("/sessions/") else "other"
         )
+
+        def ended(status: int) -> None:  # counted and logged once the response has ended
+            metrics.requests.labels(endpoint, str(status)).inc()
+            RequestLine.of(request, status, started).write()
+
         try:
             response = await call_next(request)
         except Exception as err:  # a 500: the catch-all handler answers it outside this
-            metrics.requests.labels(endpoint, "500").inc()
             note_error(request, None, f"internal error ({type(err).__name__})")
-            RequestLine.of(request, 500, started).write()
+            ended(500)
             raise
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        response.body_iterator = _logged(
-            response.body_iterator, request, response.status_code, started
+        response.body_iterator = _ended(
+            response.body_iterator, request, response.status_code, ended
         )
         return response
 
@@ -179,6 +185,12 @@ def create_app(
         if any(e["type"] == "json_invalid" for e in errors):
             note_error(request, "invalid_json", "request body is not valid JSON")
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:  # OpenAI's answer, for the outermost field a body does not define
+            param = _param_name(min(unknown, key=lambda e: len(e["loc"]))["loc"])
+            message = f"Unrecognized request argument supplied: {param}"
+            note_error(request, "unrecognized_argument", message)
+            return error_response(400, message, param, "unrecognized_argument")
         # the deepest location is the most specific: of a union's branches, the one that
         # got furthest (a list of text parts rather than "not a string")
         first = max(errors, key=lambda e: len(e["loc"]))
@@ -265,6 +277,7 @@ def create_app(
         refuse_unsupported(request)
         params = sampling_params(request, vocab_size, request.max_completion_tokens)
         check_tool_results(request.messages)
+        check_names(request.messages, engine.tokenizer)
         images = image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else pin_rules(request)
@@ -291,6 +304,7 @@ def create_app(
         """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
         params = sampling_params(request, vocab_size)
         check_tool_results(request.messages)
+        check_names(request.messages, engine.tokenizer)
         images = image_parts(request.messages, drop_image_parts, metrics)
         messages = [m.as_dict() for m in request.messages]
         rules = None if request.pin is None else pin_rules(request)
@@ -315,25 +329,36 @@ async def _sweep(service: ChatService, interval_s: float) -> None:
 
 
 def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
+    """The request's token ids: its text's, or its conversation's as a chat turn would
+    prefill it (the tools rendered as a chat completion renders them); a 400 for a name the
+    template cannot render, tools offered twice, or a conversation the template refuses."""
     if isinstance(request, TokenizeChat):
+        check_names(request.messages, service.engine.tokenizer)
+        tools = request.model_dump(include={"tools"})["tools"]
         try:
-            return service.render([m.as_dict() for m in request.messages]).token_ids
+            offered = ReplySpec.from_openai(tools=tools).tools
+        except GrammarError as err:
+            raise APIError(400, str(err), "tools", "invalid_value") from None
+        try:
+            return service.render([m.as_dict() for m in request.messages], offered).token_ids
         except ConfigError as err:
             raise APIError(400, str(err), "messages", "invalid_value") from None
     tokenizer = service.engine.tokenizer
     return tokenizer(request.content, add_special_tokens=request.add_special)["input_ids"]
 
 
-async def _logged(body, request: Request, status: int, started: float):
-    """`body` (a response's body iterator), and the request's log line once it ends: with
-    `status`, or `CLIENT_CLOSED` when the client left before the last chunk."""
+async def _ended(body, request: Request, status: int, ended):
+    """`body` (a response's body iterator), then `ended(status)` once it ends (the request is
+    counted and logged): `status`, or `CLIENT_CLOSED` when the client left before the last
+    chunk, or left a stream before it ended (`request_log.client_closed`; a streamed
+    response's status was sent with its first chunk)."""
     finished = False
     try:
         async for chunk in body:
             yield chunk
         finished = True
     finally:
-        RequestLine.of(request, status if finished else CLIENT_CLOSED, started).write()
+        ended(status if finished and not client_closed(request) else CLIENT_CLOSED)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

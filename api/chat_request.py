@@ -1,43 +1,43 @@
 """A chat request read as a turn takes it, each error an `APIError` naming the field: its
 sampling parameters, pin rules and policy override, the OpenAI fields this server refuses,
-its image parts (refused, or dropped and counted), and the session id of its header."""
+its messages' names (rendered by the chat template, else refused), its image parts (refused,
+or dropped and counted), and the session id of its header."""
 
 from __future__ import annotations
+
+import json
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
+from agent_kv.runtime.chat_rendering import template_takes_names
 from agent_kv.runtime.pin_rules import PinRules
 from agent_kv.runtime.policy_setup import policy_from_spec
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 from api.errors import APIError
 from api.metrics import ServerMetrics
-from api.schemas import ChatCompletionRequest, ChatMessage, NativeChatRequest, SamplingFields
+from api.schemas import (
+    UNSUPPORTED_FIELDS,
+    ChatCompletionRequest,
+    ChatMessage,
+    NativeChatRequest,
+    SamplingFields,
+)
 
 DEFAULT_MAX_TOKENS = 256
 """The reply's token cap when a request sets none."""
-UNSUPPORTED_FIELDS = (
-    "functions", "function_call", "logprobs", "top_logprobs", "audio", "modalities",
-    "prediction", "reasoning_effort", "verbosity", "web_search_options",
-)  # fmt: skip
-"""OpenAI request fields that change the reply and this server does not implement, refused
-with a 400 unless empty or one of `NO_OP_VALUES` (`functions` and `function_call` are
-OpenAI's deprecated forms of `tools` and `tool_choice`). OpenAI's fields that change nothing
-the model writes (`store`, `metadata`, `service_tier`, `prompt_cache_key`,
-`safety_identifier`) are accepted and have no effect."""
-NO_OP_VALUES = {"function_call": ["none"], "modalities": [["text"]], "verbosity": ["medium"]}
-"""Values of unsupported fields that ask for nothing beyond plain text, so are accepted."""
 
 
 def refuse_unsupported(request: ChatCompletionRequest) -> None:
-    """A 400 for `n > 1` and the OpenAI features this server does not implement."""
+    """A 400 for `n > 1` and the OpenAI features this server does not implement (a field of
+    `UNSUPPORTED_FIELDS` not null and not one of its accepted values, compared as JSON, so
+    `0` is not `false`)."""
     if request.n != 1:
         raise APIError(400, "only n=1 is supported", "n", "unsupported")
-    extra = request.model_extra or {}
-    for field in UNSUPPORTED_FIELDS:
-        value = extra.get(field)
-        if value and value not in NO_OP_VALUES.get(field, []):
+    for field, accepted in UNSUPPORTED_FIELDS.items():
+        value = getattr(request, field)
+        if value is not None and json.dumps(value) not in map(json.dumps, accepted):
             hint = " (use tools and tool_choice)" if field.startswith("function") else ""
             raise APIError(
                 400, f"{field} is not supported by this server{hint}", field, "unsupported"
@@ -59,6 +59,9 @@ def sampling_params(
         frequency_penalty=request.frequency_penalty,
         presence_penalty=request.presence_penalty,
         logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
     )
     try:
         params.validate(vocab_size)
@@ -67,6 +70,44 @@ def sampling_params(
         param = field if field in SamplingFields.model_fields else None
         raise APIError(400, str(err), param, "invalid_value") from None
     return params
+
+
+def check_names(messages: list[ChatMessage], tokenizer) -> None:
+    """Each message's `name` can be rendered as given: a tool message's names the function of
+    the call it answers (its `tool_call_id`, checked to answer an earlier call by
+    `check_tool_results`), and another's is one the chat template renders for its role
+    (`template_takes_names`), since a name the model never sees would be dropped silently.
+
+    Raises:
+        APIError: 400 naming `messages.N.name`: a tool message's name that is not its call's
+            function (`invalid_value`), or a name the template does not render
+            (`unsupported`).
+    """
+    called: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        for call in getattr(message, "tool_calls", None) or []:
+            called[call.id] = call.function.name
+        if message.name is None:
+            continue
+        answers = getattr(message, "tool_call_id", None)
+        if answers is not None:
+            if message.name != called.get(answers):
+                raise APIError(
+                    400,
+                    f"messages[{i}].name {message.name!r} is not the name of the function its "
+                    f"tool_call_id {answers!r} called ({called.get(answers)!r})",
+                    f"messages.{i}.name",
+                    "invalid_value",
+                )
+        elif not template_takes_names(tokenizer, message.role):
+            raise APIError(
+                400,
+                f"messages[{i}].name: this model's chat template does not render the name of "
+                f"a {message.role} message, so the model could not read it; leave it out or "
+                "put it in the content",
+                f"messages.{i}.name",
+                "unsupported",
+            )
 
 
 def pin_rules(request: NativeChatRequest | ChatCompletionRequest) -> PinRules:

@@ -35,6 +35,18 @@ def note_error(request: Request, code: str | None, message: str) -> None:
     request.state.error = (code, message)
 
 
+def note_client_closed(request: Request) -> None:
+    """The client went away before the request's response ended (a stream it left): logged
+    and counted as `CLIENT_CLOSED`, whatever status was sent."""
+    request.state.client_closed = True
+    note_error(request, "client_closed", "the client went away before the reply ended")
+
+
+def client_closed(request: Request) -> bool:
+    """Whether `note_client_closed` was called for the request."""
+    return getattr(request.state, "client_closed", False)
+
+
 @dataclass
 class RequestLine:
     """The log line of one request.

@@ -2,7 +2,9 @@
 
 Every string a client sends is checked to be valid Unicode (`Text`): JSON can carry a lone
 UTF-16 surrogate (`"\\ud800"`), which no tokenizer or regex engine takes, so it is refused
-as a 400 naming the field. Numbers are strict: `"0.5"` is not a temperature.
+as a 400 naming the field. Numbers are strict: `"0.5"` is not a temperature. In a request
+body, an optional field's `null` means its default (`RequestBody`), as OpenAI reads the
+fields it documents as nullable.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from pydantic import (
     StrictBool,
     StringConstraints,
     Tag,
+    WithJsonSchema,
+    create_model,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from agent_kv.kv.policies import POLICIES
 from agent_kv.kv.policy_names import RECALL_SUFFIX
@@ -78,10 +84,76 @@ StopText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_valid
 """A stop string: non-empty."""
 MAX_STOP = 4
 """Stop strings one request may give (OpenAI's limit)."""
+
+
+def _at_most_max_stop(stops: list[str]) -> list[str]:
+    """`stops` unchanged, or an error saying the limit when there are more than `MAX_STOP`."""
+    if len(stops) > MAX_STOP:
+        raise PydanticCustomError(
+            "too_long",
+            "at most {limit} stop strings (OpenAI's limit), got {count}",
+            {"limit": MAX_STOP, "count": len(stops)},
+        )
+    return stops
+
+
+Stop = Annotated[
+    Annotated[StopText, Tag("str")]
+    | Annotated[
+        list[StopText],
+        AfterValidator(_at_most_max_stop),
+        WithJsonSchema(
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP}
+        ),
+        Tag("list"),
+    ],
+    Discriminator(lambda value: "list" if isinstance(value, list) else "str"),
+]
+"""`stop`: one string, or a list of at most `MAX_STOP` (read by its JSON type, so a list too
+long is refused as that, not as "not a string")."""
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
 """A token id as `logit_bias` keys it: JSON keys are text (`"1234"`)."""
 MAX_LOGIT_BIAS = 1024
 """Tokens one request's `logit_bias` may name."""
+
+
+def _admits_null(schema: dict) -> bool:
+    """Whether a JSON schema admits `null` (its type, or one of its `anyOf`/`oneOf` branches)."""
+    branches = [schema, *schema.get("anyOf", []), *schema.get("oneOf", [])]
+    return any(branch.get("type") == "null" for branch in branches)
+
+
+def _nullable_optional_fields(schema: dict, model: type[BaseModel]) -> None:
+    """Mark every optional property of a `RequestBody`'s JSON schema nullable (`anyOf` with
+    `null`; its title, description and default stay outside)."""
+    required = set(schema.get("required", []))
+    properties = schema.get("properties", {})
+    for name, prop in properties.items():
+        if name in required or _admits_null(prop):
+            continue
+        meta = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
+class RequestBody(BaseModel):
+    """A request body in which an optional field's `null` means its default, as OpenAI reads
+    every field it documents as nullable (`"temperature": null` is the default temperature,
+    `"stream": null` no stream); the JSON schema shows those fields nullable. A required
+    field's `null` is refused as missing."""
+
+    model_config = ConfigDict(json_schema_extra=_nullable_optional_fields)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """The body without its optional fields that are null (so they take their defaults);
+        anything but a JSON object as it is."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, info in cls.model_fields.items() if not info.is_required()}
+        return {
+            key: value for key, value in data.items() if value is not None or key not in optional
+        }
 
 
 class TextPart(BaseModel):
@@ -150,23 +222,30 @@ class ToolCallBody(BaseModel):
 
 
 class MessageFields(BaseModel):
-    """What every message has: text content (a string or a list of text parts, joined) and
-    `pin: true` (an agent_kv extension), which pins the message's tokens: never evicted or
-    quantized."""
+    """What every message has: text content (a string or a list of text parts, joined),
+    OpenAI's `name` of its author, and `pin: true` (an agent_kv extension), which pins the
+    message's tokens: never evicted or quantized.
+
+    `name` goes to the chat template (`agent_kv.runtime.chat_rendering`); on a message of a
+    role whose name the template does not render it is a 400, and on a tool message it must
+    be the name of the call the message answers (`api.chat_request.check_names`)."""
 
     content: Text | list[ContentPart]
+    name: Text | None = None
     pin: StrictBool = False
 
     def as_dict(self) -> dict:
         """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` with the content as one
-        string and the calls as `ToolCall`s (`agent_kv.runtime.chat_rendering`)."""
-        return {
+        string and the calls as `ToolCall`s (`agent_kv.runtime.chat_rendering`), and `name`
+        when the message has one."""
+        message = {
             "role": self.role,
             "content": self.text,
             "pin": self.pin,
             "tool_calls": [call.call() for call in getattr(self, "tool_calls", None) or []],
             "tool_call_id": getattr(self, "tool_call_id", None),
         }
+        return message if self.name is None else {**message, "name": self.name}
 
     @property
     def text(self) -> str:
@@ -333,7 +412,7 @@ ResponseFormat = Annotated[
 ]
 
 
-class ReplyFields(BaseModel):
+class ReplyFields(RequestBody):
     """The tool and format fields both chat endpoints take (OpenAI's): what the reply may
     be. Calls and schema'd replies are decoded under a grammar (`ReplySpec.grammar`), so
     they always parse and validate."""
@@ -351,14 +430,16 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
-    """The conversation and sampling fields both chat endpoints take."""
+class SamplingFields(RequestBody):
+    """The conversation and sampling fields both chat endpoints take: OpenAI's, and the
+    `top_k`, `min_p` and `repetition_penalty` of vLLM and llama.cpp
+    (`agent_kv.runtime.sampling`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
     temperature: Number = Field(default=0.0, ge=0.0, le=2.0)
     top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    stop: Stop | None = None
     """At most `MAX_STOP` strings (OpenAI's limit); they end free text, never a tool call or
     a JSON reply (`ReplySpec.scope_stop`)."""
     seed: Seed | None = None
@@ -369,6 +450,13 @@ class SamplingFields(BaseModel):
     logit_bias: dict[TokenIdKey, Number] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     """Token id (as a JSON key) -> value in [-100, 100] added to its logit; an id outside the
     model's vocabulary is a 400."""
+    top_k: Count = Field(default=0, ge=-1)
+    """Sample from the `top_k` most likely tokens only; 0 or -1 for every token."""
+    min_p: Number = Field(default=0.0, ge=0.0, le=1.0)
+    """Sample only tokens at least `min_p` times as likely as the most likely one."""
+    repetition_penalty: Number = Field(default=1.0, gt=0.0)
+    """Divides the positive logits (multiplies the negative ones) of every token of the prompt
+    and the reply so far; 1 for none."""
 
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -391,11 +479,64 @@ class PinRulesBody(BaseModel):
     """Pin every assistant message that calls tools."""
 
 
-class ChatCompletionRequest(SamplingFields, ReplyFields):
-    """`POST /v1/chat/completions` body (the subset this server implements: docs/server.md,
-    "OpenAI fields")."""
+class NoOpFields(BaseModel):
+    """OpenAI's request fields that change nothing the model writes, accepted with no effect
+    (docs/server.md, "OpenAI fields"): the one list of them."""
 
-    model_config = ConfigDict(extra="allow")
+    store: StrictBool | None = None
+    metadata: dict[Text, Text] | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    safety_identifier: Text | None = None
+
+
+UNSUPPORTED_FIELDS: dict[str, list] = {
+    "functions": [[]],
+    "function_call": ["none"],
+    "logprobs": [False],
+    "top_logprobs": [0],
+    "audio": [],
+    "modalities": [["text"]],
+    "prediction": [],
+    "reasoning_effort": [],
+    "verbosity": ["medium"],
+    "web_search_options": [],
+}
+"""OpenAI's request fields that would change the reply and this server does not implement ->
+the values, besides null, that ask for nothing beyond plain text: the one list of them.
+Those are accepted with no effect, any other value is a 400 saying unsupported
+(`api.chat_request.refuse_unsupported`). `functions` and `function_call` are OpenAI's
+deprecated forms of `tools` and `tool_choice`."""
+
+JSON_TYPES = {bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
+"""The JSON Schema type of a Python value read from JSON, by its class."""
+
+
+def _accepted_only(accepted: list) -> dict:
+    """The JSON schema of a field of `UNSUPPORTED_FIELDS` that accepts the values `accepted`
+    (of one JSON type) besides null."""
+    if not accepted:
+        return {"type": "null"}
+    return {"type": JSON_TYPES[type(accepted[0])], "enum": accepted}
+
+
+UnsupportedFields = create_model(
+    "UnsupportedFields",
+    __doc__="The fields of `UNSUPPORTED_FIELDS`: any JSON value is read (so that the 400 says "
+    "unsupported), and the JSON schema lists the values accepted.",
+    **{
+        name: (Annotated[Any, WithJsonSchema(_accepted_only(accepted))], None)
+        for name, accepted in UNSUPPORTED_FIELDS.items()
+    },
+)
+
+
+class ChatCompletionRequest(SamplingFields, ReplyFields, NoOpFields, UnsupportedFields):
+    """`POST /v1/chat/completions` body (docs/server.md, "OpenAI fields"): closed, so any other
+    field is a 400 "Unrecognized request argument supplied", as OpenAI answers it."""
+
+    model_config = ConfigDict(extra="forbid")
 
     messages: list[OpenAIChatMessage] = Field(min_length=1)
     model: Text | None = None
@@ -579,7 +720,7 @@ class NativeChatResponse(BaseModel):
     timing: Timing
 
 
-class TokenizeText(BaseModel):
+class TokenizeText(RequestBody):
     """`POST /tokenize` of plain text."""
 
     model_config = ConfigDict(extra="forbid")
@@ -589,17 +730,25 @@ class TokenizeText(BaseModel):
     """Add the tokenizer's special tokens (BOS), as llama.cpp's `add_special`."""
 
 
-class TokenizeChat(BaseModel):
-    """`POST /tokenize` of a conversation, rendered with the chat template and the
-    generation prompt, as a chat turn would prefill it."""
+class TokenizeChat(RequestBody):
+    """`POST /tokenize` of a conversation, rendered with the chat template, the `tools`
+    offered and the generation prompt, as a chat turn would prefill it."""
 
     model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolBody] | None = Field(default=None, max_length=MAX_TOOLS)
 
 
-TokenizeRequest = TokenizeText | TokenizeChat
-"""`POST /tokenize` body: `content` or `messages`."""
+TokenizeRequest = Annotated[
+    Annotated[TokenizeText, Tag("TokenizeText")] | Annotated[TokenizeChat, Tag("TokenizeChat")],
+    Discriminator(
+        lambda body: (
+            "TokenizeChat" if isinstance(body, dict) and "messages" in body else "TokenizeText"
+        )
+    ),
+]
+"""`POST /tokenize` body: `messages` (with `tools`), else `content`."""
 
 
 class TokenizeResponse(BaseModel):

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from agent_kv.runtime.tool_calls import ToolCallStream
 from api.errors import APIError
 from api.replies import kv_stats, reply_usage, set_session_header
-from api.request_log import note_error, note_turn
+from api.request_log import note_client_closed, note_error, note_turn
 from api.schemas import ErrorDetail, ToolCallBody
 from api.turns import run_turn, watch_disconnect
 
@@ -85,18 +85,19 @@ async def stream_reply(
     set_session_header(headers, sid)
     reply = turn_args["reply"]
     splitter = ToolCallStream(reply, reply.call_format(service.engine.tokenizer))
-    body = _events(queue, metrics, request, model_name, cancel, worker, splitter, images)
+    body = _events(queue, metrics, request, model_name, cancel, worker, splitter, images, raw)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 async def _events(
-    queue: asyncio.Queue, metrics, request, model_name, cancel, worker, splitter, images
+    queue: asyncio.Queue, metrics, request, model_name, cancel, worker, splitter, images, raw
 ):
     """The stream's events, from the worker's queue up to the finish (or error) event and
-    `data: [DONE]`; leaving early (the client went away) cancels the turn. The reply's text
-    goes through `splitter` (the turn's `ToolCallStream`): each call is one `tool_calls`
-    delta (index, id, type, name and the whole arguments) once its closing marker is
-    decoded, and the finish reason is then "tool_calls"."""
+    `data: [DONE]`; leaving early (the client went away) cancels the turn and notes the
+    request `raw` as client-closed (`note_client_closed`: a 499 in the log and metrics). The
+    reply's text goes through `splitter` (the turn's `ToolCallStream`): each call is one
+    `tool_calls` delta (index, id, type, name and the whole arguments) once its closing
+    marker is decoded, and the finish reason is then "tool_calls"."""
     chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def event(choices: list, **extra) -> str:
@@ -118,6 +119,7 @@ async def _events(
             out.append(event(delta({"tool_calls": [body]})))
         return out
 
+    ended = False
     try:
         yield event(delta({"role": "assistant", "content": ""}))
         while True:
@@ -137,9 +139,12 @@ async def _events(
                 yield event(delta({}, finish), kv=kv)
                 if request.stream_options and request.stream_options.include_usage:
                     yield event([], usage=reply_usage(value).model_dump())
+            ended = True
             break
     finally:  # also when the client disconnects and this generator is closed
         cancel.set()
+        if not ended:
+            note_client_closed(raw)
     await worker
     yield "data: [DONE]\n\n"
 

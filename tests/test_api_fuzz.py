@@ -49,10 +49,20 @@ OPENAI_FIELDS = [
     "parallel_tool_calls",
     "response_format",
     "pin",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "functions",
+    "function_call",
+    "metadata",
+    "prompt_cache_retention",
+    "an_unknown_field",
 ]
 NATIVE_FIELDS = [
     "session_id", "pin", "policy", "max_tokens", "stop", "seed", "messages", "tools",
-    "tool_choice", "response_format",
+    "tool_choice", "response_format", "top_k", "min_p", "repetition_penalty", "temperature",
 ]  # fmt: skip
 MESSAGE_VARIANTS = [
     {"role": "user"},
@@ -66,6 +76,10 @@ MESSAGE_VARIANTS = [
     {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": None}]},
     {"role": "assistant", "tool_calls": [{"id": "", "function": {"name": "f", "arguments": "{"}}]},
     {"role": "assistant", "content": "\ufffd" * 100},
+    {"role": "user", "content": "hi", "name": "alice"},
+    {"role": "user", "content": "hi", "name": None},
+    {"role": "user", "content": "hi", "name": 5},
+    {"role": "tool", "content": "hi", "tool_call_id": "call_nowhere", "name": "f"},
 ]
 NESTED_VARIANTS = [
     {"pin": {"patterns": ["a" * 5000]}},
@@ -89,6 +103,19 @@ NESTED_VARIANTS = [
         }
     },
     {"pin": {"tool_names": ["a b"], "tool_calls": "yes"}},
+    {"repetition_penalty": 1e-300, "temperature": 1.0, "top_k": 1, "min_p": 1.0},
+    {"repetition_penalty": 1e300, "temperature": 2.0, "top_p": 1e-9},
+    {"stop": ["a", "b", "c", "d", "e"]},
+    {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "r", "tool_call_id": "c1", "name": "g"},
+        ]
+    },
 ]
 RAW_BODIES = [b"", b"null", b"[]", b"3", b'"text"', b"\xff\xfe\x00", b"[" * 5000, b'{"messages":']
 

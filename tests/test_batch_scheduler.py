@@ -234,3 +234,32 @@ def test_prefill_chunks_share_a_step_up_to_the_token_budget(smollm, monkeypatch)
     assert sorted(replies) == [0, 1, 2, 3]
     assert all(len(reply.token_ids) == 2 for reply in replies.values())
     scheduler.close()
+
+
+def test_the_repetition_penalty_counts_the_whole_prompt_on_every_path(smollm, tiny_llama):
+    """As vLLM, the penalty counts the prompt's tokens, here all in the sequence's history
+    (a reply straight from its last logits), and the reply's: under a huge penalty the greedy
+    reply takes none of them, through `Engine.generate`, the scheduler and `generate_batch`
+    alike, where without it the random-weight model repeats the history's last token."""
+    engine = Engine(tiny_llama, smollm.tokenizer, make_policy("full"))
+    history = smollm.tokenizer("The red bicycle stands on shelf seven. Where is it?")["input_ids"]
+    plain = SamplingParams(max_new_tokens=12)
+    penalized = SamplingParams(max_new_tokens=12, repetition_penalty=1e4)
+
+    def reply(params: SamplingParams, scheduled: bool) -> list[int]:
+        sequence = engine.new_sequence()
+        engine.feed(sequence, history)
+        if not scheduled:
+            return engine.generate(sequence, [], params).token_ids
+        scheduler = BatchScheduler(engine)
+        try:
+            return scheduler.generate(sequence, [], params).token_ids
+        finally:
+            scheduler.close()
+
+    assert reply(plain, scheduled=False) == [history[-1]] * 12
+    for scheduled in (False, True):
+        fresh = reply(penalized, scheduled)
+        assert len(set(fresh)) == len(fresh) == 12 and not set(fresh) & set(history)
+    (batched,) = engine.generate_batch([history], penalized).generations
+    assert len(set(batched.token_ids)) == 12 and not set(batched.token_ids) & set(history)

@@ -107,3 +107,103 @@ def test_a_stop_string_cuts_free_text_and_never_a_call():
         == call
     )
     assert decode(call, SamplingParams(max_new_tokens=15, stop=["a}"])) == "<tool_call>{"
+
+
+def test_top_k_of_one_is_greedy_and_top_k_keeps_the_k_most_likely():
+    logits = torch.tensor([0.5, 3.0, 2.9, 2.8, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    one = SamplingParams(temperature=2.0, top_k=1)
+    assert {sample_next(logits, one, gen) for _ in range(100)} == {1}
+    two = {sample_next(logits, SamplingParams(temperature=2.0, top_k=2), gen) for _ in range(300)}
+    assert two == {1, 2}
+    for off in (0, -1):  # vLLM's and llama.cpp's "every token"
+        draws = {
+            sample_next(logits, SamplingParams(temperature=2.0, top_k=off), gen) for _ in range(300)
+        }
+        assert draws == {0, 1, 2, 3, 4}
+
+
+def test_min_p_masks_exactly_the_tokens_below_min_p_times_the_top_probability():
+    # probabilities [0.1, 0.4, 0.3, 0.2]: min_p 0.45 keeps p >= 0.18 (tokens 1, 2, 3)
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.3, 0.2]))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, min_p=0.45)
+    draws = [sample_next(logits, params, gen) for _ in range(2000)]
+    assert set(draws) == {1, 2, 3}
+    # the kept tokens keep their relative odds: 0.4 : 0.3 : 0.2 of 0.9
+    for token, share in ((1, 4 / 9), (2, 3 / 9), (3, 2 / 9)):
+        assert abs(draws.count(token) / len(draws) - share) < 0.04
+    for min_p, kept in ((0.55, {1, 2}), (0.8, {1}), (1.0, {1})):  # 0.22, 0.32, 0.4
+        params = SamplingParams(temperature=1.0, min_p=min_p)
+        assert {sample_next(logits, params, gen) for _ in range(300)} == kept
+
+
+def test_top_p_reads_the_distribution_top_k_left_and_min_p_comes_last():
+    # [0.4, 0.3, 0.2, 0.1]; top_k 3 renormalizes to [4/9, 3/9, 2/9]: top_p 0.7 keeps 2 tokens
+    # (mass before the third, 7/9, reaches 0.7), where without top_k it keeps 3 (0.7 < 0.9)
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    gen = torch.Generator().manual_seed(0)
+
+    def draws(**kwargs):
+        params = SamplingParams(temperature=1.0, **kwargs)
+        return {sample_next(logits, params, gen) for _ in range(500)}
+
+    assert draws(top_p=0.75) == {0, 1, 2}
+    assert draws(top_k=3, top_p=0.75) == {0, 1}
+    assert draws(top_p=0.75, min_p=0.6) == {0, 1}  # 0.2 < 0.6 * 0.4
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once():
+    """CTRL's rule as vLLM applies it: a token of the prompt or the reply, counted once."""
+    logits = torch.tensor([2.0, -1.0, 3.0, -2.0, 1.0])
+    params = SamplingParams(repetition_penalty=2.0)
+    out = penalized(logits, params, generated=[2, 2], prompt=[0, 1, 0])
+    assert torch.equal(out, torch.tensor([1.0, -2.0, 1.5, -2.0, 1.0]))
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 3.0, -2.0, 1.0]))
+    assert penalized(logits, SamplingParams(), [1], [0]) is logits  # 1 changes nothing
+    # below 1 it favours repeats; it applies before OpenAI's penalties and after the bias
+    both = SamplingParams(repetition_penalty=0.5, frequency_penalty=1.0, logit_bias={4: 1.0})
+    out = penalized(logits, both, generated=[4], prompt=[])
+    assert torch.equal(out, torch.tensor([2.0, -1.0, 3.0, -2.0, 3.0]))  # (1 + 1) / 0.5 - 1
+
+
+def test_extreme_repetition_penalties_leave_no_nan_even_when_one_token_survives():
+    logits = torch.tensor([5.0, -5.0, 1.0, 0.0])
+    # 1e-38 sends 5 and 1 past float32's range (clamped), 1e38 sends -5 there and the rest
+    # to about 0, so tokens 0, 2 and 3 tie
+    for penalty, top in ((1e-38, {0}), (1e38, {0, 2, 3})):
+        out = penalized(logits, SamplingParams(repetition_penalty=penalty), [], [0, 1, 2, 3])
+        assert out.isfinite().all()
+        masked = out.clone()
+        masked[1:] = float("-inf")  # a grammar allowing one token
+        params = SamplingParams(temperature=0.7, top_k=3, top_p=0.5, min_p=0.9)
+        gen = torch.Generator().manual_seed(1)
+        assert {sample_next(masked, params, gen) for _ in range(20)} == {0}
+        params = SamplingParams(temperature=1e-3, min_p=1.0)
+        assert {sample_next(out, params, gen) for _ in range(50)} == top
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ],
+)
+def test_invalid_filter_parameters(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**kwargs).validate()
+
+
+def test_the_decoder_counts_the_prompt_for_the_repetition_penalty():
+    tokenizer = CharTokenizer()  # "a" is token 12, "b" token 13
+    logits = torch.full((len(CharTokenizer.ALPHABET),), -5.0)
+    logits[12], logits[13] = 2.0, 1.5
+    params = SamplingParams(max_new_tokens=1, repetition_penalty=2.0)
+    seen_a = ReplyDecoder(params, None, tokenizer, eos_ids=set(), prompt_ids=[12, 0, 12])
+    assert seen_a.choose(logits) == 13  # 2.0 / 2 < 1.5
+    fresh = ReplyDecoder(params, None, tokenizer, eos_ids=set())
+    assert fresh.choose(logits) == 12

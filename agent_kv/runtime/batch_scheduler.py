@@ -163,8 +163,9 @@ class BatchScheduler:
         params.validate()
         engine = self.engine
         decoder = ReplyDecoder(
-            params, engine.matcher(params), engine.tokenizer, engine.eos_ids, on_text
-        )
+            params, engine.matcher(params), engine.tokenizer, engine.eos_ids, on_text,
+            prompt_ids=[*sequence.token_ids, *prompt_ids],
+        )  # fmt: skip
         if not prompt_ids and sequence.last_logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
         store = sequence.store

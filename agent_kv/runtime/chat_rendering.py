@@ -22,9 +22,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import jinja2
+
 from agent_kv.runtime.tool_call_format import (
     GENERIC_CLOSE,
     GENERIC_OPEN,
+    template_source,
     template_takes_tools,
     tool_call_format,
 )
@@ -39,6 +42,32 @@ CALL_INSTRUCTION = (
     f"<arguments as a JSON object>}}{GENERIC_CLOSE}, once per call. A function's result comes "
     "back in a message of role tool."
 )
+
+
+NAME_PROBE = "agent_kv_name_probe"
+"""The name `template_takes_names` looks for in a probe conversation's rendering."""
+
+
+def template_takes_names(tokenizer, role: str) -> bool:
+    """Whether the tokenizer's chat template renders the `name` of a message of `role`
+    ("system", "user", "assistant" or "tool"). A message dict's optional `name` (OpenAI's
+    name of its author) goes to the template as it is, which renders it or not: this renders
+    a probe conversation (system, user, assistant, then a user or tool message) with
+    `NAME_PROBE` as the name of its message of that role, and looks for the probe. A template
+    that never mentions `name`, or fails on the probe, renders none."""
+    if "name" not in template_source(tokenizer):
+        return False
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool" if role == "tool" else "user", "content": "t"},
+    ]
+    chat[{"system": 0, "user": 1, "assistant": 2, "tool": 3}[role]]["name"] = NAME_PROBE
+    try:
+        return NAME_PROBE in tokenizer.apply_chat_template(chat, tokenize=False)
+    except (jinja2.TemplateError, ValueError, TypeError):
+        return False
 
 
 def tools_block(tools: Sequence[Tool]) -> str:
@@ -99,6 +128,7 @@ def _generic_messages(tokenizer, messages: list[dict], tools: Sequence[Tool]) ->
                 message["content"],
                 [(call.name, call.arguments) for call in message.get("tool_calls") or []],
             ),
+            **_name_of(message),
         }
         for message in messages
     ]
@@ -110,7 +140,7 @@ def _generic_messages(tokenizer, messages: list[dict], tools: Sequence[Tool]) ->
 
 def _hf_message(message: dict) -> dict:
     """The message in Hugging Face's chat format (calls' arguments as objects)."""
-    out = {"role": message["role"], "content": message["content"]}
+    out = {"role": message["role"], "content": message["content"], **_name_of(message)}
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {
@@ -123,3 +153,8 @@ def _hf_message(message: dict) -> dict:
     if message.get("tool_call_id"):
         out["tool_call_id"] = message["tool_call_id"]
     return out
+
+
+def _name_of(message: dict) -> dict:
+    """`{"name": ...}` of a message that has a name, else `{}`."""
+    return {"name": message["name"]} if message.get("name") is not None else {}

@@ -347,8 +347,15 @@ class Engine(CallRunner, ChatEngine):
             raise ValueError("generate_batch needs at least one prompt, none of them empty")
         start = time.perf_counter()
         decoders = [
-            ReplyDecoder(params, self.matcher(params), self.tokenizer, self.eos_ids, started=start)
-            for _ in prompts
+            ReplyDecoder(
+                params,
+                self.matcher(params),
+                self.tokenizer,
+                self.eos_ids,
+                started=start,
+                prompt_ids=prompt,
+            )
+            for prompt in prompts
         ]  # each with its own matcher and (with a seed) its own generator seeded alike
         store = KVStore.for_model(self.model, batch=len(prompts), **self.store_options)
         cache = StoreCache(store)
@@ -469,7 +476,8 @@ class Engine(CallRunner, ChatEngine):
 
         With `params.grammar`, each token is drawn from those the grammar allows and the
         reply ends once the grammar is complete (`finish_reason` "stop"); the grammar is
-        built before anything is prefilled.
+        built before anything is prefilled. The repetition penalty counts the sequence's
+        tokens so far and `prompt_ids` as the prompt (the whole prompt, as vLLM does).
 
         Raises:
             ConfigError: invalid sampling parameters; `GrammarError` (a `ConfigError`): a
@@ -479,7 +487,10 @@ class Engine(CallRunner, ChatEngine):
                 sequence keeps every token fed before it.
         """
         params.validate()
-        decoder = ReplyDecoder(params, self.matcher(params), self.tokenizer, self.eos_ids, on_text)
+        decoder = ReplyDecoder(
+            params, self.matcher(params), self.tokenizer, self.eos_ids, on_text,
+            prompt_ids=[*sequence.token_ids, *prompt_ids],
+        )  # fmt: skip
         if prompt_ids:
             self.feed(sequence, prompt_ids, cancel)
         elif sequence.last_logits is None:

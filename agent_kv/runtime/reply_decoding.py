@@ -8,7 +8,7 @@ decoded alone (`Engine.generate`) and one decoded as a row of a continuous batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,8 @@ class ReplyDecoder:
             a piece is held back while it could still be the start of a stop string or ends
             in an incomplete character.
         started: `time.perf_counter()` when the turn's prefill began (for `ttft_s`).
+        prompt_ids: every token the reply follows (the sequence's history and the new
+            prompt), which the repetition penalty counts as vLLM does (`penalized`).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class ReplyDecoder:
         eos_ids: set[int],
         on_text: Callable[[str], None] | None = None,
         started: float | None = None,
+        prompt_ids: Sequence[int] = (),
     ):
         self.params = params
         self.matcher = matcher
@@ -85,6 +88,9 @@ class ReplyDecoder:
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(params.seed)
         self.generated: list[int] = []
+        counted = prompt_ids if params.repetition_penalty != 1.0 else ()
+        self.prompt = torch.unique(torch.tensor(counted, dtype=torch.long))
+        """The prompt's distinct token ids `[n]` (none without a repetition penalty)."""
         self.finish_reason: str | None = None  # set once the reply has ended
         self._first_token_at: float | None = None
         self._ended_at: float | None = None
@@ -109,7 +115,7 @@ class ReplyDecoder:
             return None
         if len(self.generated) >= self.params.max_new_tokens:
             return self._end("length")
-        logits = penalized(logits, self.params, self.generated)
+        logits = penalized(logits, self.params, self.generated, self.prompt)
         constrained = logits if self.matcher is None else self.matcher.constrain(logits)
         token = sample_next(constrained, self.params, self.generator)
         if self._first_token_at is None:

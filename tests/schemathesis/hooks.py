@@ -43,10 +43,12 @@ def _semantic_fixes(messages: list, openai: bool) -> None:
     documents and answers with a 400 (`tests/test_api_tools.py` and
     `tests/test_frameworks.py` test them): a `tool_call_id` names a call of an earlier
     assistant message (on the OpenAI route, where a tool message must name one, a tool message
-    answering none becomes a user message), a call's arguments are a JSON object's text, and
-    no content holds an image part (a server started without `--drop-image-parts`). Bodies
-    of the wrong shape (negative cases) are left alone."""
-    called = set()
+    answering none becomes a user message), a call's arguments are a JSON object's text, no
+    content holds an image part (a server started without `--drop-image-parts`), and a
+    message's `name` is the name of the call a tool message answers or, on another message,
+    absent (SmolLM2's template renders no names). Bodies of the wrong shape (negative cases)
+    are left alone."""
+    called = {}
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -61,9 +63,9 @@ def _semantic_fixes(messages: list, openai: bool) -> None:
         for call in calls if isinstance(calls, list) else []:
             if not isinstance(call, dict):
                 continue
-            if isinstance(call.get("id"), str):
-                called.add(call["id"])
             function = call.get("function")
+            if isinstance(call.get("id"), str) and isinstance(function, dict):
+                called[call["id"]] = function.get("name")
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                 if not _json_object(function["arguments"]):
                     function["arguments"] = "{}"
@@ -72,6 +74,12 @@ def _semantic_fixes(messages: list, openai: bool) -> None:
             message.pop("tool_call_id")
             if openai:
                 message["role"] = "user"
+        if isinstance(message.get("name"), str):
+            answered = message.get("tool_call_id") if message.get("role") == "tool" else None
+            if isinstance(answered, str) and answered in called:
+                message["name"] = called[answered]
+            else:
+                message.pop("name")
 
 
 def _json_object(text) -> bool:
