@@ -126,8 +126,9 @@ async def forced(service: ChatService, model: str, count: int) -> list[dict]:
                     "max_tokens": 160}  # fmt: skip
             began = time.perf_counter()
             response = await c.post("/v1/chat/completions", json=body)
+            seconds = round(time.perf_counter() - began, 2)
             record = {"i": i, "choice": "required" if i % 2 == 0 else "named", "tool": name,
-                      "status": response.status_code, "s": round(time.perf_counter() - began, 2)}  # fmt: skip
+                      "status": response.status_code, "s": seconds}  # fmt: skip
             if response.status_code == 200:
                 choice_out = response.json()["choices"][0]
                 calls = choice_out["message"].get("tool_calls") or []
