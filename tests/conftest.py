@@ -57,6 +57,12 @@ def tiny_llama(smollm):
 
 
 @pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The real default model (Qwen2.5-Coder-0.5B, ~4 GB), loaded once: for `slow` tests."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
 def qwen_tokenizer():
     """The default model's (Qwen2.5-Coder-0.5B's) tokenizer and chat template, loaded without
     its weights: `<tool_call>` and `</tool_call>` are single added tokens in it."""

@@ -46,13 +46,16 @@ ASK = [
 ]
 
 
-@pytest.fixture(params=["smollm2", "qwen"])
+@pytest.fixture(params=["smollm2", "qwen", pytest.param("default", marks=pytest.mark.slow)])
 async def client(request):
-    """A client of the API on SmolLM2 (the generic tool format) or on a tiny random Qwen2
-    behind the default model's tokenizer and template (its `<tool_call>` added tokens)."""
-    if request.param == "smollm2":
-        smollm = request.getfixturevalue("smollm")
-        network, tokenizer = smollm.model, smollm.tokenizer
+    """A client of the API on SmolLM2 (the generic tool format), on a tiny random Qwen2
+    behind the default model's tokenizer and template (its `<tool_call>` added tokens), or
+    (`slow`) on the real default model."""
+    if request.param in ("smollm2", "default"):
+        loaded = request.getfixturevalue(
+            "smollm" if request.param == "smollm2" else "default_model"
+        )
+        network, tokenizer = loaded.model, loaded.tokenizer
     else:
         network = request.getfixturevalue("tiny_qwen")
         tokenizer = request.getfixturevalue("qwen_tokenizer")

@@ -198,9 +198,7 @@ def live_model_service(request):
         network = request.getfixturevalue("tiny_qwen")
         tokenizer = request.getfixturevalue("qwen_tokenizer")
     else:
-        from agent_kv.runtime.model_loading import load_model
-
-        loaded = load_model(request.param)
+        loaded = request.getfixturevalue("default_model")
         network, tokenizer = loaded.model, loaded.tokenizer
     service = ChatService(Engine(network, tokenizer, make_policy("conf-kv", budget=256)))
     with serving(create_app(service, request.param)) as url:
