@@ -233,8 +233,9 @@ def test_bound_tools_are_called_and_the_result_reuses_the_cache(backend, request
     used, cached = reply.usage_metadata, follow.usage_metadata["input_token_details"]["cache_read"]
     if follow.response_metadata["kv"]["rebuild"] == "none":
         assert cached >= used["total_tokens"]
-    else:  # a random model's reply in tokens the tokenizer would not write: cut back inside it
-        assert follow.response_metadata["kv"]["rebuild"] == "truncated" and backend == "local_qwen"
+    else:  # cut back inside the reply: a random model's reply in tokens the tokenizer would
+        # not write, or a newline a model wrote after its last call, which the template drops
+        assert follow.response_metadata["kv"]["rebuild"] == "truncated"
         assert cached >= used["input_tokens"]
 
 
