@@ -3,9 +3,10 @@ body the server answers matches its OpenAPI document, schema-valid requests are 
 invalid ones refused, and nothing is a 500. Its report is printed (`pytest -s` shows the
 counts).
 
-The default run serves a tiny random-weight Llama behind the default model's tokenizer (the
-same prompts, templates, grammars and replies of up to 4 tokens; ~1,800 requests in ~2 min
-on 2 busy cores); `slow` runs the same on the default model (~15 min, the model's compute)."""
+The default run serves tiny random-weight models behind SmolLM2's tokenizer and behind the
+default model's (Qwen's template, its `<tool_call>` added tokens in the tool grammars): the
+same prompts, templates, grammars and replies of up to 4 tokens, ~2,500 requests in ~1 min
+each on 2 busy cores; `slow` runs the same on the default model (the model's compute)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,22 @@ MAX_EXAMPLES = 25
 SEED = 15
 
 
-@pytest.mark.parametrize("model", ["tiny", pytest.param("default", marks=pytest.mark.slow)])
-def test_schemathesis_finds_no_failure(smollm, tiny_llama, tmp_path, model):
-    served = tiny_llama if model == "tiny" else smollm.model
-    engine = Engine(served, smollm.tokenizer, make_policy("conf-kv", budget=256))
+@pytest.mark.parametrize(
+    "model", ["tiny", "tiny-qwen", pytest.param("default", marks=pytest.mark.slow)]
+)
+def test_schemathesis_finds_no_failure(request, tmp_path, model):
+    if model == "tiny":
+        served, tokenizer = (
+            request.getfixturevalue("tiny_llama"),
+            request.getfixturevalue("smollm").tokenizer,
+        )
+    elif model == "tiny-qwen":
+        served = request.getfixturevalue("tiny_qwen")
+        tokenizer = request.getfixturevalue("qwen_tokenizer")
+    else:
+        loaded = request.getfixturevalue("default_model")
+        served, tokenizer = loaded.model, loaded.tokenizer
+    engine = Engine(served, tokenizer, make_policy("conf-kv", budget=256))
     sessions = SessionStore(engine, max_kv_bytes=200 * 2**20, idle_ttl_s=600)
     app = create_app(ChatService(engine, sessions), "smollm2-135m", allowed_hosts=["127.0.0.1"])
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "hooks", "PYTHONPATH": str(HERE)}
