@@ -52,6 +52,16 @@ def test_a_hermes_template_of_other_whitespace_is_read_as_it_writes(smollm):
     assert fmt.added_tokens == () and not fmt.text_before_calls  # SmolLM2: markers are text
 
 
+def test_a_template_that_drops_text_beside_calls_allows_no_text_before_them(qwen_tokenizer):
+    """Hermes 3's layout: calls between newlines, the turn's text dropped when it calls."""
+    dropping = HERMES_TIGHT.replace(
+        "{{ m.content }}", "{% if not m.tool_calls %}{{ m.content }}{% endif %}"
+    )
+    fmt = tool_call_format(with_template(qwen_tokenizer, dropping))
+    assert fmt.text_separator is None and not fmt.text_before_calls
+    assert dict(fmt.added_tokens) == {"<tool_call>": 151657, "</tool_call>": 151658}
+
+
 def test_a_template_whose_calls_are_no_hermes_bodies_is_refused(smollm):
     with pytest.raises(ToolFormatError, match="not a Hermes body"):
         tool_call_format(with_template(smollm.tokenizer, LLAMA_STYLE))

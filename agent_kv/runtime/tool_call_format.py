@@ -55,7 +55,8 @@ class ToolCallFormat:
         close: the text after a call's body ("\\n</tool_call>").
         marker: the opening marker alone ("<tool_call>"): text without it is not a call.
         separator: the text between two calls ("\\n"; "" in the generic format).
-        text_separator: the text between a reply's text and its first call.
+        text_separator: the text between a reply's text and its first call; None when the
+            template writes no text beside calls (Hermes 3's drops it).
         added_tokens: the vocabulary's added tokens that occur in `open`, `close` or
             `separator`: their text -> token id (a grammar names them as tokens).
         parallel: the template writes several calls in one reply.
@@ -65,15 +66,17 @@ class ToolCallFormat:
     close: str
     marker: str
     separator: str
-    text_separator: str
+    text_separator: str | None
     added_tokens: tuple[tuple[str, int], ...] = ()
     parallel: bool = True
 
     @property
     def text_before_calls(self) -> bool:
-        """Whether a reply may put text before its calls: only where the opening marker is an
-        added token, so a call's start is one token no text can spell."""
-        return any(self.marker == text for text, _ in self.added_tokens)
+        """Whether a reply may put text before its calls: only where the template writes text
+        beside calls and the opening marker is an added token, so a call's start is one
+        token no text can spell."""
+        marker_token = any(self.marker == text for text, _ in self.added_tokens)
+        return self.text_separator is not None and marker_token
 
     def render_call(self, name: str, arguments: str) -> str:
         """One call as the model writes it; `arguments` is the arguments' JSON text, kept as
@@ -90,7 +93,7 @@ class ToolCallFormat:
         if not calls:
             return text
         joined = self.render_calls(calls)
-        return f"{text}{self.text_separator}{joined}" if text else joined
+        return f"{text}{self.text_separator or ''}{joined}" if text else joined
 
     def lark(self, text: str) -> str:
         """`text` as a sequence of Lark items: each added token of `added_tokens` as the token
@@ -188,26 +191,29 @@ def _assistant(content: str, arguments: Sequence[dict]) -> dict:
 
 
 def _reply_text(tokenizer, assistant: dict) -> str:
-    """What the template writes for `assistant` after the generation prompt, its end of turn
-    (what follows the text of a plain reply) removed.
+    """What the template writes for `assistant` after the generation prompt, in a chat where
+    a user message follows it (as a call's turn is followed by its result: a template that
+    writes the last turn otherwise, Qwen3's empty thinking block, is read as in history),
+    its end of turn and the next message (what follows the text of a plain reply) removed.
 
     Raises:
         ToolFormatError: the render does not start with the generation prompt, or does not
-            end with the end of turn.
+            end as a plain reply's turn does.
     """
-    user = [{"role": "user", "content": "Probe question."}]
+    user = {"role": "user", "content": "Probe question."}
+    after = {"role": "user", "content": "Probe follow-up."}
 
     def render(messages, prompt=False):
         return tokenizer.apply_chat_template(
             messages, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=prompt
         )
 
-    prompt = render(user, prompt=True)
-    plain = render([*user, {"role": "assistant", "content": _PROBE_TEXT}])
+    prompt = render([user], prompt=True)
+    plain = render([user, {"role": "assistant", "content": _PROBE_TEXT}, after])
     if not plain.startswith(prompt) or _PROBE_TEXT not in plain[len(prompt) :]:
         raise ToolFormatError("its assistant turn does not follow its generation prompt")
     end = plain[len(prompt) :].split(_PROBE_TEXT, 1)[1]
-    full = render([*user, assistant])
+    full = render([user, assistant, after])
     if not full.startswith(prompt) or not full.endswith(end):
         raise ToolFormatError("a turn with tool calls does not follow its generation prompt")
     return full[len(prompt) : len(full) - len(end)]
@@ -230,11 +236,13 @@ def _learn(tokenizer) -> ToolCallFormat:
         if not marker or not close.strip():
             raise ToolFormatError(f"its call has no opening or closing marker: {one!r}")
         texted = _reply_text(tokenizer, _assistant(_PROBE_TEXT, _PROBE_ARGUMENTS[:1]))
-        if not texted.startswith(_PROBE_TEXT) or not texted.endswith(one):
+        text_separator = None  # the template drops text beside calls
+        if texted.startswith(_PROBE_TEXT) and texted.endswith(one):
+            text_separator = texted[len(_PROBE_TEXT) : len(texted) - len(one)]
+        elif texted != one:
             raise ToolFormatError(
                 f"its reply of text and a call is not text then the call: {texted!r}"
             )
-        text_separator = texted[len(_PROBE_TEXT) : len(texted) - len(one)]
         parallel, separator = _two_calls(tokenizer, one)
         tokens = _added_tokens(tokenizer, open_, close, separator)
         found = ToolCallFormat(open_, close, marker, separator, text_separator, tokens, parallel)

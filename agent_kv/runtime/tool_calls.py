@@ -462,7 +462,7 @@ class ToolCallStream:
         self._allowed = {tool.name for tool in spec.callable_tools()}
         self._buffer = ""
         self._mode = "text" if not spec.calls_allowed or fmt is None else "undecided"
-        self._lead = fmt.text_separator + fmt.marker if fmt else ""  # opens calls after text
+        self._lead = (fmt.text_separator or "") + fmt.marker if fmt else ""  # calls after text
         self._held_separator = ""  # the separator taken off text before calls
         self.calls: list[ToolCall] = []
 
@@ -491,9 +491,9 @@ class ToolCallStream:
         if at >= 0:
             text, self._buffer = (
                 self._buffer[:at],
-                self._buffer[at + len(self.fmt.text_separator) :],
+                self._buffer[at + len(self.fmt.text_separator or "") :],
             )
-            self._held_separator = self.fmt.text_separator
+            self._held_separator = self.fmt.text_separator or ""
             self._mode = "calls"
             return ([("text", text)] if text else []) + self._take_calls()
         keep = next(
