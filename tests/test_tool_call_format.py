@@ -62,6 +62,20 @@ def test_a_template_that_drops_text_beside_calls_allows_no_text_before_them(qwen
     assert dict(fmt.added_tokens) == {"<tool_call>": 151657, "</tool_call>": 151658}
 
 
+def test_a_template_without_tools_that_refuses_a_role_the_generic_format_needs_is_refused(
+    smollm,
+):
+    """Gemma's template: no tool format and no system role, where the generic format lists
+    the tools; refused (a 400 naming the model at the route), not a 500 mid-render."""
+    no_system = (
+        "{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    with pytest.raises(ToolFormatError, match="System role not supported"):
+        tool_call_format(with_template(smollm.tokenizer, no_system))
+
+
 def test_a_template_whose_calls_are_no_hermes_bodies_is_refused(smollm):
     with pytest.raises(ToolFormatError, match="not a Hermes body"):
         tool_call_format(with_template(smollm.tokenizer, LLAMA_STYLE))

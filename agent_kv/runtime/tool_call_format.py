@@ -159,7 +159,25 @@ def _added_tokens(tokenizer, *texts: str) -> tuple[tuple[str, int], ...]:
 
 
 def _generic(tokenizer) -> ToolCallFormat:
-    """The generic format (templates without tools)."""
+    """The generic format (templates without tools), once the template renders the roles it
+    needs: a system message (the tools' list), an assistant turn (the calls) and a `tool`
+    message (a result).
+
+    Raises:
+        ToolFormatError: the template refuses one of those roles (Gemma's has no system role).
+    """
+    chat = [
+        {"role": "system", "content": "Probe tools."},
+        {"role": "user", "content": "Probe question."},
+        {"role": "assistant", "content": f"{GENERIC_OPEN}{{}}{GENERIC_CLOSE}"},
+        {"role": "tool", "content": "Probe result."},
+    ]
+    try:
+        tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception as err:  # the template's own refusal (jinja2 or ValueError)
+        raise ToolFormatError(
+            f"has no tool format and cannot render the generic one's roles: {err}"
+        ) from None
     tokens = _added_tokens(tokenizer, GENERIC_OPEN, GENERIC_CLOSE)
     return ToolCallFormat(GENERIC_OPEN, GENERIC_CLOSE, GENERIC_OPEN, "", "", tokens)
 
