@@ -41,11 +41,16 @@ def tiny_llama(smollm):
     not what the model writes)."""
     import transformers
 
+    return _tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, smollm.model.config)
+
+
+def _tiny(config_class, model_class, cfg):
+    """A 2-layer model of `model_class` with random weights (seed 0) and the vocabulary,
+    special tokens and context of the config `cfg`, attention through the KV store."""
     from agent_kv.kv.attention import register_attention
 
     register_attention()
-    cfg = smollm.model.config
-    config = transformers.LlamaConfig(
+    config = config_class(
         vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
@@ -53,7 +58,7 @@ def tiny_llama(smollm):
         eos_token_id=cfg.eos_token_id, attn_implementation="agent_kv",
     )  # fmt: skip
     with torch_seed(0):
-        return transformers.LlamaForCausalLM(config).eval()
+        return model_class(config).eval()
 
 
 @pytest.fixture(scope="session")
@@ -78,26 +83,16 @@ def tiny_qwen(qwen_tokenizer):
     requests in the default model's tokens and template at a fraction of its compute (the
     shape of requests and replies, not what the model writes). Its output layer has a bias
     toward the tokens that end a JSON string (`"`, +15), a number (`}` and `,`, +12) and a turn
-    (`<|im_end|>`, +20),
-    so that, sampled or greedy, its replies and call arguments end within a few tokens, as a
-    trained model's do (without it, a string under a grammar runs to `max_tokens`)."""
+    (`<|im_end|>`, +20), so that, sampled or greedy, its replies and call arguments end within
+    a few tokens, as a trained model's do (without it, a string under a grammar runs to
+    `max_tokens`)."""
     import torch
     import transformers
 
-    from agent_kv.kv.attention import register_attention
     from agent_kv.runtime.model_loading import model_config
 
-    register_attention()
-    cfg = model_config()
-    config = transformers.Qwen2Config(
-        vocab_size=cfg.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-        pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id, attn_implementation="agent_kv",
-    )  # fmt: skip
-    with torch_seed(0):
-        model = transformers.Qwen2ForCausalLM(config).eval()
+    model = _tiny(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, model_config())
+    config = model.config
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     head.weight = model.model.embed_tokens.weight
     with torch.no_grad():

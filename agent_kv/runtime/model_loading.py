@@ -237,12 +237,7 @@ def load_tokenizer(model: str | None = None):
     """
     from transformers import AutoTokenizer
 
-    gguf = bundled_models.resolve(model or bundled_models.DEFAULT_MODEL)
-    cached = cached_conversion(gguf)
-    with _load_errors(cached or gguf), _quiet_transformers():
-        if cached is not None:
-            return AutoTokenizer.from_pretrained(cached)
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return _without_weights(AutoTokenizer, model)
 
 
 def model_config(model: str | None = None):
@@ -254,9 +249,15 @@ def model_config(model: str | None = None):
     """
     from transformers import AutoConfig
 
+    return _without_weights(AutoConfig, model)
+
+
+def _without_weights(auto, model: str | None):
+    """`auto.from_pretrained` (AutoTokenizer or AutoConfig) of a bundled model: its converted
+    cache, else its GGUF file."""
     gguf = bundled_models.resolve(model or bundled_models.DEFAULT_MODEL)
     cached = cached_conversion(gguf)
     with _load_errors(cached or gguf), _quiet_transformers():
         if cached is not None:
-            return AutoConfig.from_pretrained(cached)
-        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            return auto.from_pretrained(cached)
+        return auto.from_pretrained(gguf.parent, gguf_file=gguf.name)
