@@ -12,7 +12,7 @@ import uuid
 
 from fastapi.responses import StreamingResponse
 
-from agent_kv.runtime.tool_calls import ToolCallStream
+from agent_kv.runtime.tool_calls import ToolCallStream, call_check
 from api.errors import APIError
 from api.replies import kv_stats, reply_usage, set_session_header
 from api.request_log import note_client_closed, note_error, note_turn
@@ -84,7 +84,9 @@ async def stream_reply(
     headers: dict[str, str] = {}
     set_session_header(headers, sid)
     reply = turn_args["reply"]
-    splitter = ToolCallStream(reply, reply.call_format(service.engine.tokenizer))
+    calls = reply.call_format(service.engine.tokenizer)
+    check = None if calls is None else call_check(reply, calls, service.engine.grammars)
+    splitter = ToolCallStream(reply, calls, check)
     body = _events(queue, metrics, request, model_name, cancel, worker, splitter, images, raw)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 

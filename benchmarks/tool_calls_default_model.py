@@ -13,8 +13,9 @@ and how often the model opens a call on its own with the reply grammar on and of
 - **auto**: `--prompts` prompts that ask for one tool ("... Use the tool."), each offered all
   of `TOOLS`, decoded greedily (64 tokens at most) from the same chat-templated prompt twice:
   under the `auto` reply grammar and with no grammar. A reply *opens a call* when it starts
-  with the format's opening marker, and *makes a call* when `parse_reply` finds a complete
-  call of an offered tool in it.
+  with the format's opening marker; *makes a call* when `parse_reply` finds a complete call
+  of the asked tool in it in the model's format; and *makes a call, JSON text read* when it
+  does so reading a call written as JSON text too (`call_check`, as the server does).
 
 Prints a table of counts and writes the records as JSON with `--out`.
 """
@@ -37,7 +38,7 @@ from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.model_loading import load_model
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_call_format import tool_call_format
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, parse_reply
+from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, call_check, parse_reply
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 
@@ -160,6 +161,7 @@ def auto(engine: Engine, count: int) -> list[dict]:
     )
     spec = ReplySpec(tools, ToolChoice("auto"))
     fmt = tool_call_format(engine.tokenizer)
+    check = call_check(spec, fmt, engine.grammars)
     base = SamplingParams(max_new_tokens=64, temperature=0.0)
     records = []
     for name, ask in prompts(count):
@@ -171,8 +173,10 @@ def auto(engine: Engine, count: int) -> list[dict]:
                              ("free", base)):  # fmt: skip
             reply = engine.generate(engine.new_sequence(), ids, params)
             _, calls = parse_reply(reply.text, spec, fmt)
+            _, read = parse_reply(reply.text, spec, fmt, check)
             record[mode] = {"opens": reply.text.startswith(fmt.marker), "calls": len(calls),
-                            "named": [c.name for c in calls], "text": reply.text[:160]}  # fmt: skip
+                            "named": [c.name for c in calls], "read": [c.name for c in read],
+                            "text": reply.text[:160]}  # fmt: skip
         records.append(record)
         print(json.dumps(record), flush=True)
     return records
@@ -192,12 +196,14 @@ def main() -> None:
     ok = sum(r["ok"] for r in forced_records)
     print(f"\nforced calls ({args.model}): {ok} of {len(forced_records)} answered 200 with valid "
           f"calls ({sum(r['status'] == 200 for r in forced_records)} answered 200)")  # fmt: skip
-    print("| auto, greedy | opens a call | makes a complete call of the asked tool |")
-    print("| --- | --- | --- |")
+    print("| auto, greedy | opens a call | calls the asked tool | the same, JSON text read |")
+    print("| --- | --- | --- | --- |")
+    n = len(auto_records)
     for mode in ("grammar", "free"):
         opens = sum(r[mode]["opens"] for r in auto_records)
         asked = sum(r["tool"] in r[mode]["named"] for r in auto_records)
-        print(f"| {mode} | {opens} of {len(auto_records)} | {asked} of {len(auto_records)} |")
+        read = sum(r["tool"] in r[mode]["read"] for r in auto_records)
+        print(f"| {mode} | {opens} of {n} | {asked} of {n} | {read} of {n} |")
     if args.out:
         args.out.write_text(json.dumps({"forced": forced_records, "auto": auto_records}, indent=1))
 

@@ -21,6 +21,7 @@ from agent_kv.runtime.tool_calls import (
     ToolCall,
     ToolCallStream,
     ToolChoice,
+    call_check,
     parse_reply,
     render_calls,
 )
@@ -417,3 +418,46 @@ def test_a_template_with_tool_support_renders_tools_its_own_way(smollm):
     assert render_chat(tokenizer, messages, (WEATHER, SEARCH)) == (
         "TOOLS:get_weather;search;|[assistant]CALL get_weather Oslo|[tool]Rain. for call_1|"
     )
+
+
+FENCED = (
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n'
+    '    "days": 2,\n    "city": "Oslo"\n  }\n}\n```'
+)
+"""A call written as JSON text in a code fence, its keys out of the schema's order: what the
+default model writes under `auto`."""
+
+
+@pytest.mark.parametrize(
+    "reply, called",
+    [
+        (FENCED, {"city": "Oslo", "days": 2}),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}', OSLO),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo", "days": 0}}', None),  # minimum 1
+        ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', None),  # days required
+        ('{"name": "fly", "arguments": {}}', None),
+        ('```python\nprint({"name": 1})\n```', None),
+        ('Sure: {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}', None),
+    ],
+)
+def test_under_auto_a_call_written_as_json_text_is_read_when_its_arguments_pass(
+    grammars, reply, called
+):
+    compiler, fmt = grammars[0], grammars[3]
+    spec = ReplySpec((WEATHER, SEARCH), ToolChoice("auto"))
+    check = call_check(spec, fmt, compiler)
+    text, calls = parse_reply(reply, spec, fmt, check)
+    splitter = ToolCallStream(spec, fmt, check)
+    events = [e for i in range(0, len(reply), 5) for e in splitter.feed(reply[i : i + 5])]
+    events += splitter.finish()
+    if called is None:
+        assert (text, calls) == (reply, [])
+        assert "".join(e[1] for e in events) == reply and {e[0] for e in events} == {"text"}
+        return
+    assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", called)
+    ]
+    assert calls[0].arguments == json.dumps(called)  # in the schema's order, as generated
+    assert [e[0] for e in events] == ["call"] and events[0][2].arguments == calls[0].arguments
+    for choice in (ToolChoice("required"), ToolChoice("none")):  # only `auto` reads them
+        assert parse_reply(reply, ReplySpec((WEATHER,), choice), fmt, check)[1] == []

@@ -70,6 +70,7 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_id: int, end_ids=()):
+        self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.end_ids = sorted({int(e) for e in end_ids if 0 <= e < vocab_size} - {eos_id})
@@ -101,6 +102,20 @@ class GrammarCompiler:
             reason = _first_line(matcher.get_error())
             raise GrammarError(f"cannot build the {grammar.kind} grammar: {reason}")
         return GrammarMatcher(matcher, self.vocab_size, self.eos_id, self.end_ids)
+
+    def accepts(self, grammar: Grammar, text: str) -> bool:
+        """Whether `text`, tokenized as the tokenizer writes it, is a complete sentence of
+        `grammar` (each token allowed in turn, the grammar accepting at the end).
+
+        Raises:
+            GrammarError: as `matcher`.
+        """
+        matcher = self.matcher(grammar)
+        for token in self.hf_tokenizer(text, add_special_tokens=False)["input_ids"]:
+            if not matcher.allowed()[token]:
+                return False
+            matcher.advance(token)
+        return matcher.accepting
 
 
 class GrammarMatcher:

@@ -27,18 +27,24 @@ JSON is generated compact except for `", "` and `": "` separators (`JSON_LAYOUT`
 (`render_calls`) is the text the model generated and the session's cache is reused.
 
 `parse_reply` splits a finished reply into text and calls; `ToolCallStream` does it
-incrementally for streamed replies.
+incrementally for streamed replies. Under `auto`, a reply that is wholly one call written as
+JSON text (`{"name": ..., "arguments": {...}}`, bare or in a Markdown code fence: what a small
+model that does not use its call marker writes) is read as that call when its arguments pass
+the tool's grammar (`call_check`), as llama.cpp's Hermes 2 Pro parser reads such openings
+(common/chat.cpp).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.grammar import Grammar
+from agent_kv.runtime.grammar import Grammar, GrammarCompiler
 from agent_kv.runtime.json_schemas import check_schema, closed, embedded
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.tool_call_format import CALL_BODY_HEAD, ToolCallFormat, tool_call_format
@@ -47,6 +53,11 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 """llguidance's JSON layout for constrained JSON (`x-guidance`): no free whitespace, the
 separators of `json.dumps`."""
 CHOICE_MODES = ("none", "auto", "required", "function")
+JSON_CALL_STARTS = ('{"name":', '```json{"name":', '```{"name":')
+"""How a reply that writes a call as JSON text starts, whitespace removed: a bare body, or one
+in a Markdown code fence."""
+CallCheck = Callable[[str, str], bool]
+"""`(name, arguments JSON text) -> whether the call passes the tool's grammar`."""
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 """A function's name: 1-64 letters, digits, underscores or hyphens (OpenAI's rule)."""
 
@@ -360,14 +371,16 @@ def render_calls(calls: list[ToolCall], fmt: ToolCallFormat) -> str:
 
 
 def parse_reply(
-    text: str, spec: ReplySpec, fmt: ToolCallFormat | None
+    text: str, spec: ReplySpec, fmt: ToolCallFormat | None, check: CallCheck | None = None
 ) -> tuple[str, list[ToolCall]]:
     """Split a finished reply into its text and its tool calls.
 
     A reply counts as calls when it is wholly calls as the grammar generates them, or (where
     `fmt.text_before_calls`) text, the format's text separator and then wholly calls; each
-    call names a tool the choice allows and carries a JSON object of arguments. Anything else
-    (free text, a call cut short by `max_tokens`) is text.
+    call names a tool the choice allows and carries a JSON object of arguments. Under `auto`,
+    with `check`, a reply that is one call written as JSON text (`read_json_call`) whose
+    arguments pass `check` is that call. Anything else (free text, a call cut short by
+    `max_tokens`) is text.
 
     Returns:
         `(text, calls)`: the text before the calls ("" for a reply of calls only) and the
@@ -382,11 +395,81 @@ def parse_reply(
     while rest:
         taken = _take_call(rest, allowed, fmt)
         if not isinstance(taken, tuple):
-            return text, []
+            calls = []
+            break
         call, rest = taken
         calls.append(call)
         rest = rest.strip()
-    return (preface, calls) if calls else (text, [])
+    if calls:
+        return preface, calls
+    written = read_json_call(text, spec) if check is not None else None
+    if written is not None and check(*written):
+        return "", [ToolCall(ToolCall.new_id(), *written)]
+    return text, []
+
+
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*)\n[ \t]*```", re.S)
+
+
+def read_json_call(text: str, spec: ReplySpec) -> tuple[str, str] | None:
+    """Under `auto` (no reply format), the call a reply writes as JSON text: the whole reply
+    one body `{"name": NAME, "arguments": {...}}`, bare or in a Markdown code fence (```` ``` ````
+    or ```` ```json ````), naming a tool the choice allows with an object of arguments.
+
+    Returns:
+        `(name, arguments as json.dumps text)`, or None for any other reply.
+    """
+    if spec.choice.mode != "auto" or spec.format is not None or not spec.calls_allowed:
+        return None
+    body = text.strip()
+    if (fenced := _FENCED.fullmatch(body)) is not None:
+        body = fenced.group(1)
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict) or set(parsed) != {"name", "arguments"}:
+        return None
+    tools = {tool.name: tool for tool in spec.callable_tools()}
+    if parsed["name"] not in tools or not isinstance(parsed["arguments"], dict):
+        return None
+    arguments = _schema_order(parsed["arguments"], tools[parsed["name"]].arguments_schema)
+    return parsed["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _schema_order(value: Any, schema: Any) -> Any:
+    """`value` with each object's keys in the order its schema lists `properties` (others
+    after, as written), through nested objects and array items: the order the grammar
+    generates them in."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, list):
+        return [_schema_order(item, schema.get("items")) for item in value]
+    if not isinstance(value, dict):
+        return value
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    keys = [key for key in properties if key in value]
+    keys += [key for key in value if key not in properties]
+    return {key: _schema_order(value[key], properties.get(key)) for key in keys}
+
+
+def _may_be_json_call(head: str) -> bool:
+    """Whether a reply starting with `head` may be (or is) one call written as JSON text."""
+    compact = "".join(head.split())
+    return any(start.startswith(compact) or compact.startswith(start) for start in JSON_CALL_STARTS)
+
+
+def call_check(spec: ReplySpec, fmt: ToolCallFormat, grammars: GrammarCompiler) -> CallCheck:
+    """A `CallCheck` for `spec`'s tools: the call, rendered in `fmt`, must be a sentence of the
+    grammar of a forced call of that tool (its arguments valid against its schema, in the
+    layout the grammar generates)."""
+
+    def check(name: str, arguments: str) -> bool:
+        tool = next(tool for tool in spec.tools if tool.name == name)
+        grammar = ReplySpec((tool,), ToolChoice("required"), parallel=False).grammar(fmt)
+        return grammars.accepts(grammar, fmt.render_call(name, arguments))
+
+    return check
 
 
 def _split_preface(text: str, fmt: ToolCallFormat) -> tuple[str, str]:
@@ -451,14 +534,20 @@ class ToolCallStream:
     is held back until it cannot. Once a call has started, everything after it is read as
     calls; `finish` returns what is left (a call cut short comes back as text).
 
+    With `check`, a reply that may be one call written as JSON text (`read_json_call`) is held
+    whole, and `finish` gives it as that call when its arguments pass `check`.
+
     Args:
         spec: the turn's reply spec (no calls allowed: every piece is text at once).
         fmt: the model's tool-call format (`ReplySpec.call_format`; None without tools).
+        check: validates a call written as JSON text (`call_check`); None reads none.
     """
 
-    def __init__(self, spec: ReplySpec, fmt: ToolCallFormat | None):
+    def __init__(self, spec: ReplySpec, fmt: ToolCallFormat | None, check: CallCheck | None = None):
         self.spec = spec
         self.fmt = fmt
+        auto = spec.choice.mode == "auto" and spec.format is None
+        self.check = check if auto else None
         self._allowed = {tool.name for tool in spec.callable_tools()}
         self._buffer = ""
         self._mode = "text" if not spec.calls_allowed or fmt is None else "undecided"
@@ -473,7 +562,9 @@ class ToolCallStream:
             head = self._buffer.lstrip()
             if head.startswith(self.fmt.marker):
                 self._mode = "calls"
-            elif not self.fmt.marker.startswith(head):
+            elif not self.fmt.marker.startswith(head) and not (
+                self.check is not None and _may_be_json_call(head)
+            ):
                 self._mode = "preface" if self.fmt.text_before_calls else "text"
         if self._mode == "text":
             text, self._buffer = self._buffer, ""
@@ -520,6 +611,11 @@ class ToolCallStream:
         rest, self._buffer = self._buffer, ""
         if self._mode == "calls" and not rest.strip():
             return []
+        if self._mode == "undecided" and self.check is not None:
+            _, calls = parse_reply(rest, self.spec, self.fmt, self.check)
+            if calls:
+                self.calls.append(calls[0])
+                return [("call", 0, calls[0])]
         if self._mode == "calls" and not self.calls:
             rest = self._held_separator + rest  # the calls never came: it was all text
         return [("text", rest)] if rest else []

@@ -54,7 +54,7 @@ from agent_kv.runtime.history_sync import HistorySync, plan_history_sync
 from agent_kv.runtime.pin_rules import PinRules, protected_spans
 from agent_kv.runtime.sampling import SamplingParams
 from agent_kv.runtime.sequence import CallRecord, SequenceOutline
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, parse_reply
+from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, call_check, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
 from agent_kv.serving.last_prompts import LastPrompts
 from agent_kv.serving.session_store import SessionStore
@@ -364,7 +364,8 @@ class ChatService:
                 messages, reply.tools, rules, chat, params, session_id,
                 policy or self.engine.policy, on_text, cancel, on_start, admitted, deadline,
             )  # fmt: skip
-            turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply, calls)
+            check = None if calls is None else call_check(reply, calls, self.engine.grammars)
+            turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply, calls, check)
             self.issued_calls.record(turn.tool_calls)
             return turn
 

@@ -312,7 +312,7 @@ class ChatAgentKV(BaseChatModel):
         params = self._params(stop, kwargs)
         if self.service is not None:
             run = partial(self._run, messages, params, kwargs)
-            stream = local_stream(run, kwargs, self.model_name, self.service.engine.tokenizer)
+            stream = local_stream(run, kwargs, self.model_name, self.service.engine)
         else:
             stream = self._server().stream(self._request(messages, params, kwargs, stream=True))
         for chunk in stream:
@@ -331,7 +331,7 @@ class ChatAgentKV(BaseChatModel):
         params = self._params(stop, kwargs)
         if self.service is not None:
             run = partial(self._run, messages, params, kwargs)
-            stream = alocal_stream(run, kwargs, self.model_name, self.service.engine.tokenizer)
+            stream = alocal_stream(run, kwargs, self.model_name, self.service.engine)
         else:
             stream = self._server().astream(self._request(messages, params, kwargs, stream=True))
         async for chunk in stream:

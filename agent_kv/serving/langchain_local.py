@@ -17,7 +17,7 @@ from dataclasses import asdict
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from agent_kv.runtime.tool_calls import ReplySpec, ToolCallStream
+from agent_kv.runtime.tool_calls import ReplySpec, ToolCallStream, call_check
 from agent_kv.serving.chat_service import ChatTurn
 from agent_kv.serving.langchain_messages import call_chunk, call_fields, usage_metadata
 from agent_kv.serving.langchain_tools import reply_spec
@@ -43,18 +43,18 @@ def _turn_fields(turn: ChatTurn, model_name: str) -> dict:
 
 
 def local_stream(
-    run: TurnRunner, kwargs: dict, model_name: str, tokenizer
+    run: TurnRunner, kwargs: dict, model_name: str, engine
 ) -> Iterator[ChatGenerationChunk]:
     """The chunks of one turn that `run` runs in a worker thread (`kwargs`: the call's keyword
-    arguments, whose `REPLY_KWARGS` say what the reply may be; `tokenizer`: the model's, whose
-    tool-call format splits calls out of the text): text and tool-call chunks as they are
-    decoded, then a last chunk with the usage and response metadata.
+    arguments, whose `REPLY_KWARGS` say what the reply may be; `engine`: the model's, whose
+    tool-call format and grammars split calls out of the text): text and tool-call chunks as
+    they are decoded, then a last chunk with the usage and response metadata.
 
     Raises:
         whatever the turn raised, when the chunks reach it.
     """
     events: queue.Queue = queue.Queue()
-    threading.Thread(target=_run_into, args=(run, kwargs, tokenizer, events.put)).start()
+    threading.Thread(target=_run_into, args=(run, kwargs, engine, events.put)).start()
     while True:
         chunk = _event_chunk(events.get(), model_name)
         yield chunk
@@ -63,7 +63,7 @@ def local_stream(
 
 
 async def alocal_stream(
-    run: TurnRunner, kwargs: dict, model_name: str, tokenizer
+    run: TurnRunner, kwargs: dict, model_name: str, engine
 ) -> AsyncIterator[ChatGenerationChunk]:
     """`local_stream` without blocking the event loop (the turn runs in the loop's
     executor). Raises as `local_stream`."""
@@ -73,7 +73,7 @@ async def alocal_stream(
     def put(event: tuple) -> None:
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    worker = loop.run_in_executor(None, _run_into, run, kwargs, tokenizer, put)
+    worker = loop.run_in_executor(None, _run_into, run, kwargs, engine, put)
     while True:
         chunk = _event_chunk(await events.get(), model_name)
         yield chunk
@@ -82,12 +82,14 @@ async def alocal_stream(
     await worker
 
 
-def _run_into(run: TurnRunner, kwargs: dict, tokenizer, put: Callable[[tuple], None]) -> None:
+def _run_into(run: TurnRunner, kwargs: dict, engine, put: Callable[[tuple], None]) -> None:
     """One in-process turn reported to `put` as ("text", piece) and ("call", index,
     `ToolCall`) events (`ToolCallStream`), then ("done", turn) or ("error", exception)."""
     try:
         spec = reply_spec(kwargs)
-        splitter = ToolCallStream(spec, spec.call_format(tokenizer))
+        calls = spec.call_format(engine.tokenizer)
+        check = None if calls is None else call_check(spec, calls, engine.grammars)
+        splitter = ToolCallStream(spec, calls, check)
 
         def on_text(text: str) -> None:
             for event in splitter.feed(text):
