@@ -11,7 +11,7 @@ and how often the model opens a call on its own with the reply grammar on and of
   fields); a request passes when it answers 200 with `finish_reason` `tool_calls` and calls
   whose arguments validate against their tool's schema (`jsonschema`).
 - **auto**: `--prompts` prompts that ask for one tool ("... Use the tool."), each offered all
-  of `TOOLS`, decoded greedily (64 tokens at most) from the same chat-templated prompt twice:
+  of `TOOLS`, decoded greedily (160 tokens at most) from the same chat-templated prompt twice:
   under the `auto` reply grammar and with no grammar. A reply *opens a call* when it starts
   with the format's opening marker; *makes a call* when `parse_reply` finds a complete call
   of the asked tool in it in the model's format; and *makes a call, JSON text read* when it
@@ -162,7 +162,7 @@ def auto(engine: Engine, count: int) -> list[dict]:
     spec = ReplySpec(tools, ToolChoice("auto"))
     fmt = tool_call_format(engine.tokenizer)
     check = call_check(spec, fmt, engine.grammars)
-    base = SamplingParams(max_new_tokens=64, temperature=0.0)
+    base = SamplingParams(max_new_tokens=160, temperature=0.0)
     records = []
     for name, ask in prompts(count):
         messages = [{"role": "user", "content": ask}]
