@@ -64,7 +64,10 @@ def test_constrained_own_actions_are_valid_on_their_page(smollm, full):
 
 
 def test_a_tool_agent_trajectory_replays_in_its_own_format(smollm, full):
-    calls = [ReferenceStep(s.observation, s.tabs, TOOL_ACTIONS.reply(s.action)) for s in TRAJECTORY]
+    calls = [
+        ReferenceStep(s.observation, s.tabs, TOOL_ACTIONS.reply(s.action, smollm.tokenizer))
+        for s in TRAJECTORY
+    ]
     own = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     steps = replay_agreement(INTENT, calls, own, full, AgentConfig(agent="tools"))
     assert [s.reference for s in steps] == ["click [17]", "stop [$149]"]  # the calls' actions

@@ -179,11 +179,11 @@ nor its config names."""
 
 
 def end_of_generation_ids(tokenizer) -> list[int]:
-    """The ids of the tokenizer's added tokens whose text is in `END_OF_GENERATION_TEXTS`."""
+    """The ids of the tokenizer's added tokens whose text is in `END_OF_GENERATION_TEXTS`
+    (none for a tokenizer without added tokens)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
     return sorted(
-        token_id
-        for token_id, token in tokenizer.added_tokens_decoder.items()
-        if token.content in END_OF_GENERATION_TEXTS
+        token_id for token_id, token in added.items() if token.content in END_OF_GENERATION_TEXTS
     )
 
 
