@@ -103,8 +103,8 @@ def check_names(messages: list[ChatMessage], tokenizer) -> None:
             raise APIError(
                 400,
                 f"messages[{i}].name: this model's chat template does not render the name of "
-                f"a {message.role} message, so the model could not read it; leave it out or "
-                "put it in the content",
+                f"a message of role {message.role}, so the model could not read it; leave it "
+                "out or put it in the content",
                 f"messages.{i}.name",
                 "unsupported",
             )

@@ -122,6 +122,7 @@ def test_a_token_outside_the_grammar_is_an_error(compiler, smollm):
         (Grammar("lark", "start: missing_rule"), "missing_rule"),
         (Grammar.json_schema({"type": "bogus"}), "bogus"),
         (Grammar("regex", "(unclosed"), "regex"),
+        (Grammar.json_schema({"type": "string", "pattern": "(["}), "unclosed character class"),
         (Grammar("yaml", "a: b"), "unknown grammar kind"),
         (Grammar("lark", "  "), "empty"),
     ],

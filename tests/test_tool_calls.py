@@ -461,3 +461,23 @@ def test_under_auto_a_call_written_as_json_text_is_read_when_its_arguments_pass(
     assert [e[0] for e in events] == ["call"] and events[0][2].arguments == calls[0].arguments
     for choice in (ToolChoice("required"), ToolChoice("none")):  # only `auto` reads them
         assert parse_reply(reply, ReplySpec((WEATHER,), choice), fmt, check)[1] == []
+
+
+def test_a_stop_string_does_not_cut_a_call_written_as_json_text(grammars):
+    """Under `auto`, a reply that is (or may become) a call written as JSON text is a call:
+    no stop string cuts it, as none cuts a call opened by the marker; plain text is cut."""
+    from agent_kv.runtime.reply_decoding import ReplyDecoder
+
+    fmt = grammars[3]
+    spec = ReplySpec((WEATHER,), ToolChoice("auto"))
+    params = spec.scope_stop(SamplingParams(stop=["Oslo"]), fmt)
+    assert params.json_calls and params.stop == ["Oslo"]
+    decoder = ReplyDecoder(params, None, None, set())
+    assert not decoder._stops('{"name": "get_weather", "arguments": {"city": "Oslo"')
+    assert not decoder._stops('```json\n{\n  "name": "get_weather", "city": "Oslo"')
+    assert decoder._stops("The weather in Oslo")
+    assert (
+        not ReplySpec((WEATHER,), ToolChoice("required"))
+        .scope_stop(SamplingParams(), fmt)
+        .json_calls
+    )

@@ -193,7 +193,12 @@ REASON_CHARS = 300
 
 def _first_line(message: str) -> str:
     """The first line of a library message, cut to `REASON_CHARS` (its state dumps and
-    backtraces follow on later lines)."""
-    lines = message.strip().splitlines() or [""]
+    backtraces follow on later lines), with the `error:` line that gives the reason when the
+    first ends in a colon (a regex error: "regex parse error:", the pattern, a caret, then
+    "error: unclosed character class")."""
+    lines = [line.strip() for line in message.strip().splitlines()] or [""]
     line = " ".join(lines[0].split())
+    if line.endswith(":"):
+        reason = next((rest for rest in lines[1:] if rest.startswith("error:")), "")
+        line = f"{line} {reason.removeprefix('error:').strip()}".strip()
     return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."

@@ -15,6 +15,7 @@ import torch
 
 from agent_kv.runtime.grammar import GrammarMatcher
 from agent_kv.runtime.sampling import SamplingParams, penalized, sample_next
+from agent_kv.runtime.tool_calls import may_be_json_call
 
 
 @dataclass
@@ -164,6 +165,8 @@ class ReplyDecoder:
         """Whether a stop string ends the reply `text`: one occurs in its text before any tool
         call (`SamplingParams.call_open`, the opening marker; a reply that may still become
         one has no text yet)."""
+        if self.params.json_calls and may_be_json_call(text):
+            return False
         opener = self.params.call_open
         if opener is not None:
             if opener.startswith(text):

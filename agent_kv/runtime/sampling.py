@@ -36,7 +36,10 @@ class SamplingParams:
             reply ends when the grammar is complete (`agent_kv.runtime.grammar`).
         call_open: the text a tool call opens with, when the reply may be one
             (`ReplySpec.scope_stop`): a reply that begins with it, or may still, is a call,
-            which no stop string cuts.
+            which no stop string cuts; no stop string cuts what follows it either.
+        json_calls: the reply may be one call written as JSON text
+            (`tool_calls.read_json_call`, under `auto`): a reply that is or may still become
+            one is not cut by a stop string.
         frequency_penalty: subtracted from a token's logit once per time the reply has
             generated it, in [-2, 2] (`penalized`).
         presence_penalty: subtracted from the logit of every token the reply has generated,
@@ -59,6 +62,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     grammar: Grammar | None = None
     call_open: str | None = None
+    json_calls: bool = False
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -246,7 +246,8 @@ class ReplySpec:
         """`params` with its stop strings scoped to the free text this reply may be, as OpenAI
         accepts `stop` beside tools and a `response_format`: a reply that may be text keeps
         them for its text before any call (`SamplingParams.call_open`, the format's opening
-        marker); a reply that may only be calls or JSON drops them (a stop string would cut
+        marker; `SamplingParams.json_calls`: a reply that is a call written as JSON text is
+        not cut either); a reply that may only be calls or JSON drops them (a stop string would cut
         it mid-call or mid-JSON, leaving text that neither parses nor validates).
 
         Raises:
@@ -259,6 +260,7 @@ class ReplySpec:
             params,
             stop=list(params.stop) if text else [],
             call_open=calls.marker if callable_ and calls is not None else None,
+            json_calls=callable_ and text,
         )
 
     @property
@@ -453,7 +455,7 @@ def _schema_order(value: Any, schema: Any) -> Any:
     return {key: _schema_order(value[key], properties.get(key)) for key in keys}
 
 
-def _may_be_json_call(head: str) -> bool:
+def may_be_json_call(head: str) -> bool:
     """Whether a reply starting with `head` may be (or is) one call written as JSON text."""
     compact = "".join(head.split())
     return any(start.startswith(compact) or compact.startswith(start) for start in JSON_CALL_STARTS)
@@ -563,7 +565,7 @@ class ToolCallStream:
             if head.startswith(self.fmt.marker):
                 self._mode = "calls"
             elif not self.fmt.marker.startswith(head) and not (
-                self.check is not None and _may_be_json_call(head)
+                self.check is not None and may_be_json_call(head)
             ):
                 self._mode = "preface" if self.fmt.text_before_calls else "text"
         if self._mode == "text":
