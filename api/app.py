@@ -62,21 +62,23 @@ from api.openapi_doc import error_responses, openapi_without_validation_422
 from api.replies import completion_body, native_reply, set_session_header
 from api.reply_spec import check_tool_results, reply_spec
 from api.request_log import CLIENT_CLOSED, RequestLine, client_closed, note_error, note_turn
-from api.schemas import (
-    SESSION_ID_CHARS,
+from api.response_schemas import (
     ChatCompletion,
-    ChatCompletionRequest,
     DeletedSession,
     Health,
     ModelCard,
     ModelList,
-    NativeChatRequest,
     NativeChatResponse,
     SessionInfo,
     SessionList,
+    TokenizeResponse,
+)
+from api.schemas import (
+    SESSION_ID_CHARS,
+    ChatCompletionRequest,
+    NativeChatRequest,
     TokenizeChat,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from api.streaming import SSE_EVENT, stream_reply
 from api.turns import admit, run_watched

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from api.schemas import ErrorDetail, ErrorResponse
+from api.response_schemas import ErrorDetail, ErrorResponse
 
 RETRY_AFTER_S = 5
 """The `Retry-After` a 429 or 503 suggests, in seconds."""

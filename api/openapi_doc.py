@@ -13,7 +13,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api.schemas import ErrorResponse
+from api.response_schemas import ErrorResponse
 
 ERROR_DESCRIPTIONS = {
     400: "Malformed or unsupported input, a Host header not served here, or a prompt that "

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import asdict
 
 from agent_kv.serving.chat_service import ChatTurn
-from api.schemas import (
+from api.response_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -17,9 +17,9 @@ from api.schemas import (
     NativeChatResponse,
     PromptTokensDetails,
     Timing,
-    ToolCallBody,
     Usage,
 )
+from api.schemas import ToolCallBody
 
 
 def reply_usage(turn: ChatTurn) -> Usage:

@@ -16,7 +16,8 @@ from agent_kv.runtime.tool_calls import ToolCallStream, call_check
 from api.errors import APIError
 from api.replies import kv_stats, reply_usage, set_session_header
 from api.request_log import note_client_closed, note_error, note_turn
-from api.schemas import ErrorDetail, ToolCallBody
+from api.response_schemas import ErrorDetail
+from api.schemas import ToolCallBody
 from api.turns import run_turn, watch_disconnect
 
 SSE_EVENT = {

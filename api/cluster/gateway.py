@@ -42,7 +42,7 @@ from api.cluster.affinity import affinity_key, json_object
 from api.cluster.asgi_relay import portable_scope
 from api.cluster.merged_metrics import merge_metrics
 from api.errors import error_response
-from api.schemas import ErrorDetail, SessionInfo, SessionList
+from api.response_schemas import ErrorDetail, SessionInfo, SessionList
 
 log = logging.getLogger(__name__)
 
