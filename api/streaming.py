@@ -86,7 +86,7 @@ async def stream_reply(
     set_session_header(headers, sid)
     reply = turn_args["reply"]
     calls = reply.call_format(service.engine.tokenizer)
-    check = None if calls is None else call_check(reply, calls, service.engine.grammars)
+    check = call_check(reply, calls, service.engine.grammars)
     splitter = ToolCallStream(reply, calls, check)
     body = _events(queue, metrics, request, model_name, cancel, worker, splitter, images, raw)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)

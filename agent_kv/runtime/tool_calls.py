@@ -461,10 +461,14 @@ def may_be_json_call(head: str) -> bool:
     return any(start.startswith(compact) or compact.startswith(start) for start in JSON_CALL_STARTS)
 
 
-def call_check(spec: ReplySpec, fmt: ToolCallFormat, grammars: GrammarCompiler) -> CallCheck:
+def call_check(
+    spec: ReplySpec, fmt: ToolCallFormat | None, grammars: GrammarCompiler
+) -> CallCheck | None:
     """A `CallCheck` for `spec`'s tools: the call, rendered in `fmt`, must be a sentence of the
     grammar of a forced call of that tool (its arguments valid against its schema, in the
-    layout the grammar generates)."""
+    layout the grammar generates); None without a format (no tools offered)."""
+    if fmt is None:
+        return None
 
     def check(name: str, arguments: str) -> bool:
         tool = next(tool for tool in spec.tools if tool.name == name)

@@ -364,7 +364,7 @@ class ChatService:
                 messages, reply.tools, rules, chat, params, session_id,
                 policy or self.engine.policy, on_text, cancel, on_start, admitted, deadline,
             )  # fmt: skip
-            check = None if calls is None else call_check(reply, calls, self.engine.grammars)
+            check = call_check(reply, calls, self.engine.grammars)
             turn.content, turn.tool_calls = parse_reply(turn.reply.text, reply, calls, check)
             self.issued_calls.record(turn.tool_calls)
             return turn

@@ -88,7 +88,7 @@ def _run_into(run: TurnRunner, kwargs: dict, engine, put: Callable[[tuple], None
     try:
         spec = reply_spec(kwargs)
         calls = spec.call_format(engine.tokenizer)
-        check = None if calls is None else call_check(spec, calls, engine.grammars)
+        check = call_check(spec, calls, engine.grammars)
         splitter = ToolCallStream(spec, calls, check)
 
         def on_text(text: str) -> None:
