@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -277,6 +279,31 @@ def test_help_and_usage_errors_do_not_import_torch(args, needle):
     assert last.startswith("torch imported: False exit: "), proc.stdout + proc.stderr
     assert needle in proc.stdout + proc.stderr
     assert last.endswith("exit: 0" if "--help" in args else "exit: 2")
+
+
+@pytest.mark.enable_socket
+def test_serve_refuses_a_port_in_use_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = run_cli("serve", "--port", str(port), timeout=120)
+        took = time.monotonic() - started
+    # the one line: the model never started loading (its first words are "loading model")
+    assert_one_line_error(proc, f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert took < 30  # seconds: Python and the CLI start; loading and compiling take minutes
+
+
+@pytest.mark.parametrize(
+    "host, needle",
+    [
+        ("no-such-host.invalid", "cannot listen on no-such-host.invalid:8000: "),
+        ("192.0.2.1", "cannot listen on 192.0.2.1:8000: "),  # no interface of this machine
+    ],
+)
+def test_serve_refuses_a_host_it_cannot_listen_on(host, needle):
+    assert_one_line_error(run_cli("serve", "--host", host, "--port", "8000", timeout=120), needle)
 
 
 def test_eval_refuses_recall_on_a_policy_that_evicts_nothing_before_writing(tmp_path):

@@ -1,5 +1,13 @@
 """`agent-kv serve`: the API (`api.app`) on one port, from one server or from N replicas on
-Ray Serve (`api.cluster`), its options checked before the model loads."""
+Ray Serve (`api.cluster`), its options checked before the model loads.
+
+The port is taken before the model loads too, so a port in use (or a host that cannot be
+bound) fails the command at once rather than after minutes of loading and compiling. One
+server listens on it from then on and hands the socket to uvicorn (`_listen`): nothing can
+take the port in between, and a client that connects while the model loads waits in the
+listen backlog and is answered once the server is ready. Ray Serve's HTTP proxy binds the
+port itself, so `--replicas` only checks that it can be bound and lets it go again (a
+server started in between would still take it first)."""
 
 from __future__ import annotations
 
@@ -174,7 +182,8 @@ def serve_command(
         spec = _sessions_spec(
             policy, budget, budget_bytes, param, recall, recall_param, int8, fp_window, positions
         )
-        spill_dir = _check_place(host, port, replicas, ray_address, spill_dir)
+        listeners = _listen(host, port)
+        spill_dir = _check_place(replicas, ray_address, spill_dir)
     except AgentKVError as err:
         fail(str(err))
     from api.server_setup import ServerSettings, build_server  # torch: once the options are checked
@@ -186,13 +195,15 @@ def serve_command(
         drop_image_parts=drop_image_parts, threads=threads,
     )  # fmt: skip
     if replicas is not None:
+        for listener in listeners:  # Ray Serve's proxy binds the port itself
+            listener.close()
         _serve_replicas(settings, replicas, host, port, ray_address, router)
         return
     try:
         app, _ = build_server(settings)
     except AgentKVError as err:
         fail(str(err))
-    _serve(app, host, port)
+    _serve(app, listeners, host, port)
 
 
 def _check_cluster_options(
@@ -244,15 +255,15 @@ def _sessions_spec(
 
 
 def _check_place(
-    host: str, port: int, replicas: int | None, ray_address: str | None, spill_dir: Path | None
+    replicas: int | None, ray_address: str | None, spill_dir: Path | None
 ) -> Path | None:
     """Check where the server runs before the model loads: the Ray cluster at `ray_address`
-    answers, `spill_dir` can be written, `host:port` can be bound. Return the spill dir: with
-    `replicas` and none given, a new temporary directory, said on stderr.
+    answers, `spill_dir` can be written. Return the spill dir: with `replicas` and none given,
+    a new temporary directory, said on stderr.
 
     Raises:
         ConfigError: a malformed or unreachable `ray_address`; AgentKVError: `spill_dir`
-            cannot be created, or `host:port` cannot be bound.
+            cannot be created.
     """
     if ray_address is not None:
         # the sweep's modules load the tasks (pydantic, the sites' web framework): not at start
@@ -261,7 +272,6 @@ def _check_place(
         check_ray_address(ray_address)
     if spill_dir is not None:
         writable_dir(spill_dir)
-    _free_port(host, port)
     if replicas is not None and spill_dir is None:
         spill_dir = Path(tempfile.mkdtemp(prefix="agent-kv-sessions-"))
         typer.echo(f"sessions are saved under {spill_dir} (--spill-dir)", err=True)
@@ -269,7 +279,10 @@ def _check_place(
 
 
 def _serve_replicas(settings, replicas: int, host: str, port: int, address, router) -> None:
-    """`serve --replicas N`: the application on Ray Serve until stopped (`api.cluster`)."""
+    """`serve --replicas N`: the application on Ray Serve until stopped (`api.cluster`).
+    Ray Serve's HTTP proxy binds `host:port` itself: the command checked that it can be bound
+    (`_listen`) and let it go before the replicas load, so only a server started meanwhile
+    takes it first."""
     from api.cluster.launch import ClusterSettings, run_cluster  # Ray: only for replicas
 
     cluster = ClusterSettings(
@@ -284,9 +297,9 @@ def _serve_replicas(settings, replicas: int, host: str, port: int, address, rout
         fail(f"the replicas did not start: {err}")
 
 
-def _serve(app, host: str, port: int) -> None:
-    """Run uvicorn on `host:port` until it is stopped (Ctrl-C, SIGTERM); print `ready on
-    http://HOST:PORT` on stderr once it listens."""
+def _serve(app, listeners: list[socket.socket], host: str, port: int) -> None:
+    """Run uvicorn on `listeners` (`_listen(host, port)`) until it is stopped (Ctrl-C,
+    SIGTERM); print `ready on http://HOST:PORT` on stderr once it answers."""
 
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -300,14 +313,30 @@ def _serve(app, host: str, port: int) -> None:
         "level": "INFO",
         "propagate": False,
     }  # one line per request (`api.request_log`), on stderr beside uvicorn's own
-    AnnouncingServer(uvicorn.Config(app, host=host, port=port, log_config=log_config)).run()
+    AnnouncingServer(uvicorn.Config(app, log_config=log_config)).run(sockets=listeners)
 
 
-def _free_port(host: str, port: int) -> None:
-    """Raise AgentKVError unless `host:port` can be bound now (checked before the model loads)."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on `host:port`, one per address the host resolves to (as uvicorn
+    binds them: `SO_REUSEADDR`, IPv6 sockets IPv6 only).
+
+    Raises:
+        AgentKVError: `host` does not resolve, or one of its addresses cannot be bound (the
+            port in use, an address of no interface of this machine).
+    """
+    listeners: list[socket.socket] = []
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            listener = socket.socket(family, kind, proto)
+            listeners.append(listener)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+            listener.listen()
     except OSError as err:
+        for listener in listeners:
+            listener.close()
         raise AgentKVError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return listeners
