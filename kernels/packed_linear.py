@@ -3,18 +3,11 @@ usable inside `torch.compile`.
 
 A decode step reads every weight once per token, so its cost is the weights' bytes, and the
 packed layouts are read at a higher rate than the BLAS `mm` reads one row's product
-(`benchmarks/weight_formats.py`). Two packs:
+(`benchmarks/weight_formats.py`). One pack:
 
 - `fp16`: the fp32 weights rounded to fp16 (relative error about 2e-4 on the bundled models'
   de-quantized GGUF weights), widened in registers; activations and accumulation fp32
   (`torch.ops.quantized.linear_dynamic_fp16`).
-- `int8`: weights INT8 with one scale per output channel (absmax / 127), and each call's
-  activations quantized to 8 bits on the fly with one scale and zero point over the whole
-  input (7 bits of range, fbgemm's `reduce_range` against overflow of its 16-bit
-  intermediate sums); int32 accumulation (`torch.ops.quantized.linear_dynamic`, dynamic
-  quantization: Jacob et al. 2018, "Quantization and Training of Neural Networks for
-  Efficient Integer-Arithmetic-Only Inference", §2). One scale over a whole prefill chunk is
-  what costs this format its accuracy (docs/models.md, "Weights").
 
 A pack is an opaque fbgemm object, which `torch.compile` cannot trace; `PackedLinear` keeps it
 in a process-wide table and, under compile, calls it through the custom op
@@ -29,7 +22,7 @@ import weakref
 
 import torch
 
-PACKS = ("fp16", "int8")
+PACKS = ("fp16",)
 _PACKED: dict[int, tuple[str, torch.ScriptObject]] = {}
 """(pack, packed weight) by handle; an entry goes when its `PackedLinear` is collected."""
 _HANDLES = itertools.count()
@@ -38,9 +31,7 @@ _HANDLES = itertools.count()
 def _product(x: torch.Tensor, handle: int) -> torch.Tensor:
     pack, packed = _PACKED[handle]
     x = x.contiguous()
-    if pack == "fp16":
-        return torch.ops.quantized.linear_dynamic_fp16(x, packed)
-    return torch.ops.quantized.linear_dynamic(x, packed, True)
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
 
 
 @torch.library.custom_op("agent_kv::packed_linear", mutates_args=())
@@ -69,7 +60,7 @@ class PackedLinear(torch.nn.Module):
 
     Args:
         linear: a float32 CPU linear layer to replace.
-        pack: `fp16` or `int8` (module docstring).
+        pack: `fp16` (module docstring).
 
     Raises:
         ValueError: an unknown pack, or `linear` is not a float32 layer on the CPU (fbgemm
@@ -107,9 +98,4 @@ class PackedLinear(torch.nn.Module):
 
 def _prepack(weight: torch.Tensor, bias: torch.Tensor | None, pack: str) -> torch.ScriptObject:
     """fbgemm's pack of `weight` `[out, in]` (and `bias` `[out]`) in format `pack`."""
-    if pack == "fp16":
-        return torch.ops.quantized.linear_prepack_fp16(weight, bias)
-    scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).double()
-    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-    quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(quantized, bias)
+    return torch.ops.quantized.linear_prepack_fp16(weight, bias)

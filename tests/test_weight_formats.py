@@ -13,12 +13,13 @@ from agent_kv.kv.attention import register_attention
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.weight_formats import (
-    WEIGHT_FORMATS,
+    DIRECTORY_FORMATS,
     apply_weight_format,
     check_weight_format,
     load_dtype,
 )
 from kernels.packed_linear import PackedLinear, packed_linear
+from kernels.quantized_linear import Int8Linear
 from tests.conftest import torch_seed
 
 CONFIG = {
@@ -28,9 +29,9 @@ CONFIG = {
 }  # fmt: skip
 PROMPT = list(range(7, 7 + 150))
 # Relative L2 error of the last logits against fp32: fp16 rounds each weight (2^-11 relative),
-# bf16 rounds weights and activations (2^-8), INT8 rounds weights to 1/254 of their channel's
-# range and inputs to 1/127 of the call's.
-TOLERANCE = {"fp32": 0.0, "fp16": 2e-3, "int8": 1e-1, "bf16": 5e-2}
+# bf16 rounds weights and activations (2^-8), INT8 rounds weights to 1/254 of their row's
+# range and its packed decode product rounds activations to bf16.
+TOLERANCE = {"fp32": 0.0, "fp16": 2e-3, "int8": 5e-2, "bf16": 5e-2}
 
 
 class _Tokenizer:
@@ -59,7 +60,7 @@ def run_logits(model: torch.nn.Module, policy: str) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("policy", ["full", "conf-kv"])
-@pytest.mark.parametrize("weights", [w for w in WEIGHT_FORMATS if w != "fp32"])
+@pytest.mark.parametrize("weights", [w for w in DIRECTORY_FORMATS if w != "fp32"])
 def test_format_logits_close_to_fp32(weights, policy):
     reference, _ = run_logits(tiny_qwen("fp32"), policy)
     logits, kv_dtype = run_logits(tiny_qwen(weights), policy)
@@ -72,12 +73,18 @@ def test_format_logits_close_to_fp32(weights, policy):
 def test_packs_replace_every_linear_and_drop_fp32_weights(weights):
     model = tiny_qwen(weights)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    kind = PackedLinear if weights == "fp16" else Int8Linear
+    packed = [m for m in model.modules() if isinstance(m, kind)]
     assert len(packed) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
     held = sum(p.numel() for p in model.parameters())
     assert (
         held == CONFIG["vocab_size"] * CONFIG["hidden_size"] + (2 * 3 + 1) * CONFIG["hidden_size"]
     )  # embeddings and norms only
+
+
+def test_gguf_format_needs_a_gguf_file():
+    with pytest.raises(ConfigError, match="a model directory takes fp32, bf16, fp16, int8"):
+        tiny_qwen("gguf")
 
 
 def test_packed_linear_matches_linear_with_bias_and_batch_dims():
@@ -116,15 +123,16 @@ def test_packed_linear_refuses_other_dtypes():
 
 
 def test_unknown_format_is_a_config_error():
-    with pytest.raises(ConfigError, match="fp32, bf16, fp16, int8"):
+    with pytest.raises(ConfigError, match="fp32, bf16, fp16, int8, gguf"):
         check_weight_format("int3")
     assert load_dtype("bf16") == torch.bfloat16 and load_dtype("fp16") == torch.float32
 
 
-def test_fp16_decode_graph_equals_eager_step():
-    """`--compile` with fp16 weights: the decode step is one graph (the packed products are
+@pytest.mark.parametrize("weights", ["fp16", "int8"])
+def test_decode_graph_equals_eager_step(weights):
+    """`--compile` with packed weights: the decode step is one graph (the packed products are
     opaque calls inside it) and gives the eager step's logits."""
-    model = tiny_qwen("fp16")
+    model = tiny_qwen(weights)
     results = []
     for compile in (False, True):
         policy = make_policy("conf-kv", budget=48, protect_recent=8)
@@ -132,16 +140,17 @@ def test_fp16_decode_graph_equals_eager_step():
         sequence = engine.new_sequence()
         engine.feed(sequence, PROMPT)
         results.append(torch.stack([engine.feed(sequence, [t]) for t in range(20, 26)]))
-    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(results[1], results[0], atol=1e-3, rtol=1e-3)
 
 
-def test_int8_pack_quantizes_inputs_per_call():
-    """The INT8 pack's product is that of per-channel INT8 weights and inputs quantized over
-    the whole call: one outlier feature coarsens every other feature's input."""
+def test_int8_is_weight_only():
+    """INT8 weights with one scale per row, activations unquantized: an outlier input feature
+    leaves the other rows' products as accurate as before (fbgemm's dynamic INT8, the format's
+    former product, quantized the whole call's input with one scale)."""
     with torch_seed(3):
         linear = torch.nn.Linear(64, 16, bias=False)
         x = torch.randn(4, 64)
-    packed = PackedLinear(linear, "int8")
+    packed = Int8Linear(linear.weight.detach(), None)
     with torch.no_grad():
         expected = linear(x)
         error = float((packed(x) - expected).norm() / expected.norm())
@@ -149,5 +158,5 @@ def test_int8_pack_quantizes_inputs_per_call():
         outlier[0, 0] = 200.0
         worse = packed(outlier)[1:] - linear(outlier)[1:]
         worse_error = float(worse.norm() / expected[1:].norm())
-    assert 1e-3 < error < 3e-2
-    assert worse_error > 5 * error
+    assert 1e-4 < error < 1e-2
+    assert worse_error < 2 * error

@@ -36,6 +36,12 @@ def converted_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{digest.hexdigest()[:12]}"
 
 
+def model_files_dir(gguf: Path) -> Path:
+    """The cache directory of `gguf`'s config and tokenizer files (no weights), keyed by the
+    file's content like `converted_dir`."""
+    return cache_root() / "files" / converted_dir(gguf).name
+
+
 def prune_stale(target: Path) -> None:
     """Remove the other conversions of a file named like `target`'s GGUF (earlier versions of
     that model file), so the cache holds one per model name."""

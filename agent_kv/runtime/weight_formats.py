@@ -1,16 +1,21 @@
 """How a loaded model holds its weights (`--weights`): the formats, and turning an fp32 model
 into one of them.
 
-- `fp32`: as loaded (the bundled GGUF files de-quantized to float32).
+- `fp32`: the GGUF file's weights de-quantized to float32.
 - `bf16`: the model's dtype is bfloat16 (weights and activations); the KV store keeps float32
   (`KV_DTYPE_ATTRIBUTE`), so the cache's figures and precision tiers are those of every other
   format.
 - `fp16`: every linear layer's weight prepacked as fp16 for fbgemm (`kernels.packed_linear`):
   activations, accumulation, embeddings, norms and the KV store stay float32.
-- `int8`: every linear layer's weight INT8 with one scale per output channel, and its input
-  quantized to 8 bits at each call (fbgemm's dynamic quantization, `kernels.packed_linear`):
-  the fastest products on a CPU without AVX-512, at a measured cost in accuracy; embeddings,
-  norms, attention and the KV store stay float32.
+- `int8`: every linear layer's weight INT8 with one scale per output channel, weight-only
+  (`kernels.quantized_linear.Int8Linear`: activations are never quantized), and the embedding
+  table INT8 per row.
+- `gguf`: each tensor in the packed form nearest to how the GGUF file stores it: its 4-bit
+  blocks as packed 4-bit groups, exactly, every other type as `int8` (`gguf_weights`). Only
+  from a GGUF file.
+
+A GGUF file is read straight into any format (`gguf_weights.build`); a Hugging Face model
+directory loads in float32 and `apply_weight_format` converts it (every format but `gguf`).
 
 `benchmarks/weight_formats.py` measures each against fp32 (decode and prefill speed, and the
 quality cost), which is how the default was chosen (docs/models.md, "Weights").
@@ -25,7 +30,9 @@ from agent_kv.errors import ConfigError
 if TYPE_CHECKING:  # torch is imported on use: the CLI checks `--weights` before importing it
     import torch
 
-WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "gguf")
+DIRECTORY_FORMATS = ("fp32", "bf16", "fp16", "int8")
+"""The formats a Hugging Face model directory (float weights, no GGUF blocks) can take."""
 DEFAULT_WEIGHTS = "fp16"
 WEIGHTS_ATTRIBUTE = "agent_kv_weights"
 """The attribute naming a model's weight format (`weight_format`)."""
@@ -58,39 +65,57 @@ def load_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if check_weight_format(name) == "bf16" else torch.float32
 
 
-def apply_weight_format(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """Put `model` (loaded in `load_dtype(name)`) into weight format `name`, in place, and
-    mark on it the format (`weight_format`) and the KV store's dtype, float32. Returns
-    `model`.
-
-    Raises:
-        ConfigError: an unknown format, or `fp16`/`int8` on a model that is not on the CPU
-            (the packed products are CPU kernels; on a GPU use `bf16`).
-    """
+def mark_weight_format(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """Mark on `model` (already holding its weights in format `name`) the format
+    (`weight_format`) and the KV store's dtype, float32. Returns `model`."""
     import torch
 
     from agent_kv.kv.store import KV_DTYPE_ATTRIBUTE
 
-    check_weight_format(name)
     setattr(model, KV_DTYPE_ATTRIBUTE, torch.float32)
-    setattr(model, WEIGHTS_ATTRIBUTE, name)
-    if name in ("fp32", "bf16"):
-        return model
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise ConfigError(f"--weights {name} runs on the CPU only (the model is on {device})")
-    _pack_linears(model, name)
+    setattr(model, WEIGHTS_ATTRIBUTE, check_weight_format(name))
     return model
 
 
+def apply_weight_format(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """Put `model` (a Hugging Face directory's model loaded in `load_dtype(name)`) into weight
+    format `name`, in place, and mark it (`mark_weight_format`). Returns `model`.
+
+    Raises:
+        ConfigError: an unknown format; `gguf`, which needs a GGUF file (the message lists
+            `DIRECTORY_FORMATS`); or `fp16`/`int8` on a model that is not on the CPU (the
+            packed products are CPU kernels; on a GPU use `bf16`).
+    """
+    check_weight_format(name)
+    if name not in DIRECTORY_FORMATS:
+        raise ConfigError(
+            f"--weights {name} reads a GGUF file's blocks; a model directory takes "
+            f"{', '.join(DIRECTORY_FORMATS)}"
+        )
+    if name in ("fp16", "int8"):
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise ConfigError(f"--weights {name} runs on the CPU only (the model is on {device})")
+        _pack_linears(model, name)
+    return mark_weight_format(model, name)
+
+
 def _pack_linears(module: torch.nn.Module, pack: str) -> None:
-    """Replace every `torch.nn.Linear` under `module` with its `PackedLinear` in `pack`."""
+    """Replace every `torch.nn.Linear` under `module` with its fp16 `PackedLinear` (`fp16`) or
+    its `Int8Linear` (`int8`)."""
     import torch
 
     from kernels.packed_linear import PackedLinear
+    from kernels.quantized_linear import Int8Linear
 
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, PackedLinear(child, pack))
+            bias = None if child.bias is None else child.bias.detach().float()
+            packed = (
+                PackedLinear(child, "fp16")
+                if pack == "fp16"
+                else Int8Linear(child.weight.detach(), bias)
+            )
+            setattr(module, name, packed)
         else:
             _pack_linears(child, pack)
