@@ -45,13 +45,14 @@ from agent_kv.kv.policies import make_policy
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.model_loading import load_model, transformers_directory
 
 PREFILL_CHUNK = 512
 SETTINGS = (
     "hf fp32", "hf bf16", "llama.cpp",
-    "full fp32", "full fp16", "full bf16", "full int8",
+    "full fp32", "full fp16", "full bf16", "full int8", "full gguf",
     "conf-kv fp32 compiled", "conf-kv fp16", "conf-kv fp16 compiled", "conf-kv int8",
+    "conf-kv gguf", "conf-kv gguf compiled",
 )  # fmt: skip
 
 
@@ -98,7 +99,7 @@ class Models:
 
         key = ("hf", dtype)
         if key not in self._loaded:
-            source = self.agent_kv("fp32").source
+            source = transformers_directory(self.model)
             self._loaded[key] = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype, attn_implementation="sdpa"
             ).eval()

@@ -17,9 +17,11 @@ one row and 1.5-2x slower for a 128-row prefill chunk. So a call with at most `P
 rows (decode, a batch of decode rows) takes the packed product, and a longer one de-quantizes
 the weight into `prefill_dtype()` and calls `F.linear`: bf16 where the CPU has AMX tiles
 (oneDNN's bf16 products there run ~7x faster than fp32), float32 elsewhere (without AVX-512
-BF16 a bf16 `mm` is slower than fp32). Every layer returns float32. Under `torch.compile` the packed products are custom ops
-(`agent_kv::int4_weight_mm`, `agent_kv::int8_weight_mm`), one opaque call each; eagerly the
-aten product is called directly (a custom op's dispatch costs ~0.1 ms a call).
+BF16 a bf16 `mm` is slower than fp32). Every layer returns float32.
+
+Under `torch.compile` the packed products are custom ops (`agent_kv::int4_weight_mm`,
+`agent_kv::int8_weight_mm`), one opaque call each; eagerly the aten product is called
+directly (a custom op's dispatch costs ~0.1 ms a call).
 """
 
 from __future__ import annotations

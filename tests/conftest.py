@@ -34,6 +34,16 @@ def smollm() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def smollm_directory():
+    """SmolLM2's weights de-quantized into a Hugging Face directory, written once into the
+    cache (`model_loading.transformers_directory`): transformers' own path, the reference the
+    engine is checked against."""
+    from agent_kv.runtime.model_loading import transformers_directory
+
+    return transformers_directory("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(smollm):
     """A 2-layer Llama with random weights (seed 0), SmolLM2's vocabulary, special tokens and
     8192-token context, attention through the KV store: behind SmolLM2's tokenizer it serves

@@ -28,9 +28,11 @@ def prompt_ids(smollm) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm, prompt_ids):
+def reference(smollm, smollm_directory, prompt_ids):
     """Logits and greedy tokens from transformers' own DynamicCache + SDPA path."""
-    model = AutoModelForCausalLM.from_pretrained(smollm.source, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm_directory, attn_implementation="sdpa"
+    ).eval()
     cache = DynamicCache(config=model.config)
     logits, tokens = [], []
     with torch.inference_mode():
@@ -145,7 +147,9 @@ def test_attention_mass_reaches_the_store(smollm, prompt_ids):
         assert scores.shape == (3, 64)
 
 
-def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_ids):
+def test_decoding_after_eviction_matches_a_masked_full_forward(
+    smollm, smollm_directory, prompt_ids
+):
     """Kept keys keep their original positions: the next token after compaction equals a
     full-sequence forward whose last query may only see the kept tokens."""
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
@@ -158,7 +162,7 @@ def test_decoding_after_eviction_matches_a_masked_full_forward(smollm, prompt_id
     logits = engine.feed(session, [prompt_ids[n]])
 
     reference = AutoModelForCausalLM.from_pretrained(
-        smollm.source, attn_implementation="sdpa"
+        smollm_directory, attn_implementation="sdpa"
     ).eval()
     mask = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
     mask[n] = False
@@ -219,8 +223,10 @@ def test_end_of_turn_ids_may_be_lists(smollm, monkeypatch):
     assert {2, 7} <= engine.eos_ids
 
 
-def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
-    model = AutoModelForCausalLM.from_pretrained(smollm.source, attn_implementation="sdpa").eval()
+def test_score_is_the_teacher_forced_log_likelihood(smollm, smollm_directory, prompt_ids):
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm_directory, attn_implementation="sdpa"
+    ).eval()
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
     targets = torch.tensor(prompt_ids[1:])
@@ -239,7 +245,9 @@ def test_score_is_the_teacher_forced_log_likelihood(smollm, prompt_ids):
     assert max(windowed.store.lengths()) <= 16
 
 
-def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(smollm, prompt_ids):
+def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(
+    smollm, smollm_directory, prompt_ids
+):
     """After eviction, a new message on a `reencode` engine reads the kept tokens as if only
     they had been fed, at their original positions: its logits equal transformers' forward
     over the kept tokens alone with those position ids, where the engine without re-encoding
@@ -258,7 +266,7 @@ def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(smol
     kept, (evicted, peak), logits, session = run(reencode=True)
     assert kept == [0, 1, 2, 3, *range(164, 200)]  # 4 sinks and the newest 36
     reference = AutoModelForCausalLM.from_pretrained(
-        smollm.source, attn_implementation="sdpa"
+        smollm_directory, attn_implementation="sdpa"
     ).eval()
     positions = [*kept, 200, 201, 202]
     with torch.inference_mode():

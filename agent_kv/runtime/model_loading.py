@@ -181,6 +181,20 @@ def convert(gguf: Path) -> Path:
     return target
 
 
+def transformers_directory(model: str | None = None) -> Path:
+    """A bundled model's weights as a Hugging Face directory for transformers' own path (the
+    reference for "full KV"): its fp32 conversion in the cache, written on first use
+    (`convert`).
+
+    Raises:
+        ModelNotFoundError: as `convert`, or the model is not bundled or installed.
+    """
+    from agent_kv.runtime.model_cache import cached_conversion
+
+    gguf = bundled_models.resolve(model or bundled_models.DEFAULT_MODEL)
+    return cached_conversion(gguf) or convert(gguf)
+
+
 def load_model(
     model: str | os.PathLike | None = None, weights: str = DEFAULT_WEIGHTS
 ) -> LoadedModel:
@@ -238,6 +252,16 @@ def load_model(
     mark_weight_format(hf_model, weights)
     _release_freed_memory()
     return LoadedModel(hf_model, tokenizer, name, gguf, from_cache, weights)
+
+
+def model_files(gguf: Path) -> Path:
+    """The cache directory of `gguf`'s config and tokenizer files, written on first use.
+
+    Raises:
+        ModelNotFoundError: the file's metadata cannot be read, it has no chat template, or
+            the cache is not writable.
+    """
+    return _model_files(gguf)[0]
 
 
 def _model_files(gguf: Path) -> tuple[Path, bool]:
