@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.attention import register_attention
@@ -18,8 +20,9 @@ from agent_kv.runtime.weight_formats import (
     check_weight_format,
     load_dtype,
 )
+from kernels.gguf_blocks import int4_groups
 from kernels.packed_linear import PackedLinear, packed_linear
-from kernels.quantized_linear import Int8Linear
+from kernels.quantized_linear import Int4Linear, Int8Linear
 from tests.conftest import torch_seed
 
 CONFIG = {
@@ -128,11 +131,31 @@ def test_unknown_format_is_a_config_error():
     assert load_dtype("bf16") == torch.bfloat16 and load_dtype("fp16") == torch.float32
 
 
-@pytest.mark.parametrize("weights", ["fp16", "int8"])
+def tiny_qwen_int4() -> torch.nn.Module:
+    """`tiny_qwen` with every linear layer's weight put through GGUF's Q4_0 blocks and held as
+    an `Int4Linear` (the `gguf` format's layer for 4-bit tensors)."""
+    model = tiny_qwen("fp32")
+
+    def replace(module: torch.nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                weight = child.weight.detach().numpy()
+                raw = gguf_quantize(weight, GGMLQuantizationType.Q4_0)
+                groups = int4_groups(raw, "Q4_0", tuple(weight.shape))
+                bias = None if child.bias is None else child.bias.detach()
+                setattr(module, name, Int4Linear(groups, bias))
+            else:
+                replace(child)
+
+    replace(model)
+    return model
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int8", "int4"])
 def test_decode_graph_equals_eager_step(weights):
     """`--compile` with packed weights: the decode step is one graph (the packed products are
     opaque calls inside it) and gives the eager step's logits."""
-    model = tiny_qwen(weights)
+    model = tiny_qwen_int4() if weights == "int4" else tiny_qwen(weights)
     results = []
     for compile in (False, True):
         policy = make_policy("conf-kv", budget=48, protect_recent=8)
