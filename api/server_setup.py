@@ -62,11 +62,13 @@ class ServerSettings:
 
 def build_server(settings: ServerSettings) -> tuple[FastAPI, ChatService]:
     """Load the model and build the app serving it, saying on stderr when the model starts
-    loading and when the decode step compiles.
+    loading and when the decode step compiles (its compiled kernels kept on disk for the next
+    start: `agent_kv.runtime.compile_cache`).
 
     Raises:
         AgentKVError: the model cannot be loaded or the policy cannot run on it.
     """
+    from agent_kv.runtime.compile_cache import use_compile_cache
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
     from agent_kv.serving.chat_service import ChatService
@@ -82,7 +84,11 @@ def build_server(settings: ServerSettings) -> tuple[FastAPI, ChatService]:
         settings.spec, loaded.model, loaded.tokenizer, compile=compile, share_prefixes=True
     )
     if compile:
-        print("compiling the decode step (--no-compile skips it)...", file=sys.stderr)
+        cache = use_compile_cache(f"{loaded.name}-{settings.weights}")
+        print(
+            f"compiling the decode step (cached in {cache}; --no-compile skips it)...",
+            file=sys.stderr,
+        )
         engine.warm_up()
     sessions = SessionStore(
         engine,

@@ -152,6 +152,7 @@ def _run(
     # torch, Playwright and the sites' web framework: once the options are checked
     from agent_kv.harness.agent import run_episode
     from agent_kv.harness.recall import scripted_episode
+    from agent_kv.runtime.compile_cache import use_compile_cache
     from agent_kv.runtime.engine import Engine
     from agent_kv.runtime.model_loading import load_model
     from envs.browser_env import BrowserEnv
@@ -171,6 +172,8 @@ def _run(
             err=True,
         )
         compile = _compile_default(compile, loaded.model)
+        if compile:
+            use_compile_cache(f"{loaded.name}-{weights}")
         engine = Engine.from_spec(spec, loaded.model, loaded.tokenizer, prefill_chunk, compile)
         if mode == "scripted":
             return scripted_episode(task, engine, env, trace_dir, loaded.name, config, _print_page)
