@@ -14,6 +14,8 @@ first operand has at most `SMALL_ROWS` rows, and leaves every other product to t
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -53,7 +55,7 @@ def backend(graph: torch.fx.GraphModule, example_inputs: list):
     """The `torch.compile` backend: inductor with the decompositions above added to its own.
     AOTAutograd's cache is off while it compiles: its key does not cover a decomposition
     table, so it could hand back a graph compiled without these (inductor's own cache keys the
-    decomposed graph, and stays on)."""
+    decomposed graph, and the table as `_Table` pickles: it stays on)."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -61,13 +63,34 @@ def backend(graph: torch.fx.GraphModule, example_inputs: list):
         return compile_fx(graph, example_inputs, decompositions=_table())
 
 
+class _Table(dict):
+    """The decomposition table `backend` passes, pickled (for inductor's FX graph cache key) as
+    `_table_for(digest of this file)`: torch's own entries do not all pickle (612 of 1101 in
+    torch 2.13), and an entry that does not makes inductor bypass its cache on every graph;
+    torch's version, in the key too, fixes them."""
+
+    def __reduce__(self):
+        return _table_for, (_SOURCE_DIGEST,)
+
+
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+"""The digest of this file: a change to the decompositions above changes inductor's keys."""
+
+
+def _table_for(digest: str) -> _Table:
+    """`_table()`, as a pickled `_Table` is read back; `digest` names its source in keys."""
+    return _table()
+
+
 @functools.cache
-def _table() -> dict:
+def _table() -> _Table:
     from torch._inductor.decomposition import select_decomp_table
 
-    return {
-        **select_decomp_table(),
-        aten.mm.default: _mm,
-        aten.addmm.default: _addmm,
-        aten.bmm.default: _bmm,
-    }
+    return _Table(
+        {
+            **select_decomp_table(),
+            aten.mm.default: _mm,
+            aten.addmm.default: _addmm,
+            aten.bmm.default: _bmm,
+        }
+    )
