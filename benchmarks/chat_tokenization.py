@@ -14,12 +14,10 @@ import argparse
 import statistics
 import time
 
-from transformers import AutoTokenizer
-
 from agent_kv.runtime import bundled_models
 from agent_kv.runtime.chat_layout import placed_chat, render_placed
 from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.model_cache import converted_dir
+from agent_kv.runtime.model_loading import load_tokenizer
 
 
 def agent_chat(turns: int) -> list[dict]:
@@ -40,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     messages = agent_chat(args.turns)
     for name in ("smollm2-135m", bundled_models.DEFAULT_MODEL):
-        tokenizer = AutoTokenizer.from_pretrained(converted_dir(bundled_models.resolve(name)))
+        tokenizer = load_tokenizer(name)
         previous = render_placed(tokenizer, messages[:-2])  # the last turn's prompt
         text = render_chat(tokenizer, messages, (), generation_prompt=True)
         whole = placed_chat(tokenizer, messages, (), text)

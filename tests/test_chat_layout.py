@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import make_policy
@@ -14,8 +13,7 @@ from agent_kv.runtime import bundled_models
 from agent_kv.runtime.chat_layout import message_char_spans, place_messages, render_placed
 from agent_kv.runtime.chat_rendering import render_chat
 from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_cache import converted_dir
-from agent_kv.runtime.model_loading import convert
+from agent_kv.runtime.model_loading import load_tokenizer
 from agent_kv.runtime.tool_calls import Tool, ToolCall
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
@@ -50,9 +48,7 @@ CHATS = {
 
 @pytest.fixture(scope="module", params=["smollm2-135m", bundled_models.DEFAULT_MODEL])
 def tokenizer(request):
-    gguf = bundled_models.resolve(request.param)
-    converted = converted_dir(gguf)
-    return AutoTokenizer.from_pretrained(converted if converted.is_dir() else convert(gguf))
+    return load_tokenizer(request.param)
 
 
 class Counted:

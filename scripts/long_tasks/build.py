@@ -49,18 +49,11 @@ class BuildError(Exception):
     """A task that does not replay, or is not long enough; the message names task and step."""
 
 
-def load_tokenizer():
-    """The default bundled model's tokenizer (its converted directory must be in the cache:
-    run one episode first)."""
-    from transformers import AutoTokenizer
+def default_tokenizer():
+    """The default bundled model's tokenizer, without its weights."""
+    from agent_kv.runtime.model_loading import load_tokenizer
 
-    from agent_kv.runtime import bundled_models
-    from agent_kv.runtime.model_cache import cached_conversion
-
-    converted = cached_conversion(bundled_models.resolve(bundled_models.DEFAULT_MODEL))
-    if converted is None:
-        raise SystemExit("the default model is not converted yet: run `agent-kv run-episode`")
-    return AutoTokenizer.from_pretrained(converted)
+    return load_tokenizer()
 
 
 def family_tasks(names: tuple[str, ...] = FAMILIES) -> list[dict[str, Any]]:
@@ -158,7 +151,7 @@ def main() -> None:
     if args.only:
         wanted = {int(part) for part in args.only.split(",")}
         objects = [task for task in objects if task["task_id"] in wanted]
-    tokenizer, failed, written = load_tokenizer(), 0, []
+    tokenizer, failed, written = default_tokenizer(), 0, []
     sites = sorted({site for task in objects for site in task["sites"]})
     SUITE_DIR.mkdir(exist_ok=True)
     with SiteServers(sites) as servers, BrowserEnv(servers, screenshots=False) as env:

@@ -26,7 +26,7 @@ import torch
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import load_task
-from scripts.long_tasks.build import load_tokenizer, replay
+from scripts.long_tasks.build import default_tokenizer, replay
 
 FACT_TASK, OTHER_TASK = 506, 512
 FACT_PAGE = 3
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer()
+    tokenizer = default_tokenizer()
     fact_task, other_task = load_task(FACT_TASK), load_task(OTHER_TASK)
     with SiteServers(sorted({*fact_task.sites, *other_task.sites})) as servers:
         with BrowserEnv(servers, screenshots=False) as env:

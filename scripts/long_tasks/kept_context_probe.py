@@ -44,7 +44,7 @@ from agent_kv.harness.agent import OBSERVATION_TEMPLATE
 from agent_kv.harness.recall import DEFAULT_FORMAT, NOTE, STOP_PREFIX
 from agent_kv.runtime.chat_rendering import render_chat
 from envs.tasks import load_task
-from scripts.long_tasks.build import load_tokenizer
+from scripts.long_tasks.build import default_tokenizer
 
 SINKS = 4
 """Attention sinks the window keeps (the first positions)."""
@@ -230,7 +230,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trace = json.loads(args.trace.read_text())
     task = load_task(trace["record"]["task_id"])
-    tokenizer = load_tokenizer()
+    tokenizer = default_tokenizer()
     parts = rebuild(trace, tokenizer, task.answer_prefix)
     probe = Probe(tokenizer)
     started = time.perf_counter()
