@@ -128,3 +128,37 @@ def test_gguf_format_holds_the_file_blocks_and_follows_fp32(smollm_fp32_gguf):
     assert float(agree) >= 0.8
     assert loaded.source.suffix == ".gguf" and loaded.weights == "gguf"
     smollm_fp32_gguf.model.set_attn_implementation("agent_kv")
+
+
+def _one_tensor_gguf(path, kind: GGMLQuantizationType) -> None:
+    """A GGUF file holding one 32x64 tensor `blk.0.ffn_up.weight` of type `kind`."""
+    from gguf import GGUFWriter
+
+    weights = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    writer = GGUFWriter(str(path), "llama")
+    raw = gguf_quantize(weights, kind)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_an_unknown_tensor_type_is_refused_with_its_tensor(tmp_path):
+    path = tmp_path / "odd.gguf"
+    _one_tensor_gguf(path, GGMLQuantizationType.Q8_0)
+    tensor = read_tensors(path)["blk.0.ffn_up.weight"]
+    assert (tensor.kind, tensor.shape) == ("Q8_0", (32, 64))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # past the dimension count and both dims
+    data[at : at + 4] = (999).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor blk.0.ffn_up.weight has an unknown type 999"):
+        read_tensors(path)
+
+
+def test_a_type_the_gguf_package_cannot_read_is_named():
+    raw = np.zeros(292, dtype=np.uint8)  # one Q8_K block of 256 weights
+    with pytest.raises(ValueError, match="the gguf package cannot read Q8_K tensors"):
+        dequantize(raw, "Q8_K", (1, 256))
