@@ -15,10 +15,11 @@ from agent_kv.kv.attention import register_attention
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from agent_kv.runtime.weight_formats import (
-    DIRECTORY_FORMATS,
+    WEIGHT_FORMATS,
     apply_weight_format,
     check_weight_format,
     load_dtype,
+    weight_format,
 )
 from kernels.gguf_blocks import int4_groups
 from kernels.packed_linear import PackedLinear, packed_linear
@@ -34,7 +35,7 @@ PROMPT = list(range(7, 7 + 150))
 # Relative L2 error of the last logits against fp32: fp16 rounds each weight (2^-11 relative),
 # bf16 rounds weights and activations (2^-8), INT8 rounds weights to 1/254 of their row's
 # range and its packed decode product rounds activations to bf16.
-TOLERANCE = {"fp32": 0.0, "fp16": 2e-3, "int8": 5e-2, "bf16": 5e-2}
+TOLERANCE = {"fp32": 0.0, "fp16": 2e-3, "int8": 5e-2, "gguf": 5e-2, "bf16": 5e-2}
 
 
 class _Tokenizer:
@@ -63,7 +64,7 @@ def run_logits(model: torch.nn.Module, policy: str) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("policy", ["full", "conf-kv"])
-@pytest.mark.parametrize("weights", [w for w in DIRECTORY_FORMATS if w != "fp32"])
+@pytest.mark.parametrize("weights", [w for w in WEIGHT_FORMATS if w != "fp32"])
 def test_format_logits_close_to_fp32(weights, policy):
     reference, _ = run_logits(tiny_qwen("fp32"), policy)
     logits, kv_dtype = run_logits(tiny_qwen(weights), policy)
@@ -85,9 +86,11 @@ def test_packs_replace_every_linear_and_drop_fp32_weights(weights):
     )  # embeddings and norms only
 
 
-def test_gguf_format_needs_a_gguf_file():
-    with pytest.raises(ConfigError, match="a model directory takes fp32, bf16, fp16, int8"):
-        tiny_qwen("gguf")
+def test_gguf_format_of_float_weights_holds_int8_rows():
+    """A model directory has no 4-bit blocks: `gguf` holds every linear layer as INT8 rows."""
+    model = tiny_qwen("gguf")
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 3 * 7 + 1
+    assert weight_format(model) == "gguf"
 
 
 def test_packed_linear_matches_linear_with_bias_and_batch_dims():

@@ -102,9 +102,10 @@ ModelOption = Annotated[
 WeightsOption = Annotated[
     str,
     typer.Option(
-        help="How the model holds its weights: fp32 (as loaded), fp16 (fp16 weights packed for "
-        "fbgemm, fp32 math), bf16 (bfloat16 model) or int8 (INT8 weights and inputs, fbgemm's "
-        "dynamic quantization: fastest, least accurate). The KV cache stays fp32. "
+        help="How the model holds its weights: gguf (a GGUF file's 4-bit blocks as packed INT4 "
+        "groups, its other tensors INT8 per row), int8 (INT8 per row, weight-only), fp16 "
+        "(fbgemm fp16 packs, fp32 math), bf16 (bfloat16 model) or fp32. Read straight from "
+        "the GGUF file; a model directory takes all but gguf. The KV cache stays fp32. "
         'docs/models.md, "Weights", has the measurements behind the default.',
     ),
 ]

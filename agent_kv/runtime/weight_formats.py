@@ -10,15 +10,16 @@ into one of them.
 - `int8`: every linear layer's weight INT8 with one scale per output channel, weight-only
   (`kernels.quantized_linear.Int8Linear`: activations are never quantized), and the embedding
   table INT8 per row.
-- `gguf`: each tensor in the packed form nearest to how the GGUF file stores it: its 4-bit
-  blocks as packed 4-bit groups, exactly, every other type as `int8` (`gguf_weights`). Only
-  from a GGUF file.
+- `gguf`: each tensor in the packed form nearest to how it is stored: a GGUF file's 4-bit
+  blocks as packed 4-bit groups, exactly, every other tensor as `int8` (`gguf_weights`). A
+  model directory's float weights have no 4-bit blocks, so there `gguf` holds `int8` rows.
 
 A GGUF file is read straight into any format (`gguf_weights.build`); a Hugging Face model
-directory loads in float32 and `apply_weight_format` converts it (every format but `gguf`).
+directory loads in float32 and `apply_weight_format` converts it.
 
-`benchmarks/weight_formats.py` measures each against fp32 (decode and prefill speed, and the
-quality cost), which is how the default was chosen (docs/models.md, "Weights").
+`benchmarks/weight_formats.py`, `weight_memory.py` and `weight_quality.py` measure each
+(decode and prefill speed against llama.cpp and transformers, memory and load time, the
+quality cost against fp32), which is how the default was chosen (docs/models.md, "Weights").
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ if TYPE_CHECKING:  # torch is imported on use: the CLI checks `--weights` before
     import torch
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp16", "int8", "gguf")
-DIRECTORY_FORMATS = ("fp32", "bf16", "fp16", "int8")
-"""The formats a Hugging Face model directory (float weights, no GGUF blocks) can take."""
-DEFAULT_WEIGHTS = "fp16"
+DEFAULT_WEIGHTS = "gguf"
 WEIGHTS_ATTRIBUTE = "agent_kv_weights"
 """The attribute naming a model's weight format (`weight_format`)."""
 
@@ -82,21 +81,15 @@ def apply_weight_format(model: torch.nn.Module, name: str) -> torch.nn.Module:
     format `name`, in place, and mark it (`mark_weight_format`). Returns `model`.
 
     Raises:
-        ConfigError: an unknown format; `gguf`, which needs a GGUF file (the message lists
-            `DIRECTORY_FORMATS`); or `fp16`/`int8` on a model that is not on the CPU (the
-            packed products are CPU kernels; on a GPU use `bf16`).
+        ConfigError: an unknown format, or `fp16`/`int8`/`gguf` on a model that is not on the
+            CPU (the packed products are CPU kernels; on a GPU use `bf16`).
     """
     check_weight_format(name)
-    if name not in DIRECTORY_FORMATS:
-        raise ConfigError(
-            f"--weights {name} reads a GGUF file's blocks; a model directory takes "
-            f"{', '.join(DIRECTORY_FORMATS)}"
-        )
-    if name in ("fp16", "int8"):
+    if name in ("fp16", "int8", "gguf"):
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ConfigError(f"--weights {name} runs on the CPU only (the model is on {device})")
-        _pack_linears(model, name)
+        _pack_linears(model, "fp16" if name == "fp16" else "int8")
     return mark_weight_format(model, name)
 
 
