@@ -88,7 +88,7 @@ def fake(tmp_path, monkeypatch) -> Fake:
         name="fake-model", title="Fake-Model", parameters="none", quantisation="Q0",
         layers=1, kv_heads=1, context_tokens=64, file_name="Fake-Model.gguf",
         sha256=sha256(b"".join(blobs)), wheels=wheels, licence="none",
-        ram_gb=0.0, converted_gb=0.0,
+        ram_gb=0.0,
     )  # fmt: skip
     fake = Fake(model, blobs, tmp_path / "site", tmp_path / "cache")
     for n in range(1, len(blobs) + 1):

