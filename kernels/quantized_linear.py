@@ -11,13 +11,15 @@ prefill chunk de-quantizes them on the fly.
   `torch.ops.aten._weight_int8pack_mm` (activations rounded to bf16).
 - `Int8Embedding`: an embedding table in INT8 rows with one scale per row.
 
-Why two paths: measured on this project's CPU at one thread for a 4864x896 product
-(`benchmarks/quantized_products.py`), the packed products are 2-3x faster than fp32 `mm` for
-one row and 1.5-2x slower for a 128-row prefill chunk. So a call with at most `PACKED_ROWS`
-rows (decode, a batch of decode rows) takes the packed product, and a longer one de-quantizes
-the weight into `prefill_dtype()` and calls `F.linear`: bf16 where the CPU has AMX tiles
-(oneDNN's bf16 products there run ~7x faster than fp32), float32 elsewhere (without AVX-512
-BF16 a bf16 `mm` is slower than fp32). Every layer returns float32.
+Why two paths: measured on this project's CPU (AVX-512 with AMX) at one thread for a
+4864x896 product, the packed products take 0.68 ms (int4) and 0.94 ms (int8) for one row
+against 1.51 ms for fp32 `mm` and 1.32 ms for fbgemm's fp16, but 29.5 and 30.9 ms for a
+128-row prefill chunk against 20.0 ms (fp32) and 3.2 ms (bf16 `mm`, on AMX). So a call with
+at most `PACKED_ROWS` rows (decode, a batch of decode rows) takes the packed product, and a
+longer one de-quantizes the weight into `prefill_dtype()` and calls `F.linear`: bf16 where
+the CPU has AMX tiles, float32 elsewhere (on the AVX2-only CPU this project had before, a
+bf16 `mm` ran ~6x slower than fp32: docs/models.md, "Weights"). Every layer returns
+float32.
 
 Under `torch.compile` the packed products are custom ops (`agent_kv::int4_weight_mm`,
 `agent_kv::int8_weight_mm`), one opaque call each; eagerly the aten product is called
