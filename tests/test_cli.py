@@ -329,7 +329,7 @@ def test_serve_says_when_it_loads_and_when_it_is_ready():
     )
     try:
         lines = read_lines_until(proc.stderr, lambda line: "ready on" in line, timeout=300)
-        assert lines[0] == "loading model smollm2-135m (fp16 weights)..."
+        assert lines[0] == "loading model smollm2-135m (gguf weights)..."
         assert lines[-1] == f"ready on http://127.0.0.1:{port}"
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         assert health.status_code == 200

@@ -40,9 +40,6 @@ JSON_MODE = (
 CASE_MARKS = {
     "test_bind_runnables_as_tools": model_limited(LOOPS),
     "test_structured_output_optional_param": model_limited(LOOPS),
-    # the parser finds no call and returns None, which the tests iterate
-    "test_structured_output[typeddict]": model_limited(LOOPS, TypeError),
-    "test_structured_output_async[typeddict]": model_limited(LOOPS, TypeError),
     "test_json_mode": model_limited(JSON_MODE, OutputParserException),
     "test_agent_loop[model0]": model_limited(AGENT_LOOP),
     "test_agent_loop[model1]": model_limited(AGENT_LOOP),
