@@ -1,6 +1,6 @@
-"""Where converted models and joined bundled GGUF files are kept: the cache directory, and a
-GGUF file's converted directory in it, keyed by the file's content. No torch here: the command
-line's model listing reads it."""
+"""Where joined bundled GGUF files, their config and tokenizer files and their fp32 conversions
+are kept: the cache directory, and a GGUF file's directories in it, keyed by the file's
+content. No torch here: the command line's model listing reads it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import platformdirs
 
 
 def cache_root() -> Path:
-    """Directory holding converted models (`models/`) and joined bundled GGUF files (`gguf/`):
-    `$AGENT_KV_CACHE` or the user cache dir."""
+    """Directory holding joined bundled GGUF files (`gguf/`), GGUF models' config and tokenizer
+    files (`files/`), compiled decode steps (`compile/`) and the fp32 conversions only
+    transformers' own path reads (`models/`): `$AGENT_KV_CACHE` or the user cache dir."""
     return Path(os.environ.get("AGENT_KV_CACHE") or platformdirs.user_cache_dir("agent-kv"))
 
 
