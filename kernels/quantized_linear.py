@@ -28,6 +28,7 @@ directly (a custom op's dispatch costs ~0.1 ms a call).
 
 from __future__ import annotations
 
+import abc
 import functools
 
 import torch
@@ -130,7 +131,35 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-class Int4Linear(torch.nn.Module):
+class _WeightOnlyLinear(torch.nn.Module, abc.ABC):
+    """What `Int4Linear` and `Int8Linear` share: the choice between the packed product (at
+    most `PACKED_ROWS` rows: `packed_product`) and a de-quantized `F.linear` (`dequantized`),
+    and the bias. Subclasses set `in_features`, `out_features`, `bias` and `kind`."""
+
+    kind = ""
+
+    @abc.abstractmethod
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 `[..., in_features]` times the packed weight, float32 out."""
+
+    @abc.abstractmethod
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight de-quantized into `dtype`, `[out_features, in_features]`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 `[..., in_features]` in, float32 `[..., out_features]` out."""
+        if _rows(x) <= PACKED_ROWS:
+            y = self.packed_product(x)
+        else:
+            dtype = prefill_dtype()
+            y = F.linear(x.to(dtype), self.dequantized(dtype)).float()
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Int4Linear(_WeightOnlyLinear):
     """A linear layer holding its weight as packed 4-bit groups (module docstring).
 
     Args:
@@ -142,6 +171,8 @@ class Int4Linear(torch.nn.Module):
         ValueError: shapes the packed layout cannot hold.
         RuntimeError: the CPU's int4 pack layout is unknown (`int4_block_rows`).
     """
+
+    kind = "int4"
 
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None):
         super().__init__()
@@ -169,21 +200,10 @@ class Int4Linear(torch.nn.Module):
         zero = self.scale_zero[..., 1].t().to(dtype)[..., None]
         return ((codes.to(dtype) - 8) * scale + zero).view(n, k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 `[..., in_features]` in, float32 `[..., out_features]` out."""
-        if _rows(x) <= PACKED_ROWS:
-            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.packed, GROUP, self.scale_zero
-            )
-            y = y.float().view(*x.shape[:-1], self.out_features)
-        else:
-            dtype = prefill_dtype()
-            y = F.linear(x.to(dtype), self.dequantized(dtype)).float()
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4"
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` through `_weight_int4pack_mm_for_cpu` (the custom op under compile)."""
+        product = int4_weight_mm if torch.compiler.is_compiling() else _int4_product
+        return product(x, self.packed, self.scale_zero)
 
 
 def int8_rows(weight: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,13 +220,15 @@ def int8_rows(weight: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tenso
     return codes, scale
 
 
-class Int8Linear(torch.nn.Module):
+class Int8Linear(_WeightOnlyLinear):
     """A linear layer holding its weight as INT8 rows with one scale each (module docstring).
 
     Args:
         weight: the float weight `[out_features, in_features]` (quantized here).
         bias: float32 `[out_features]` or None.
     """
+
+    kind = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -220,18 +242,10 @@ class Int8Linear(torch.nn.Module):
         """The weight de-quantized into `dtype`, `[out_features, in_features]`."""
         return self.codes.to(dtype) * self.scale.to(dtype)[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 `[..., in_features]` in, float32 `[..., out_features]` out."""
-        if _rows(x) <= PACKED_ROWS:
-            product = int8_weight_mm if torch.compiler.is_compiling() else _int8_product
-            y = product(x, self.codes, self.scale)
-        else:
-            dtype = prefill_dtype()
-            y = F.linear(x.to(dtype), self.dequantized(dtype)).float()
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` through `_weight_int8pack_mm` (the custom op under compile)."""
+        product = int8_weight_mm if torch.compiler.is_compiling() else _int8_product
+        return product(x, self.codes, self.scale)
 
 
 class Int8Embedding(torch.nn.Module):
