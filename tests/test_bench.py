@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from agent_kv.cli import app
 from agent_kv.errors import ConfigError, ModelNotFoundError
 from agent_kv.harness.agreement import canonical
+from agent_kv.harness.decisions import read_decisions
 from agent_kv.harness.sweep import episodes, ray_pool, schedule
 from agent_kv.harness.sweep.aggregate import aggregate, row_label
 from agent_kv.harness.sweep.episodes import EpisodeRunner
@@ -518,7 +519,7 @@ def test_real_one_task_sweep_with_reference_accuracy(tmp_path: Path, local_ray):
 def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, local_ray):
     task = load_task(413)
     jobs = make_jobs([task], ["full", "conf-kv"], [160])
-    settings = BenchSettings(model="smollm2-135m", mode="scripted", agreement=False)
+    settings = BenchSettings(model="smollm2-135m", mode="scripted")
     run_bench([task], jobs, tmp_path, settings=settings, progress=False)
     records = read_results(tmp_path / "results.jsonl")
     full, conf_kv = sorted(records, key=lambda r: r["policy"] != "full")
@@ -540,9 +541,17 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
     ]
     assert pages[0] == pages[1] and len(pages[0]) == 2
     assert abs(conf_kv["history_tokens"] - full["history_tokens"]) <= 8
+    # each run decided its own action at the one scripted step; CONF-KV's is compared
+    assert "agreement" not in full and "agreement_error" not in conf_kv
+    (step,) = conf_kv["agreement_steps"]
+    assert conf_kv["steps_compared"] == 1 and conf_kv["agreement"] == float(step["agree"])
+    assert step["step"] == 1 and step["kl"] >= 0 and step["since_fact_tokens"] is None
+    assert step["full_action"] == read_decisions(Path(full["trace_dir"]))[0]["action"]
     write_report(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Sweep summary (scripted navigation, free answer)")
+    assert "## Decisions per step and per distance" in summary
+    assert (tmp_path / "agreement_vs_memory.png").stat().st_size > 0
 
 
 class RecordingBar:

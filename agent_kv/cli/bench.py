@@ -98,9 +98,11 @@ AgreementOption = Annotated[
     bool,
     typer.Option(
         "--agreement/--no-agreement",
-        help="Also replay each task's full-KV episode under every other policy, "
-        "teacher-forced, and report how often its own next action equals full KV's, "
-        "and the KL of its next-token distributions from full KV's.",
+        help="Compare every other policy's decisions with full KV's: free mode replays each "
+        "task's full-KV episode under the policy, teacher-forced; scripted mode asks the "
+        "model for its own next action at every step of the reference trajectory under both. "
+        "Reports how often the policy's action equals full KV's, and the KL of its next-token "
+        "distributions from full KV's.",
     ),
 ]
 RetryErrorsOption = Annotated[
@@ -162,7 +164,7 @@ def bench_command(
         reference_accuracy=reference_accuracy and mode == "free",
         observation=observation,
         constrain=constrain,
-        agreement=agreement and "full" in names and mode == "free",
+        agreement=agreement and "full" in names,
         mode=mode,
         positions=positions,
         episodes_per_engine=episodes_per_engine,

@@ -42,6 +42,7 @@ from agent_kv.harness.agent import (
     kv_reductions,
     open_conversation,
 )
+from agent_kv.harness.decisions import DecisionRecorder
 from agent_kv.harness.reply_pins import reply_pin
 from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.runtime.chat_engine import ChatEngine
@@ -293,6 +294,7 @@ def run_recall_task(
     decode: Decoder | None = None,
     on_page: Callable[[int, int], None] | None = None,
     pin_replies: str = "none",
+    decisions: DecisionRecorder | None = None,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
@@ -301,7 +303,9 @@ def run_recall_task(
     the share of each page's and reply's tokens live when the answer is decoded, the final
     prompt's length, the reply and the record). `on_page(n, pages)`, if given, is called as
     page n of the task's `pages` enters the conversation (progress). `pin_replies` says which
-    forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`).
+    forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`). With
+    `decisions`, the model's own action is also decoded at each scripted step and written to
+    `trace_dir` (`agent_kv.harness.decisions`).
 
     Raises:
         envs.browser_env.ActionError: a scripted action names no element of its page or
@@ -314,7 +318,7 @@ def run_recall_task(
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
     chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
-    replay = _Replay(chat)
+    replay = _Replay(chat, decisions=decisions)
     decoded, error, history = Decoded("", None), None, 0
     observation = env.reset(task)
     try:
@@ -356,6 +360,8 @@ def run_recall_task(
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
     )
+    if decisions is not None:
+        decisions.write(trace_dir)
     trace = {"intent": task.intent, "pages": replay.pages, "record": asdict(record)}
     (trace_dir / TRACE_JSON).write_text(json.dumps(trace, indent=2, default=str))
     return record
@@ -372,6 +378,7 @@ class _Replay:
         notes: per step (as a string) whose forced reply begins with a note, the note's token
             positions `(start, end)`.
         hits: scripted actions that were the model's greedy choice.
+        decisions: records the model's own action at each step, or None.
     """
 
     chat: Conversation
@@ -379,6 +386,7 @@ class _Replay:
     page_messages: list[int] = field(default_factory=list)
     notes: dict[str, tuple[int, int]] = field(default_factory=dict)
     hits: int = 0
+    decisions: DecisionRecorder | None = None
 
     def notes_kept(self) -> dict[str, float]:
         """Per step, the share of its note's tokens the store holds now."""
@@ -417,7 +425,12 @@ def _replay_script(
             on_page(number, len(script))
         shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
         replay.page_messages.append(len(chat.messages) - 1)
-        page = {"step": number, "url": observation["url"], "observation": shown}
+        page = {
+            "step": number,
+            "url": observation["url"],
+            "tabs": len(observation["tabs"]),
+            "observation": shown,
+        }
         replay.pages.append(page)
         if action is None:
             break
@@ -448,7 +461,14 @@ def _force_action(
     reply = fmt.reply(action, concrete)
     note = NOTE.match(reply)
     note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
-    forced = chat.force_reply(reply, pin=reply_pin(pin_replies, note_tokens))
+    if replay.decisions is not None:
+        replay.decisions.decide(chat, number, page["observation"], page["tabs"], concrete)
+    keep = replay.decisions is not None
+    forced = chat.force_reply(
+        reply, keep_distributions=keep, pin=reply_pin(pin_replies, note_tokens)
+    )
+    if keep:
+        replay.decisions.forced(forced.distributions, note_tokens)
     replay.hits += forced.greedy
     if note:
         start = chat.spans[len(chat.messages) - 1][0]
@@ -519,15 +539,18 @@ def scripted_episode(
     model_name: str,
     config: AgentConfig,
     on_page: Callable[[int, int], None] | None = None,
+    decisions: DecisionRecorder | None = None,
 ) -> dict[str, Any]:
     """One recall task as an episode of `run-episode --mode scripted` and of a scripted
     sweep: `run_recall_task` in the default format with pages truncated to
     `config.max_obs_tokens` and the replies pinned as `config.pin_replies` says, returned as
-    `episode_summary` of its record. Raises what `run_recall_task` raises."""
+    `episode_summary` of its record; with `decisions`, the model's own action at each step is
+    recorded in `trace_dir` too (`agent_kv.harness.decisions`). Raises what `run_recall_task`
+    raises."""
     fmt = replace(DEFAULT_FORMAT, max_obs_tokens=config.max_obs_tokens)
     record = run_recall_task(
         task, engine, env, trace_dir, model_name, fmt, on_page=on_page,
-        pin_replies=config.pin_replies,
+        pin_replies=config.pin_replies, decisions=decisions,
     )  # fmt: skip
     return episode_summary(record)
 

@@ -26,6 +26,7 @@ figure under a policy where full KV scores well means the cache lost what matter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import queue
@@ -45,6 +46,7 @@ from agent_kv.harness.agent import (
     run_episode,
 )
 from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
+from agent_kv.harness.decisions import DecisionRecorder, compare_decisions, read_decisions
 from agent_kv.harness.recall import scripted_episode
 from agent_kv.harness.reply_pins import reply_pin
 from agent_kv.harness.sweep.settings import BenchSettings, Job, full_job
@@ -320,7 +322,12 @@ class EpisodeRunner:
             pin_replies=self.settings.pin_replies,
         )
         if self.settings.mode == "scripted":
-            return self._recall(task, engine, browser, trace_dir, model_name, config, on_step)
+            summary = self._recall(
+                task, job, engine, browser, trace_dir, model_name, config, on_step
+            )
+            if self.settings.agreement and job.policy != "full":
+                summary.update(self._decisions(task, trace_dir, config))
+            return summary
         try:
             summary = run_episode(
                 task, engine, env, trace_dir, model_name, config, lambda r: on_step(r["step"])
@@ -342,21 +349,51 @@ class EpisodeRunner:
         return summary
 
     def _recall(
-        self, task: Task, engine, browser: _Browser, trace_dir: Path, model: str, config, on_step
+        self,
+        task: Task,
+        job: Job,
+        engine,
+        browser: _Browser,
+        trace_dir: Path,
+        model: str,
+        config,
+        on_step,
     ):
         """A recall task's record: scripted navigation, free answer (`scripted_episode`
-        under `config`, an `AgentConfig`)."""
+        under `config`, an `AgentConfig`), recording the model's own action at each step when
+        the sweep compares decisions (a policy's against the full-KV run of the task beside
+        `trace_dir`; none found leaves the comparison to report it)."""
         steps = self.settings.max_steps
 
         def on_page(number: int, pages: int) -> None:
             on_step(math.ceil(number * steps / pages))
 
         env = browser.open(self._servers, self._observation)
+        decisions = None
+        if self.settings.agreement:
+            reference = None
+            if job.policy != "full":
+                full_dir = trace_dir.parent / full_job(task.task_id, config.agent).name
+                with contextlib.suppress(FileNotFoundError):
+                    reference = read_decisions(full_dir)
+                reference = reference or []
+            fact_page = task.facts[0].page if task.facts else None
+            decisions = DecisionRecorder(config, fact_page, reference)
         try:
-            return scripted_episode(task, engine, env, trace_dir, model, config, on_page)
+            return scripted_episode(task, engine, env, trace_dir, model, config, on_page, decisions)
         except BaseException:
             browser.drop()
             raise
+
+    def _decisions(self, task: Task, trace_dir: Path, config) -> dict[str, Any]:
+        """The decision-agreement fields of `compare_decisions` for the scripted run in
+        `trace_dir` against the full-KV run of the task and `config.agent` beside it, or
+        `agreement_error` when there is none to compare with."""
+        reference = trace_dir.parent / full_job(task.task_id, config.agent).name
+        try:
+            return compare_decisions(trace_dir, reference)
+        except Exception as err:  # noqa: BLE001 - recorded, the episode stands
+            return {"agreement_error": traceback.format_exception_only(err)[-1].strip()}
 
     def _agreement(self, task: Task, engine, config, traces: Path) -> dict[str, Any]:
         """The agreement fields of `agreement_summary` for `engine` against the full-KV

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.harness.sweep.aggregate import aggregate, mean, row_label
+from agent_kv.harness.sweep.decision_table import decision_tables
 from agent_kv.harness.sweep.settings import (
     AGREEMENT_PLOT,
     MODES,
@@ -244,6 +245,22 @@ def _recall_cell(records: list[dict[str, Any]]) -> str:
     return f"{cell} ({mean(ratios):.1f}x)" if ratios else cell
 
 
+AGREEMENT_TEXT = {
+    "free": (
+        "the share of steps of full KV's trajectory, replayed teacher-forced under the "
+        "policy, whose greedy constrained action equals full KV's; *KL vs full* the mean "
+        "KL(full || policy) of the next-token distributions over those actions' tokens (nats)"
+    ),
+    "scripted": (
+        "the share of steps of the task's reference trajectory at which the model's own "
+        "greedy constrained action under the policy equals its own under full KV "
+        "(`agent_kv.harness.decisions`); *KL vs full* the mean KL(full || policy) of the "
+        "next-token distributions over the first tokens of each scripted action (nats)"
+    ),
+}
+"""What the summary's *agreement* and *KL vs full* columns measure, per mode."""
+
+
 def write_report(out: Path) -> str:
     """Aggregate `out/results.jsonl` into `out/summary.md` (the policy table, then the
     per-task table linking each episode's rendered trace, written here where missing; for a
@@ -271,8 +288,17 @@ def write_report(out: Path) -> str:
         if by_k
         else ""
     )
+    decisions = decision_tables(records)
+    if decisions:
+        decisions = (
+            "## Decisions per step and per distance\n\nEach cell is agreed/steps: steps of "
+            "the tasks' reference trajectories at which the policy's own greedy action equals "
+            "full KV's, by step index, then by tokens since the task's first fact was read.\n\n"
+            f"{decisions}\n\n"
+        )
     plots = f"![success vs memory]({PLOT})"
-    if mode == "free":  # a scripted sweep has no agreement to plot
+    agreement = any(row["agreement"] is not None for row in rows)
+    if agreement:
         plots += f"\n![agreement vs memory]({AGREEMENT_PLOT})"
     text = (
         f"# Sweep summary ({MODES[mode]})\n\n"
@@ -281,22 +307,19 @@ def write_report(out: Path) -> str:
         "KV on the same tasks; *peak KV* is the mean peak of the bytes the store's buffers "
         "held (allocated), *live KV* the mean peak of the live bytes; *reduction vs full* is "
         "full KV's mean peak allocated bytes over this row's, on the same tasks; *agreement* "
-        "is the share of steps of full KV's trajectory, replayed teacher-forced under the "
-        "policy, whose greedy constrained action equals full KV's; *KL vs full* the mean "
-        "KL(full || policy) of the next-token distributions over those actions' tokens "
-        "(nats); *ref. action acc.* is the share of reference steps whose action is the "
-        "model's greedy choice under the policy (teacher-forced); *ref. NLL* is the "
-        "reference actions' mean negative log-likelihood per token (nats; lower is "
-        "better). *success (95% CI)* carries Wilson's 95% interval over the row's episodes; "
-        "*minus full (95% CI)* is the row's success rate minus full KV's on the same tasks, in "
+        f"is {AGREEMENT_TEXT[mode]}; *ref. action acc.* is the share of reference steps "
+        "whose action is the model's greedy choice under the policy (teacher-forced); "
+        "*ref. NLL* is the reference actions' mean negative log-likelihood per token "
+        "(nats; lower is better). *success (95% CI)* carries Wilson's 95% interval over "
+        "the row's episodes; *minus full (95% CI)* is the row's success rate minus full KV's on the same tasks, in "
         "percentage points, with the 95% percentile-bootstrap interval of that paired "
         "difference, tasks resampled (`agent_kv.harness.intervals`).\n\n"
         f"{table}\n\n{plots}\n\n"
-        f"{by_k}## Per task\n\nEach cell links the episode's trace.\n\n"
+        f"{by_k}{decisions}## Per task\n\nEach cell links the episode's trace.\n\n"
         f"{per_task_table(records, out)}\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
     plot_vs_memory(rows, out / PLOT, "success_rate", "success rate")
-    if mode == "free":
+    if agreement:
         plot_vs_memory(rows, out / AGREEMENT_PLOT, "agreement", "action agreement with full KV")
     return table

@@ -120,9 +120,11 @@ class BenchSettings:
             (`agent_kv.harness.sweep.episodes`); tasks without reference actions get none.
         observation: the browser's observation mode (`envs.browser_env.OBSERVATION_MODES`).
         constrain: decode actions under each page's action grammar (`AgentConfig.constrain`).
-        agreement: also replay the task's full-KV episode under each other policy and
-            compare its decisions with full KV's (`agent_kv.harness.agreement`); needs `full`
-            among the sweep's policies.
+        agreement: compare each other policy's decisions with full KV's on the same task;
+            needs `full` among the sweep's policies. Free: replay the task's full-KV episode
+            under the policy (`agent_kv.harness.agreement`). Scripted: every run records the
+            model's own action at each step of the reference trajectory, and each policy's
+            are compared with full KV's (`agent_kv.harness.decisions`).
         mode: "free" (free navigation: the agent acts at every step, `run_episode`) or
             "scripted" (scripted navigation, free answer: the recall suite's runner,
             `agent_kv.harness.recall`).
