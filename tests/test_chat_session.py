@@ -91,3 +91,62 @@ def test_reply_pins_and_pattern_matches_in_replies_outlive_an_edit(smollm):
     chat.prefill()
     assert chat.sequence.token_ids == render_placed(tokenizer, chat.messages).token_ids
     assert pinned_text() == before
+
+
+PAGE = (
+    "Tab 0 (current): Blue road bike | Classifieds\n"
+    "URL: http://127.0.0.1:5000/listing/1\n"
+    "[7] RootWebArea 'Blue road bike | Classifieds' focused: True\n"
+    "\t[15] link 'Classifieds'\n"
+    "\t[3] textbox 'Search' required: False\n"
+    "\t[35] heading 'Blue road bike'\n"
+    "\t[64] StaticText 'Price: $120'\n"
+    "\t[80] button 'Next page'"
+)
+
+
+def test_element_pins_keep_the_latest_pages_controls_turn_by_turn_as_on_the_whole_chat(
+    tiny_qwen, qwen_tokenizer
+):
+    """`page_pins="elements"` on the default model's template: of the latest page, only its
+    tab and URL lines and its interactive elements are pinned, and the previous page's are
+    released when a new one arrives, as `protected_spans` over the whole chat has them."""
+    from agent_kv.harness.agent import PAGE_PIN_RULES
+
+    rules = PAGE_PIN_RULES["elements"]
+    engine = Engine(tiny_qwen, qwen_tokenizer, make_policy("full"))
+    chat = ChatSession(engine.new_sequence(), rules=rules)
+    chat.add({"role": "system", "content": "You are a web agent."})
+    chat.add({"role": "user", "content": PAGE})
+    engine.feed(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+    second = PAGE.replace("Blue road bike", "Red city bike").replace("[80] button", "[81] link")
+    chat.add({"role": "assistant", "content": "click [15]"})
+    chat.add({"role": "user", "content": second})
+    engine.feed(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+
+    whole = render_placed(qwen_tokenizer, chat.messages)
+    expected = protected_spans(whole, chat.messages, rules)
+    assert flag_runs(chat.sequence.store.pins.positions().tolist()) == expected
+    pinned = "".join(qwen_tokenizer.decode(whole.token_ids[a:b]) for a, b in expected)
+    assert "You are a web agent." in pinned
+    for line in ("Tab 0 (current): Red city bike", "URL: http://127.0.0.1:5000/listing/1"):
+        assert line in pinned
+    for element in ("[15] link 'Classifieds'", "[3] textbox 'Search'", "[81] link 'Next page'"):
+        assert element in pinned
+    assert "StaticText" not in pinned and "heading" not in pinned and "RootWebArea" not in pinned
+    assert "Blue road bike" not in pinned and "[80] button" not in pinned  # the first page
+    # the whole-page rules pin the latest page whole, and so more tokens
+    whole_rules = protected_spans(whole, chat.messages, PAGE_PIN_RULES["whole"])
+    pinned_whole = "".join(qwen_tokenizer.decode(whole.token_ids[a:b]) for a, b in whole_rules)
+    assert "[64] StaticText 'Price: $120'" in pinned_whole
+    assert sum(b - a for a, b in whole_rules) > sum(b - a for a, b in expected)
+    # a fork keeps the parts pinned, and releases them with the next page
+    twin = chat.fork()
+    twin.add({"role": "assistant", "content": "click [81]"})
+    twin.add({"role": "user", "content": "Tab 0 (current): Empty\n[2] StaticText 'Nothing'"})
+    engine.feed(twin.sequence, twin.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+    later = render_placed(qwen_tokenizer, twin.messages)
+    assert flag_runs(twin.sequence.store.pins.positions().tolist()) == protected_spans(
+        later, twin.messages, rules
+    )
+    assert flag_runs(chat.sequence.store.pins.positions().tolist()) == expected

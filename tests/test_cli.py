@@ -257,6 +257,14 @@ whether torch was imported."""
             ["bench", "--tasks", "541", "--out", "unused", "--pin-replies", "notes,all"],
             "pin_replies must be one of none, notes, all",
         ),
+        (
+            ["run-episode", "--task", "401", "--mode", "scripted", "--page-pins", "text"],
+            "page_pins must be one of whole, elements, got 'text'",
+        ),
+        (
+            ["bench", "--tasks", "541", "--out", "unused", "--reference", "/nonexistent"],
+            "--reference /nonexistent holds no sweep traces",
+        ),
         (["serve", "--policy", "h2o2"], "unknown policy 'h2o2'"),
         (["serve", "--policy", "window+reencode"], "runs on a plain engine only"),
         (["run-episode", "--task", "1", "--policy", "full+reencode"], "nothing to re-encode"),

@@ -67,3 +67,13 @@ def test_apply_pins_sets_exactly_the_spans():
     store.pins.pin(0, 20)
     apply_pins(store, [(2, 4), (10, 12)])
     assert store.pins.mask(0).nonzero().squeeze(1).tolist() == [2, 3, 10, 11]
+
+
+def test_observation_patterns_count_with_the_patterns_and_must_compile():
+    with pytest.raises(ConfigError, match="at most 16 pin patterns, got 17"):
+        PinRules(patterns=("a",) * 9, observation_patterns=("b",) * 8).validate()
+    with pytest.raises(ConfigError, match="not valid RE2 syntax"):
+        PinRules(observation_patterns=("(unclosed",)).validate()
+    rules = PinRules.from_fields(observation_patterns=[r"\[\d+\] link[^\n]*"])
+    assert rules.observation_patterns == (r"\[\d+\] link[^\n]*",)
+    assert rules.pinned_messages(MESSAGES) == [0, 1]  # no observation whole

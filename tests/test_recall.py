@@ -247,3 +247,26 @@ def test_past_the_context_full_kv_errs_and_a_rerotated_window_answers(
     # less than full KV holds at the same history (it holds every token live)
     per_token = overflow.peak_kv_live_bytes / overflow.history_tokens
     assert record.peak_kv_live_bytes < per_token * record.history_tokens
+
+
+@pytest.mark.model
+@pytest.mark.browser
+def test_pinning_only_the_pages_elements_lowers_the_pinned_floor(
+    tiny_qwen, qwen_tokenizer, env, tmp_path
+):
+    """Task 404 under a 16-token window, on the default model's template (random weights):
+    with `page_pins="elements"` the most tokens pinned at once (system turn, examples, the
+    latest page's controls) is below the whole-page pins' and the trace has the count after
+    every forced reply."""
+    peaks = {}
+    for pins in ("whole", "elements"):
+        engine = Engine(tiny_qwen, qwen_tokenizer, make_policy("window", budget=16), 64)
+        record = run_recall_task(
+            load_task(404), engine, env, tmp_path / pins, "tiny", page_pins=pins
+        )
+        assert record.error is None and record.page_pins == pins
+        trace = json.loads((tmp_path / pins / TRACE_JSON).read_text())
+        counts = [page["pinned_tokens"] for page in trace["pages"][:-1]]
+        assert len(counts) == 3 and record.peak_pinned_tokens >= max(counts) > 0
+        peaks[pins] = record.peak_pinned_tokens
+    assert peaks["elements"] < peaks["whole"]

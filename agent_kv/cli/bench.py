@@ -16,6 +16,7 @@ from agent_kv.cli.options import (
     ModelOption,
     ModeOption,
     ObservationOption,
+    PagePinsOption,
     PinRepliesOption,
     PositionsOption,
     PrefillChunkOption,
@@ -23,6 +24,7 @@ from agent_kv.cli.options import (
     WeightsOption,
 )
 from agent_kv.errors import AgentKVError, ConfigError
+from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.runtime import bundled_models
@@ -105,6 +107,14 @@ AgreementOption = Annotated[
         "distributions from full KV's.",
     ),
 ]
+ReferenceSweepOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--reference",
+        help="In scripted mode, a sweep directory whose full-KV runs (same tasks, same "
+        "settings but the pins) the decisions are compared with, instead of --out's own.",
+    ),
+]
 RetryErrorsOption = Annotated[
     bool, typer.Option(help="Rerun episodes recorded with end_reason error.")
 ]
@@ -129,7 +139,9 @@ def bench_command(
     mode: ModeOption = "free",
     positions: PositionsOption = "original",
     pin_replies: PinRepliesOption = "none",
+    page_pins: PagePinsOption = "whole",
     agreement: AgreementOption = True,
+    reference: ReferenceSweepOption = None,
     retry_errors: RetryErrorsOption = False,
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
@@ -149,6 +161,9 @@ def bench_command(
         bundled_models.locate(model)
         check_weight_format(weights)
         check_observation_mode(observation)
+        check_page_pins(page_pins)
+        if reference is not None and not (reference / "traces").is_dir():
+            raise ConfigError(f"--reference {reference} holds no sweep traces")
         names, jobs = _sweep_jobs(
             task_list, policies, budgets, agents, mode, pin_replies, int8, positions, ray_address
         )
@@ -164,12 +179,14 @@ def bench_command(
         reference_accuracy=reference_accuracy and mode == "free",
         observation=observation,
         constrain=constrain,
-        agreement=agreement and "full" in names,
+        agreement=agreement and ("full" in names or reference is not None),
         mode=mode,
         positions=positions,
         episodes_per_engine=episodes_per_engine,
         weights=weights,
         pin_replies=pin_replies,
+        page_pins=page_pins,
+        reference=None if reference is None else str(reference.resolve()),
     )
     _run_sweep(task_list, jobs, out, workers, ray_address, settings, retry_errors)
 

@@ -24,6 +24,7 @@ from agent_kv.cli.options import (
     ModelOption,
     ModeOption,
     ObservationOption,
+    PagePinsOption,
     ParamOption,
     PinRepliesOption,
     PolicyOption,
@@ -35,6 +36,7 @@ from agent_kv.cli.options import (
     WeightsOption,
 )
 from agent_kv.errors import AgentKVError, ConfigError
+from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.harness.trace_view import write_trace_html
 from agent_kv.kv.policy_spec import PolicySpec
@@ -66,6 +68,7 @@ def run_episode_command(
     constrain: ConstrainOption = True,
     agent: AgentOption = "text",
     pin_replies: PinRepliesOption = "none",
+    page_pins: PagePinsOption = "whole",
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
@@ -88,6 +91,7 @@ def run_episode_command(
         check_weight_format(weights)
         check_observation_mode(observation)
         check_pin_replies(pin_replies)
+        check_page_pins(page_pins)
         find_chromium()
         spec = PolicySpec.parse(
             policy, budget, budget_bytes, tau, protect_recent, int8, fp_window, positions, param,
@@ -105,6 +109,7 @@ def run_episode_command(
             constrain=constrain,
             agent=agent,
             pin_replies=pin_replies,
+            page_pins=page_pins,
         )
         summary = _run(
             task_obj, mode, spec, model, weights, config, prefill_chunk, observation, out, compile

@@ -152,6 +152,13 @@ PinRepliesOption = Annotated[
         "scripted reply begins with, `note [fact]`) or all (every reply, actions and notes).",
     ),
 ]
+PagePinsOption = Annotated[
+    str,
+    typer.Option(
+        help="How much of the page the agent acts on no policy evicts: whole, or elements (its "
+        "tab and URL lines and interactive elements; its text is left to the policy).",
+    ),
+]
 ObservationOption = Annotated[
     str,
     typer.Option(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from playwright.sync_api import Error as PlaywrightError
 
 from agent_kv.errors import ContextOverflowError
 from agent_kv.harness.action_formats import TEXT_ACTIONS, ActionFormat, action_format
+from agent_kv.harness.page_pins import ELEMENT_PATTERNS, check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.kv.kv_figures import KVFigures
@@ -45,6 +46,12 @@ AGENT_PIN_RULES = PinRules(
 """What an episode pins: the system message (instructions, goal, tools), the messages added
 with `pin` (the example turns), and the latest observation (a user or tool turn: an example
 comes before every observation, so the newest of these is the page the agent acts on)."""
+PAGE_PIN_RULES = {
+    "whole": AGENT_PIN_RULES,
+    "elements": replace(AGENT_PIN_RULES, observation_patterns=ELEMENT_PATTERNS),
+}
+"""The rules of each `page_pins` setting (`agent_kv.harness.page_pins`): the latest page
+pinned whole, or only its tab and URL lines and interactive elements."""
 
 
 @dataclass
@@ -62,6 +69,8 @@ class AgentConfig:
             its page's calls); False decodes freely.
         agent: how actions are written: "text" (`click [12]`) or "tools" (one tool call
             per action; `agent_kv.harness.action_formats`).
+        page_pins: how much of the latest page to pin (`page_pins.PAGE_PINS`): "whole" or
+            "elements" (its tab and URL lines and interactive elements).
         pin_replies: which of the agent's replies to pin (`reply_pins.PIN_REPLIES`): "none", "notes"
             (the note a reply begins with, `note [fact]`, in the scripted runner's format;
             a free agent writes none) or "all" (every reply, actions and notes: short, and
@@ -76,9 +85,11 @@ class AgentConfig:
     constrain: bool = True
     agent: str = "text"
     pin_replies: str = "none"
+    page_pins: str = "whole"
 
     def __post_init__(self) -> None:
         check_pin_replies(self.pin_replies)
+        check_page_pins(self.page_pins)
 
     @property
     def action_format(self) -> ActionFormat:
@@ -182,11 +193,13 @@ def open_conversation(
     intent: str,
     fmt: ActionFormat = TEXT_ACTIONS,
     few_shot: Sequence[tuple[str, str]] | None = None,
+    page_pins: str = "whole",
 ) -> Conversation:
-    """An episode's conversation in the action format `fmt`, pinned by `AGENT_PIN_RULES`: its
-    system prompt with the goal and its tools, and the example turns (user text, assistant
-    reply; the format's own unless given), pinned for good."""
-    chat = Conversation(engine, tools=fmt.tools, rules=AGENT_PIN_RULES)
+    """An episode's conversation in the action format `fmt`, pinned by `PAGE_PIN_RULES`
+    [`page_pins`]: its system prompt with the goal and its tools, and the example turns (user
+    text, assistant reply; the format's own unless given), pinned for good; the latest page
+    whole or its elements."""
+    chat = Conversation(engine, tools=fmt.tools, rules=PAGE_PIN_RULES[page_pins])
     chat.add("system", fmt.system_prompt.format(intent=intent))
     for example, action in fmt.few_shot(engine.tokenizer) if few_shot is None else few_shot:
         chat.add("user", example, pin=True)
@@ -239,7 +252,7 @@ def run_episode(
     trace_dir.mkdir(parents=True, exist_ok=True)
     (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
-    chat = open_conversation(engine, task.intent, fmt)
+    chat = open_conversation(engine, task.intent, fmt, page_pins=config.page_pins)
     episode = _Episode(task, env, trace_dir, config, fmt, chat, on_step)
     error = None
     try:

@@ -130,8 +130,8 @@ def replay_agreement(
     fmt = config.action_format
     greedy = replace(config.sampling, temperature=0.0)
     chats = {
-        "policy": open_conversation(engine, intent, fmt),
-        "full": open_conversation(reference, intent, fmt),
+        "policy": open_conversation(engine, intent, fmt, page_pins=config.page_pins),
+        "full": open_conversation(reference, intent, fmt, page_pins=config.page_pins),
     }
     previous: int | None = None
     compared = []

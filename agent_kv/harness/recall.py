@@ -237,6 +237,9 @@ class RecallRecord:
         error: why the task could not be answered (e.g. the context overflowed), or None.
         wall_s: seconds for the task.
         trace_dir: where its trace is.
+        page_pins: how much of the latest page was pinned (`AgentConfig.page_pins`).
+        peak_pinned_tokens: the most tokens pinned at once (per layer; after each forced
+            reply and at the answer): the floor under any budget, with one prefill chunk.
     """
 
     task_id: int
@@ -267,6 +270,8 @@ class RecallRecord:
     error: str | None
     wall_s: float
     trace_dir: str
+    page_pins: str = "whole"
+    peak_pinned_tokens: int = 0
 
 
 def _token_count(chat: Conversation, text: str) -> int:
@@ -295,6 +300,7 @@ def run_recall_task(
     on_page: Callable[[int, int], None] | None = None,
     pin_replies: str = "none",
     decisions: DecisionRecorder | None = None,
+    page_pins: str = "whole",
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
@@ -303,7 +309,8 @@ def run_recall_task(
     the share of each page's and reply's tokens live when the answer is decoded, the final
     prompt's length, the reply and the record). `on_page(n, pages)`, if given, is called as
     page n of the task's `pages` enters the conversation (progress). `pin_replies` says which
-    forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`). With
+    forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`), and
+    `page_pins` how much of the latest page (`AgentConfig.page_pins`). With
     `decisions`, the model's own action is also decoded at each scripted step and written to
     `trace_dir` (`agent_kv.harness.decisions`).
 
@@ -317,13 +324,14 @@ def run_recall_task(
     started = time.perf_counter()
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
-    chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot)
+    chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot, page_pins=page_pins)
     replay = _Replay(chat, decisions=decisions)
     decoded, error, history = Decoded("", None), None, 0
     observation = env.reset(task)
     try:
         _replay_script(replay, task, env, observation, fmt, config, pin_replies, on_page)
         chat.prefill()
+        replay.count_pinned()
         history = chat.sequence.store.seen_tokens
         notes_kept = replay.notes_kept()
         replay.mark_kept_at_answer()
@@ -359,6 +367,8 @@ def run_recall_task(
         error=error,
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
+        page_pins=page_pins,
+        peak_pinned_tokens=replay.peak_pinned_tokens,
     )
     if decisions is not None:
         decisions.write(trace_dir)
@@ -379,6 +389,7 @@ class _Replay:
             positions `(start, end)`.
         hits: scripted actions that were the model's greedy choice.
         decisions: records the model's own action at each step, or None.
+        peak_pinned_tokens: the most tokens pinned at once so far (`count_pinned`).
     """
 
     chat: Conversation
@@ -387,6 +398,13 @@ class _Replay:
     notes: dict[str, tuple[int, int]] = field(default_factory=dict)
     hits: int = 0
     decisions: DecisionRecorder | None = None
+    peak_pinned_tokens: int = 0
+
+    def count_pinned(self) -> int:
+        """The tokens pinned now (per layer), also raising `peak_pinned_tokens`."""
+        pinned = self.chat.sequence.store.pins.tokens()
+        self.peak_pinned_tokens = max(self.peak_pinned_tokens, pinned)
+        return pinned
 
     def notes_kept(self) -> dict[str, float]:
         """Per step, the share of its note's tokens the store holds now."""
@@ -477,6 +495,7 @@ def _force_action(
         action=reply,
         greedy=forced.greedy,
         tokens_seen=chat.sequence.store.seen_tokens,
+        pinned_tokens=replay.count_pinned(),
         notes_kept=replay.notes_kept(),
     )
     observation = env.step(concrete).observation
@@ -543,14 +562,15 @@ def scripted_episode(
 ) -> dict[str, Any]:
     """One recall task as an episode of `run-episode --mode scripted` and of a scripted
     sweep: `run_recall_task` in the default format with pages truncated to
-    `config.max_obs_tokens` and the replies pinned as `config.pin_replies` says, returned as
+    `config.max_obs_tokens`, the replies and the page pinned as `config.pin_replies` and
+    `config.page_pins` say, returned as
     `episode_summary` of its record; with `decisions`, the model's own action at each step is
     recorded in `trace_dir` too (`agent_kv.harness.decisions`). Raises what `run_recall_task`
     raises."""
     fmt = replace(DEFAULT_FORMAT, max_obs_tokens=config.max_obs_tokens)
     record = run_recall_task(
         task, engine, env, trace_dir, model_name, fmt, on_page=on_page,
-        pin_replies=config.pin_replies, decisions=decisions,
+        pin_replies=config.pin_replies, decisions=decisions, page_pins=config.page_pins,
     )  # fmt: skip
     return episode_summary(record)
 

@@ -105,6 +105,7 @@ class ChatSession:
         self.rendered = ""
         self._pinned: set[int] = set()  # messages the rules pin now
         self._text_pins: list[tuple[int, int]] = []  # token spans of pattern matches
+        self._observation_pins: dict[int, list[tuple[int, int]]] = {}  # latest pages' parts
         self._reply_pins: list[tuple[int, int]] = []  # token spans of replies pinned
         self._pinned_replies: dict[int, int] = {}  # reply message -> its characters pinned
 
@@ -175,6 +176,7 @@ class ChatSession:
         sync = prepare_history(self.sequence, chat.token_ids, fresh)
         apply_pins(self.sequence.store, [])
         self.spans, self._pinned, self._text_pins = [], set(), []
+        self._observation_pins = {}
         self._reply_pins = self._replies_pinned_in(chat)
         self.rendered = ""
         new = _NewText(
@@ -217,14 +219,18 @@ class ChatSession:
                     new.base + bisect.bisect_left(new.starts, end),
                 )
             )
-        self._apply_rules(new)
+        self._apply_rules(new, placed)
         self.rendered = new.text
 
-    def _apply_rules(self, new: _NewText) -> None:
+    def _apply_rules(self, new: _NewText, placed: list[tuple[int, int]]) -> None:
         """Pin what the rules choose now and release the messages they no longer choose, as
         `protected_spans` over the whole chat would; pattern matches (and the tools'
-        description) in the new text are pinned for good."""
+        description) in the new text are pinned for good; with `observation_patterns`, their
+        matches in a latest observation (`placed`: each message's characters in `new.text`)
+        are pinned while it is one of the latest."""
         pins = self.sequence.store.pins
+        if self.rules.observation_patterns:
+            self._place_observation_pins(new, placed)
         chosen = set(self.rules.pinned_messages(self.messages))
         for i in sorted(self._pinned - chosen):
             pins.unpin(*self.spans[i])
@@ -235,8 +241,30 @@ class ChatSession:
             first, last = overlapping_tokens(new.starts, new.ends, start, end)
             if last > first:
                 self._text_pins.append((new.base + first, new.base + last))
-        for span in self._text_pins + self._reply_pins:
+        for span in [*self._text_pins, *self._reply_pins]:
             pins.pin(*span)
+        for spans in self._observation_pins.values():
+            for span in spans:
+                pins.pin(*span)
+
+    def _place_observation_pins(self, new: _NewText, placed: list[tuple[int, int]]) -> None:
+        """Release the parts pinned of observations no longer among the latest, and find the
+        token spans of `observation_patterns`' matches in each new latest one (placed in the
+        new text)."""
+        latest = set(self.rules.latest_observations_of(self.messages))
+        for index in sorted(set(self._observation_pins) - latest):
+            for span in self._observation_pins.pop(index):
+                self.sequence.store.pins.unpin(*span)
+        for index in sorted(latest - set(self._observation_pins)):
+            start, end = placed[index]
+            spans = []
+            for first_char, end_char in self.rules.observation_spans(
+                new.text, (max(start, new.new_from), end)
+            ):
+                first, last = overlapping_tokens(new.starts, new.ends, first_char, end_char)
+                if last > first:
+                    spans.append((new.base + first, new.base + last))
+            self._observation_pins[index] = spans
 
     def pin_reply(self, start: int, end: int) -> None:
         """Pin token positions `[start, end)` ahead of a reply being decoded (they may lie past
@@ -290,6 +318,7 @@ class ChatSession:
         twin.rendered = self.rendered
         twin._pinned = set(self._pinned)
         twin._text_pins = list(self._text_pins)
+        twin._observation_pins = {i: list(spans) for i, spans in self._observation_pins.items()}
         twin._reply_pins = list(self._reply_pins)
         twin._pinned_replies = dict(self._pinned_replies)
         return twin

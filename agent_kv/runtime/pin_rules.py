@@ -7,7 +7,9 @@ rendered with the model's chat template. Rules pin, in token positions of that r
   result);
 - every message flagged `"pin": True`;
 - the latest `latest_observations` messages whose role is in `observation_roles` (older ones
-  are released when a newer one arrives);
+  are released when a newer one arrives): whole, or with `observation_patterns` only where
+  those patterns match inside them (a page's interactive elements, say, its text left to the
+  policy);
 - the tools' description, with the system role, when it comes before the first message;
 - every tool result (a `tool` message) answering a call of a tool named in `tool_names`,
   and, with `tool_calls`, every assistant message that calls tools (its text and calls);
@@ -50,6 +52,7 @@ RULE_FIELD_TYPES = {
     "roles": frozenset,
     "observation_roles": frozenset,
     "patterns": tuple,
+    "observation_patterns": tuple,
     "tool_names": frozenset,
 }
 """The `PinRules` fields whose JSON lists `PinRules.from_fields` converts, and to what."""
@@ -64,6 +67,9 @@ class PinRules:
         latest_observations: how many of the newest observation messages to pin (0: none).
         observation_roles: the roles that count as observations (default: tool).
         patterns: regular expressions; every match in the rendered conversation is pinned.
+        observation_patterns: regular expressions; when given, each of the latest
+            observations is pinned only where one of them matches inside it, not whole (and
+            released, like a whole one, when newer observations arrive).
         tool_names: tools whose results are always pinned (a `tool` message is a result of
             the tool its `tool_call_id`'s call named).
         tool_calls: pin every assistant message that makes tool calls.
@@ -73,6 +79,7 @@ class PinRules:
     latest_observations: int = 1
     observation_roles: frozenset[str] = frozenset({"tool"})
     patterns: tuple[str, ...] = field(default_factory=tuple)
+    observation_patterns: tuple[str, ...] = field(default_factory=tuple)
     tool_names: frozenset[str] = frozenset()
     tool_calls: bool = False
 
@@ -116,20 +123,41 @@ class PinRules:
         return rules
 
     def validate(self) -> None:
-        """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns, a
+        """Raises `ConfigError` for a negative count, more than `MAX_PATTERNS` patterns (both
+        kinds together), a
         pattern longer than `MAX_PATTERN_CHARS`, or one RE2 cannot compile (bad syntax,
         backreferences, lookaround, an automaton over `PATTERN_MEMORY_BYTES`)."""
         if self.latest_observations < 0:
             raise ConfigError(f"latest_observations must be >= 0, got {self.latest_observations}")
-        if len(self.patterns) > MAX_PATTERNS:
-            raise ConfigError(f"at most {MAX_PATTERNS} pin patterns, got {len(self.patterns)}")
-        for pattern in self.patterns:
+        patterns = self.patterns + self.observation_patterns
+        if len(patterns) > MAX_PATTERNS:
+            raise ConfigError(f"at most {MAX_PATTERNS} pin patterns, got {len(patterns)}")
+        for pattern in patterns:
             compile_pattern(pattern)
 
+    def latest_observations_of(self, messages: list[dict]) -> list[int]:
+        """The indices of the latest `latest_observations` observation messages, ascending."""
+        if not self.latest_observations:
+            return []
+        observations = [
+            i for i, message in enumerate(messages) if message["role"] in self.observation_roles
+        ]
+        return observations[-self.latest_observations :]
+
+    def observation_spans(self, text: str, chars: tuple[int, int]) -> list[tuple[int, int]]:
+        """The character spans of `text[chars[0]:chars[1]]` (an observation message) that
+        `observation_patterns` match, non-empty ones only."""
+        return [
+            match.span()
+            for pattern in self.observation_patterns
+            for match in compile_pattern(pattern).finditer(text, *chars)
+            if match.end() > match.start()
+        ]
+
     def pinned_messages(self, messages: list[dict]) -> list[int]:
-        """The indices of the messages the rules pin, ascending: by role, by their own
+        """The indices of the messages the rules pin whole, ascending: by role, by their own
         `"pin": True`, as tool calls or results of the tools named, and the latest
-        observations."""
+        observations (unless `observation_patterns` pin only parts of them)."""
         called = {
             call.id: call.name for message in messages for call in message.get("tool_calls") or []
         }
@@ -141,11 +169,8 @@ class PinRules:
             or (self.tool_calls and message.get("tool_calls"))
             or called.get(message.get("tool_call_id")) in self.tool_names
         }
-        if self.latest_observations:
-            observations = [
-                i for i, message in enumerate(messages) if message["role"] in self.observation_roles
-            ]
-            chosen.update(observations[-self.latest_observations :])
+        if not self.observation_patterns:
+            chosen.update(self.latest_observations_of(messages))
         return sorted(chosen)
 
     def text_spans(
@@ -200,6 +225,9 @@ def protected_spans(
     rules.validate()
     chosen = [chat.message_chars[i] for i in rules.pinned_messages(messages)]
     chosen += rules.text_spans(chat.text, chat.preamble_chars)
+    if rules.observation_patterns:
+        for i in rules.latest_observations_of(messages):
+            chosen += rules.observation_spans(chat.text, chat.message_chars[i])
     pinned = [False] * len(chat.token_ids)
     for start, end in chosen:
         first, last = chat.token_span(start, end)

@@ -80,7 +80,7 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
         page it is replayed on.
     """
     fmt = config.action_format
-    chat = open_conversation(engine, task.intent, fmt)
+    chat = open_conversation(engine, task.intent, fmt, page_pins=config.page_pins)
     matches: list[bool] = []
     logprobs: list[float] = []
     previous: int | None = None
@@ -320,6 +320,7 @@ class EpisodeRunner:
             constrain=self.settings.constrain,
             agent=job.agent,
             pin_replies=self.settings.pin_replies,
+            page_pins=self.settings.page_pins,
         )
         if self.settings.mode == "scripted":
             summary = self._recall(
@@ -373,7 +374,7 @@ class EpisodeRunner:
         if self.settings.agreement:
             reference = None
             if job.policy != "full":
-                full_dir = trace_dir.parent / full_job(task.task_id, config.agent).name
+                full_dir = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
                 with contextlib.suppress(FileNotFoundError):
                     reference = read_decisions(full_dir)
                 reference = reference or []
@@ -385,11 +386,18 @@ class EpisodeRunner:
             browser.drop()
             raise
 
+    def _full_traces(self, trace_dir: Path) -> Path:
+        """Where the full-KV runs a scripted run's decisions compare with lie: the traces of
+        the reference sweep (`BenchSettings.reference`), or those beside `trace_dir`."""
+        if self.settings.reference is not None:
+            return Path(self.settings.reference) / "traces"
+        return trace_dir.parent
+
     def _decisions(self, task: Task, trace_dir: Path, config) -> dict[str, Any]:
         """The decision-agreement fields of `compare_decisions` for the scripted run in
         `trace_dir` against the full-KV run of the task and `config.agent` beside it, or
         `agreement_error` when there is none to compare with."""
-        reference = trace_dir.parent / full_job(task.task_id, config.agent).name
+        reference = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
         try:
             return compare_decisions(trace_dir, reference)
         except Exception as err:  # noqa: BLE001 - recorded, the episode stands

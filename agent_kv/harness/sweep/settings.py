@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.errors import ConfigError
+from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.kv.policy_names import base_policy, check_policy_name
 from agent_kv.renamed_fields import current_names
@@ -137,6 +138,9 @@ class BenchSettings:
             recorded with the sweep like the other settings.
         weights: the model's weight format (`agent_kv.runtime.weight_formats`).
         pin_replies: which of the agent's replies to pin (`AgentConfig.pin_replies`).
+        page_pins: how much of the latest page to pin (`AgentConfig.page_pins`).
+        reference: scripted mode: the sweep directory whose full-KV runs the decisions are
+            compared with (None: this sweep's own).
     """
 
     max_steps: int = 6
@@ -152,11 +156,14 @@ class BenchSettings:
     episodes_per_engine: int = 1
     weights: str = DEFAULT_WEIGHTS
     pin_replies: str = "none"
+    page_pins: str = "whole"
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         self.model = self.model or bundled_models.DEFAULT_MODEL  # recorded by name
         check_weight_format(self.weights)
         check_pin_replies(self.pin_replies)
+        check_page_pins(self.page_pins)
         if self.episodes_per_engine < 1:
             raise ValueError(f"episodes_per_engine must be >= 1, got {self.episodes_per_engine}")
 
