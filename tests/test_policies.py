@@ -127,6 +127,28 @@ def test_full_never_evicts():
     assert store.lengths() == [70, 70]
 
 
+def test_pins_only_keeps_the_pinned_tokens_and_nothing_else():
+    store = store_with(100)
+    store.pins.pin(0, 10)
+    store.pins.pin(60, 65)
+    policy = make_policy("pins-only")
+    assert (policy.budget(0.1), policy.budget(None), policy.takes_budget, policy.evicts) == (
+        0,
+        0,
+        False,
+        True,
+    )
+    assert policy.evict(store, None) == 2 * 85
+    assert kept_positions(store) == list(range(10)) + list(range(60, 65))
+    random_tokens(store, 3)  # a new call's tokens go after it has run
+    assert policy.evict(store, 0.5) == 2 * 3
+    assert store.lengths() == [15, 15]
+    with pytest.raises(ConfigError, match="keeps pinned tokens only"):
+        make_policy("pins-only", sinks=4)
+    with pytest.raises(ConfigError, match="takes no budget"):
+        make_policy("pins-only", budget=64)
+
+
 def test_pins_never_crowd_out_the_newest_tokens():
     store = store_with(40)
     store.pins.pin(0, 20)
@@ -258,8 +280,8 @@ def test_a_small_budget_is_never_cut_below_half_by_the_slack():
 def test_the_torch_free_name_list_is_the_registry():
     declared = declared_policies()
     assert tuple(POLICIES) == tuple(declared)
-    assert {name for name, cls in POLICIES.items() if not cls.takes_budget} == {
-        name for name, takes_budget in declared.items() if not takes_budget
+    assert {name for name, cls in POLICIES.items() if not cls.evicts} == {
+        name for name, evicts in declared.items() if not evicts
     }
 
 

@@ -1,6 +1,8 @@
 """Task files: loading, validation messages, the bundled suite, and replaying its trajectories."""
 
 import json
+import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -9,17 +11,20 @@ from envs.browser_env import BrowserEnv
 from envs.evaluators import evaluate
 from envs.server import SiteServers
 from envs.tasks import TaskError, load_suite, load_task, load_tasks, suite_names
+from scripts.long_tasks import carry, carry_more
+from scripts.long_tasks.kinds import KINDS, shown
 
 WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
 BUNDLED = [(suite, task) for suite in suite_names() for task in load_suite(suite)]
 """(suite, task) of every bundled task, replayed below."""
-LONG_QUICK = {531, 546}
+LONG_QUICK = {531, 546, 575}
 """The long-horizon tasks the default run replays (one comparing facts across two sites, one
-carrying a fact through comments on another site); the others, 15-60 actions each, replay
-under `slow`."""
-CARRIED = range(541, 561)
-"""The long-horizon tasks that carry one fact through pages that never show it again
-(`scripts/long_tasks/carry.py`)."""
+carrying a fact through comments on another site with distractors, one without); the others,
+15-60 actions each, replay under `slow`."""
+CARRIED = range(541, 601)
+"""The long-horizon tasks that carry one fact through pages that never show it again, fitted
+to the default model (`scripts/long_tasks/carry.py`, 541-560, and `carry_more.py`,
+561-600)."""
 
 
 def replayed(suite: str, task):
@@ -250,12 +255,73 @@ def test_the_long_horizon_suite_is_long_by_its_work():
     assert sum(len(task.sites) == 2 and len(task.start_urls) == 2 for task in tasks) >= 8
     assert sum("program_html" in task.eval.eval_types for task in tasks) >= 6  # write actions
     assert max(fact.tokens for task in tasks for fact in task.facts) >= 16_000
-    carried = [task for task in tasks if task.task_id in CARRIED]
-    assert len(carried) == 20
-    for task in carried:
+    for task in tasks:
+        if task.task_id in range(541, 561):  # the first carry family: far, across two sites
+            (fact,) = task.facts
+            assert fact.steps >= 15 and fact.tokens >= 15_000, task.task_id
+            assert len(task.sites) == 2 and "program_html" in task.eval.eval_types
+        if task.task_id not in CARRIED:
+            assert task.distractors is None and task.split is None, task.task_id
+
+
+def test_the_fitted_suite_spans_kinds_distances_groups_and_splits():
+    """The carry tasks 541-600 (tasks/README.md, "The long-horizon suite"): at least 60, each
+    answering with one fact of a kind, 12K-32K tokens (median at least 16K), the fact 4K-24K
+    tokens back, with and without distractors, on each site alone and across two, split in
+    balanced halves by the documented rule."""
+    tasks = [task for task in load_suite("long") if task.task_id in CARRIED]
+    assert len(tasks) >= 60
+    tokens = [task.history_tokens for task in tasks]
+    assert all(12_000 <= count <= 32_000 for count in tokens)
+    assert statistics.median(tokens) >= 16_000
+    for task in tasks:
         (fact,) = task.facts
-        assert fact.steps >= 15 and fact.tokens >= 15_000, task.task_id
-        assert len(task.sites) == 2 and "program_html" in task.eval.eval_types
+        assert fact.kind in KINDS and task.distractors is not None, task.task_id
+        assert task.answer_prefix and "program_html" in task.eval.eval_types, task.task_id
+        assert task.reference_actions[-1].startswith(f"stop [{task.answer_prefix} "), task.task_id
+    distances = sorted(task.facts[0].tokens for task in tasks)
+    assert 3_500 <= distances[0] <= 4_500 and 23_500 <= distances[-1] <= 26_000
+    for low in range(4_000, 24_000, 4_000):  # every 4K band holds several
+        assert sum(low <= d < low + 4_000 for d in distances) >= 4, low
+    groups = {flag: [t for t in tasks if t.distractors is flag] for flag in (True, False)}
+    assert len(groups[False]) >= 25 and len(groups[True]) >= 15
+    assert {t.facts[0].kind for t in tasks} == set(KINDS)
+    assert {t.facts[0].kind for t in groups[False]} >= {"price", "id", "date", "location"}
+    sites = Counter(tuple(sorted(t.sites)) for t in tasks)
+    assert {("classifieds",), ("forum",), ("shopping",)} <= set(sites)
+    assert sum(count for pair, count in sites.items() if len(pair) == 2) >= 30
+    splits = Counter(t.split for t in tasks)
+    assert set(splits) == {"calibration", "held-out"}
+    assert abs(splits["calibration"] - splits["held-out"]) <= 1
+    for members in [*groups.values(), *([t for t in tasks if t.facts[0].kind == k] for k in KINDS)]:
+        halves = Counter(t.split for t in members)
+        assert abs(halves["calibration"] - halves["held-out"]) <= 2, halves
+    for family, ids in ((carry, range(541, 561)), (carry_more, range(561, 601))):
+        dumped = [t.model_dump(exclude_none=True) for t in tasks if t.task_id in ids]
+        again = family.alternate_splits([{**t, "split": None} for t in dumped])
+        assert [t["split"] for t in again] == [t["split"] for t in dumped]
+
+
+def test_kinds_of_facts_are_told_apart():
+    page = (
+        "[70] StaticText 'Location: Pittsburgh, PA'\n[71] StaticText 'Posted on Feb 28, 2024'\n"
+        "[65] StaticText 'Price: $8,900'\n[41] link 'Maria Lopez'\n[47] heading 'Comments (2)'"
+    )
+    assert shown("location", page) == ["Pittsburgh"]
+    assert shown("date", page) == ["Feb 28, 2024"]
+    assert shown("price", page) == ["$8"]
+    assert shown("name", page) == ["Maria Lopez"]
+    assert shown("count", page) == ["(2)"]
+    assert shown("id", page) == []
+    assert shown("id", "[42] heading 'Order #1003'") == ["#1003"]
+    assert shown("count", "'21 points' 'Karma: 417' 'quantity 2' 'Cart (3)'") == [
+        "21 points",
+        "Karma: 417",
+        "quantity 2",
+        "(3)",
+    ]
+    assert shown("count", "'4.5 out of 5 stars' [123] link 'Order #1003'") == []
+    assert shown("name", "Signed in as Avery Agent · Samsung") == ["Avery Agent"]
 
 
 def test_a_fact_outside_the_reference_pages_is_refused(tmp_path):
@@ -264,6 +330,24 @@ def test_a_fact_outside_the_reference_pages_is_refused(tmp_path):
     assert "facts[0]: needs page <= used_on <= 1" in message
     task["facts"] = [{"text": "$120", "page": 1, "used_on": 1, "tokens": 40}]
     assert load_task(write(tmp_path, task)).facts[0].steps == 0
+
+
+def test_distractors_need_one_fact_of_a_kind_and_split_is_one_of_two(tmp_path):
+    task = {
+        **valid_task(),
+        "distractors": False,
+        "facts": [{"text": "$120", "page": 1, "used_on": 1}],
+    }
+    assert "distractors needs exactly one fact, with its kind" in error_of(write(tmp_path, task))
+    task["facts"][0]["kind"] = "price"
+    task["split"] = "held-out"
+    loaded = load_task(write(tmp_path, task))
+    assert (loaded.distractors, loaded.split, loaded.facts[0].kind) == (False, "held-out", "price")
+    task["split"] = "test"
+    assert "field 'split'" in error_of(write(tmp_path, task))
+    task["split"], task["facts"][0]["kind"] = None, "colour"
+    assert "field 'facts.0.kind'" in error_of(write(tmp_path, task))
+    assert load_task(1).distractors is None and load_task(1).split is None
 
 
 def test_an_answer_prefix_must_begin_the_reference_answer(tmp_path):
@@ -291,18 +375,23 @@ def env():
 @pytest.mark.browser
 @pytest.mark.parametrize("task", [replayed(suite, task) for suite, task in BUNDLED])
 def test_reference_actions_solve_the_task_and_a_wrong_answer_fails(env, task):
-    observation = env.reset(task)
+    observation, same_kind = env.reset(task), []
     for number, action in enumerate(task.reference_actions, start=1):
         for fact in task.facts:
             if fact.page == number:
                 assert fact.text in observation["text"], f"fact {fact.text!r} on page {number}"
             elif task.task_id in CARRIED and fact.page < number <= fact.used_on:
                 assert fact.text not in observation["text"], f"{fact.text!r} again on {number}"
+                found = shown(fact.kind, observation["text"])
+                assert task.distractors or not found, f"a {fact.kind} {found} on page {number}"
+                same_kind += found
         result = env.step(action)
         observation = result.observation
         assert result.observation["error"] is None, f"step {number} {action}"
         assert result.done == (number == len(task.reference_actions))
     assert result.info["reason"] == "stop"
+    if task.task_id in CARRIED:  # distractors: some page after the fact shows one of its kind
+        assert bool(same_kind) == task.distractors
     verdict = evaluate(task, result.answer, env.url, env.servers, env.read_page)
     assert verdict.score == 1.0, verdict.details
     for wrong in WRONG_ANSWERS:

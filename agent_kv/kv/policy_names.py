@@ -4,9 +4,9 @@ the command line refuses an unknown name before anything heavy loads.
 
 The names are read from the source of the modules in `agent_kv/kv/policies/`
 (`declared_policies`): the classes that set `name` in their own body, with their `order` and
-`takes_budget` inherited as Python inherits them. These are the classes, and the rule, by
+`evicts` inherited as Python inherits them. These are the classes, and the rule, by
 which importing the package fills its registry (`agent_kv.kv.policies.registry`), so nothing
-lists the policies by hand; a policy's `name`, `order` and `takes_budget` are literals in its
+lists the policies by hand; a policy's `name`, `order` and `evicts` are literals in its
 class body, and a test checks that both ways find the same policies in the same order.
 """
 
@@ -23,7 +23,7 @@ from agent_kv.errors import ConfigError
 
 POLICY_PACKAGE = "agent_kv.kv.policies"
 """The package whose modules define the policies."""
-DECLARED_ATTRIBUTES = ("name", "order", "takes_budget")
+DECLARED_ATTRIBUTES = ("name", "order", "evicts")
 """The class attributes `read_policies` takes from the source, literals each."""
 RECALL_SUFFIX = "+recall"
 """A policy name ending in it runs that policy with a cold tier and query-aware recall
@@ -43,7 +43,7 @@ def is_policy_class(cls: type) -> bool:
 
 @functools.cache
 def declared_policies() -> dict[str, bool]:
-    """Each policy's name and whether it takes a budget (`Policy.takes_budget`), in the order
+    """Each policy's name and whether it evicts (`Policy.evicts`), in the order
     of `agent_kv.kv.policies.POLICIES`, read from the package's modules without importing them
     (`read_policies`; about 20 ms, once per process)."""
     spec = importlib.util.find_spec(POLICY_PACKAGE)  # imports agent_kv.kv, not the policies
@@ -52,7 +52,7 @@ def declared_policies() -> dict[str, bool]:
 
 def read_policies(directories: Iterable[str]) -> dict[str, bool]:
     """The policies the modules in `directories` define, by name, each mapped to whether it
-    takes a budget, in listing order (`order`, then name), read from their source.
+    evicts (`Policy.evicts`), in listing order (`order`, then name), read from their source.
 
     Each class is rebuilt as a stand-in of its own name with the literal values its body
     assigns to `DECLARED_ATTRIBUTES` and, as bases, the stand-ins of its bases defined in
@@ -96,7 +96,7 @@ def read_policies(directories: Iterable[str]) -> dict[str, bool]:
 
     policies = [cls for cls in map(build, classes) if is_policy_class(cls)]
     policies.sort(key=lambda cls: (cls.order, cls.name))
-    return {cls.name: cls.takes_budget for cls in policies}
+    return {cls.name: cls.evicts for cls in policies}
 
 
 def _local_names(module: str, tree: ast.Module) -> dict[str, tuple[str, str]]:
@@ -163,7 +163,7 @@ def check_policy_name(name: str, policies: Mapping[str, bool] | None = None) -> 
 
     Args:
         name: the name as given.
-        policies: each policy's name and whether it takes a budget, in listing order; default
+        policies: each policy's name and whether it evicts, in listing order; default
             `declared_policies()` (read without importing the policies).
     """
     policies = declared_policies() if policies is None else policies

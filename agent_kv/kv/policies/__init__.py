@@ -48,7 +48,7 @@ def make_policy(
         budget: unpinned tokens per layer, turned into the policy's fields by its
             `budget_params` (e.g. the window of `window`; `n_low`, with `n_high = budget //
             2`, for CONF-KV; ARKV's mean bytes per layer, counted in full-precision tokens);
-            a policy that evicts nothing (`takes_budget` false) takes none.
+            a policy without a budget (`takes_budget` false: full KV, pins only) takes none.
         recall: the cold tier's settings for a `+recall` name (default `ColdConfig()`); giving
             them wraps the policy in `ColdRecall` whatever the name.
         **params: the policy's dataclass fields (e.g. `tau`, `protect_recent`, `sinks`);
@@ -59,7 +59,7 @@ def make_policy(
             policy that evicts nothing); a `+reencode` name (an engine setting:
             `PolicySpec.parse` and `Engine(reencode=True)`).
     """
-    check_policy_name(name, {policy: cls.takes_budget for policy, cls in POLICIES.items()})
+    check_policy_name(name, {policy: cls.evicts for policy, cls in POLICIES.items()})
     if split_reencode(name)[1]:
         raise ConfigError(
             f"{REENCODE_SUFFIX} is the engine's setting, not the policy's: build {name!r} with "

@@ -90,6 +90,9 @@ class Policy(ABC):
     the class's own body: a subclass does not inherit its parent's."""
     takes_budget: ClassVar[bool] = True
     """Whether `--budget` means anything to the policy (see `budget_params`)."""
+    evicts: ClassVar[bool] = True
+    """Whether the policy ever evicts a token (false for full KV only): recall and re-encoding
+    need something evicted."""
     manages_precision: ClassVar[bool] = False
     """The policy quantizes tokens itself (ARKV's tiers): it cannot share a store with
     age-based mixed precision (`Int8Config`)."""

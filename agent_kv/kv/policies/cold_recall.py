@@ -54,7 +54,7 @@ class ColdRecall(Policy):
     def __init__(self, inner: Policy, config: ColdConfig):
         if isinstance(inner, ColdRecall):
             raise ConfigError("recall wraps a policy once")
-        if not inner.takes_budget:
+        if not inner.evicts:
             raise ConfigError(f"policy {inner.name!r} evicts nothing: there is nothing to recall")
         config.validate()
         self.inner = inner
@@ -75,6 +75,7 @@ class ColdRecall(Policy):
         return f"{self.inner.name}+recall"
 
     takes_budget = _from_inner("takes_budget")
+    evicts = _from_inner("evicts")
     statistics = _from_inner("statistics")
     manages_precision = _from_inner("manages_precision")
     reconstructs = _from_inner("reconstructs")

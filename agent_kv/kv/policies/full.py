@@ -16,6 +16,7 @@ class FullKV(Policy):
     order = 0
     summary = "every token"
     takes_budget = False
+    evicts = False
     evict_slack: int = 0
 
     def validate(self) -> None:
