@@ -10,8 +10,10 @@ config files (`task_id`, `sites`, `start_url`, `intent`, `eval`, ...). Two field
   is on the page where the agent stops).
 - `facts` and `history_tokens` (the long-horizon suite): each fact the answer needs, the page
   that shows it and the page where it is used, with the step and token distance between them;
-  and the tokens of the whole scripted history at the answer (`scripts/make_long_tasks.py`
+  and the tokens of the whole scripted history at the answer (`scripts/long_tasks/build.py`
   measures both).
+- `answer_prefix`, `distractors` and `split` (the long-horizon suite's fitted carry tasks,
+  541-600): see `Task`.
 
 Bundled suites live in `tasks/<suite>/*.json` (see tasks/README.md). Every error is a
 `TaskError` with a one-line message naming the file, the task and the field.
@@ -120,6 +122,9 @@ class EvalSpec(BaseModel):
 
 
 Difficulty = Literal["easy", "medium", "hard"]
+FactKind = Literal["name", "price", "count", "id", "date", "location"]
+"""What a carried fact is (`scripts/long_tasks/kinds.py` says how a page shows each kind)."""
+Split = Literal["calibration", "held-out"]
 
 
 class Fact(BaseModel):
@@ -134,6 +139,8 @@ class Fact(BaseModel):
         used_on: the page whose action uses it (the last page for the answer).
         tokens: tokens of the scripted history from the fact on its page to its use (the
             default model's tokenizer, the recall runner's notes format); None until measured.
+        kind: what the fact is (a person's name, a price, a count, an id, a date, a location);
+            given for the facts the fitted carry tasks carry, None elsewhere.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -141,6 +148,7 @@ class Fact(BaseModel):
     page: int = Field(ge=1)
     used_on: int = Field(ge=1)
     tokens: int | None = Field(default=None, ge=0)
+    kind: FactKind | None = None
 
     @property
     def steps(self) -> int:
@@ -156,6 +164,15 @@ class Task(BaseModel):
     (`agent_kv.harness.recall`) forces after `stop [`, so that what the model decodes is the
     fact itself (e.g. `Black wool sweater location:`); empty, only `stop [` is forced. The
     reference answer must begin with it.
+
+    The fitted carry tasks (541-600) answer with one fact read many pages earlier and say two
+    more things, both None on every other task:
+
+    - `distractors`: whether a page between that fact and the answer shows another fact of
+      the same kind (a later listing's price after a price, any person's name after a
+      seller); such a task needs its one fact `kind`ed.
+    - `split`: "calibration" or "held-out", fixed before any policy runs (tasks/README.md,
+      "The long-horizon suite", says how it is assigned).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -181,6 +198,8 @@ class Task(BaseModel):
     facts: list[Fact] = []
     history_tokens: int | None = Field(default=None, ge=1)
     answer_prefix: str = ""
+    distractors: bool | None = None
+    split: Split | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Task":
@@ -227,6 +246,10 @@ class Task(BaseModel):
                     f"facts[{i}]: needs page <= used_on <= {pages} (the pages of the "
                     f"reference actions), got page {fact.page}, used_on {fact.used_on}"
                 )
+        if self.distractors is not None and not (
+            len(self.facts) == 1 and self.facts[0].kind is not None
+        ):
+            raise ValueError("distractors needs exactly one fact, with its kind")
         return self
 
     @property

@@ -14,7 +14,10 @@ page and the assistant header, for the answer; the start of the action's turn ot
 
 A task is written only when its replay succeeds (score 1.0, and 0.0 for a wrong answer), each
 fact is on its page as the agent sees it, and it is long enough: 15-60 actions and 12K-32K
-tokens. Every check that fails is printed with the task and the step; the script then exits
+tokens. A carry task (`distractors` set) must also carry its fact: no page after the fact's
+shows the fact again, and its pages up to the answer show another fact of the same kind
+(`kinds.shown`) when, and only when, `distractors` says so (the goal shows none either).
+Every check that fails is printed with the task and the step; the script then exits
 with status 1 and writes nothing for that task.
 """
 
@@ -36,8 +39,10 @@ from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
 from envs.server import SiteServers
 from envs.tasks import TASKS_DIR, Task
+from scripts.long_tasks.carry import SHOWN_AGAIN
+from scripts.long_tasks.kinds import shown as kind_shown
 
-FAMILIES = ("classifieds", "forum", "shopping", "cross", "carry")
+FAMILIES = ("classifieds", "forum", "shopping", "cross", "carry", "carry_more")
 """The modules of this package whose `tasks()` return the suite's task objects."""
 SUITE_DIR = TASKS_DIR / "long"
 STEPS = (15, 60)
@@ -64,9 +69,10 @@ def family_tasks(names: tuple[str, ...] = FAMILIES) -> list[dict[str, Any]]:
     return sorted(tasks, key=lambda task: task["task_id"])
 
 
-def replay(env: BrowserEnv, task: Task, tokenizer) -> tuple[list[dict], list[int]]:
+def replay(env: BrowserEnv, task: Task, tokenizer) -> tuple[list[dict], list[int], list[str]]:
     """Replay `task` as the scripted runner would and return its chat messages (system,
-    examples, then each page and its action) and the message index of each page.
+    examples, then each page and its action), the message index of each page and each page's
+    text as the agent sees it (truncated).
 
     Raises:
         BuildError: an action fails, the episode ends early, or the answer does not score 1.0
@@ -78,12 +84,13 @@ def replay(env: BrowserEnv, task: Task, tokenizer) -> tuple[list[dict], list[int
     ]
     for example, action in fmt.few_shot:
         messages += [{"role": "user", "content": example}, {"role": "assistant", "content": action}]
-    observation, pages = env.reset(task), []
+    observation, pages, texts = env.reset(task), [], []
     for number, action in enumerate(task.reference_actions, start=1):
         shown = truncate_tokens(
             tokenizer, fmt.page_text(observation["text"]), config.max_obs_tokens
         )
         pages.append(len(messages))
+        texts.append(shown)
         content = OBSERVATION_TEMPLATE.format(observation=shown, intent=task.intent)
         messages.append({"role": "user", "content": content})
         try:
@@ -102,7 +109,35 @@ def replay(env: BrowserEnv, task: Task, tokenizer) -> tuple[list[dict], list[int
         raise BuildError(f"task {task.task_id}: the reference answer scores {verdict.details}")
     if evaluate(task, WRONG_ANSWER, env.url, env.servers, env.read_page).score != 0.0:
         raise BuildError(f"task {task.task_id}: the answer {WRONG_ANSWER!r} scores above 0")
-    return messages, pages
+    return messages, pages, texts
+
+
+def check_carried(task: Task, texts: list[str]) -> None:
+    """For a carry task (`distractors` set): the pages after its fact's, up to the answer
+    (`texts`: each page as the agent sees it), never show the fact again (but on the page
+    `carry.SHOWN_AGAIN` allows), and show a fact of its kind when, and only when,
+    `distractors` is true; the goal shows none.
+
+    Raises:
+        BuildError: the first page that breaks this, or `distractors` true and no page shows
+            such a fact.
+    """
+    if task.distractors is None:
+        return
+    (fact,) = task.facts
+    if kind_shown(fact.kind, task.intent):
+        raise BuildError(f"task {task.task_id}: the goal shows a {fact.kind}")
+    seen = []
+    for number in range(fact.page + 1, fact.used_on + 1):
+        text = texts[number - 1]
+        if fact.text in text and SHOWN_AGAIN.get(task.task_id) != number:
+            raise BuildError(f"task {task.task_id}: fact {fact.text!r} again on page {number}")
+        found = kind_shown(fact.kind, text)
+        if found and not task.distractors:
+            raise BuildError(f"task {task.task_id}: page {number} shows the {fact.kind} {found}")
+        seen += found
+    if task.distractors and not seen:
+        raise BuildError(f"task {task.task_id}: no page after the fact shows a {fact.kind}")
 
 
 def measure(task: Task, messages: list[dict], pages: list[int], tokenizer) -> dict[str, Any]:
@@ -128,7 +163,7 @@ def measure(task: Task, messages: list[dict], pages: list[int], tokenizer) -> di
             raise BuildError(f"task {task.task_id}: fact {fact.text!r} is not on page {fact.page}")
         last = fact.used_on == len(task.reference_actions)
         use = len(offsets) if last else token_at(message_start(pages[fact.used_on - 1] + 1))
-        facts.append({**fact.model_dump(), "tokens": use - token_at(found)})
+        facts.append({**fact.model_dump(exclude_none=True), "tokens": use - token_at(found)})
     return {"history_tokens": len(offsets), "facts": facts}
 
 
@@ -158,7 +193,8 @@ def main() -> None:
         for raw in objects:
             task = Task.model_validate(raw)
             try:
-                messages, pages = replay(env, task, tokenizer)
+                messages, pages, texts = replay(env, task, tokenizer)
+                check_carried(task, texts)
                 measured = measure(task, messages, pages, tokenizer)
                 check_length(task, measured["history_tokens"])
             except BuildError as error:

@@ -10,12 +10,17 @@ finally answers with the fact, some 15-20K tokens after it read it. The scripted
 the note's key after `stop [` (the task's `answer_prefix`, e.g. `Black wool sweater
 location:`), so what the model decodes is the fact alone.
 
-The pages in between never show a fact of the same kind: the shop's pages name no city, no
-seller and no forum points; the forum's pages show no dollar price and no listing's seller.
-That is what fits these tasks to the default model: it recalls a fact many pages back when
-nothing in between competes with it, while a seller read before ten more listings, each with
-its own seller, is lost to the last one (tasks/README.md, "The long-horizon suite";
-`distractor_probe.py`). Answers are computed from the sites' seed-0 data.
+The pages in between never show the fact itself again, and the work pages were meant to show
+no fact of its kind: the default model recalls a fact many pages back when nothing in between
+competes with it, while a seller read before ten more listings, each with its own seller, is
+lost to the last one (tasks/README.md, "The long-horizon suite"; `distractor_probe.py`). By the
+kinds of `kinds.py` every task here has distractors all the same (`distractors` true): the
+home page the first tab is sent to shows eight listings' locations (541-545) or eight
+products' prices (556-560), though no work page does, and on four tasks one of those is
+the fact's very value (`SHOWN_AGAIN`); the forum's pages name its users (546-550), and the
+shop's pages show counts, `Cart (N)` and review counts (551-555).
+`carry_more.py` (561-600) adds tasks without, and `alternate_splits` splits both families into
+calibration and held-out halves. Answers are computed from the sites' seed-0 data.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from scripts.long_tasks.cross import tabs
 from scripts.long_tasks.forum import HOME as FORUM
 from scripts.long_tasks.forum import POSTS, comments_check, open_post, score
 from scripts.long_tasks.forum import pick as pick_posts
+from scripts.long_tasks.kinds import KINDS, Kind
 from scripts.long_tasks.script import Script, Start, comment_action, long_task, named, one_of
 from scripts.long_tasks.shopping import ADD_TO_CART, PRODUCTS, cart_check, dollars, open_product
 from scripts.long_tasks.shopping import HOME as SHOPPING
@@ -54,6 +60,7 @@ class Carried:
         item: the item's title.
         site: where the first site starts (its home page, where the first tab is sent back).
         site_name: how the goal names the first site, e.g. "The classifieds site".
+        kind: what the fact is (`kinds.KINDS`).
     """
 
     site_goal: str
@@ -65,6 +72,7 @@ class Carried:
     item: str
     site: Start
     site_name: str
+    kind: Kind
 
 
 def listing_location(title: str) -> Carried:
@@ -81,6 +89,7 @@ def listing_location(title: str) -> Carried:
         title,
         CLASSIFIEDS,
         "The classifieds site",
+        "location",
     )
 
 
@@ -97,6 +106,7 @@ def listing_seller(title: str) -> Carried:
         title,
         CLASSIFIEDS,
         "The classifieds site",
+        "name",
     )
 
 
@@ -113,6 +123,7 @@ def post_points(title: str) -> Carried:
         title,
         FORUM,
         "The forum",
+        "count",
     )
 
 
@@ -128,6 +139,7 @@ def product_price(title: str) -> Carried:
         title,
         SHOPPING,
         "The shop",
+        "price",
     )
 
 
@@ -135,7 +147,7 @@ def read_and_leave(script: Script, carried: Carried) -> None:
     """Open the carried fact's item, read the fact, send the first tab home with the note,
     and switch to the second tab (four actions)."""
     carried.open_item(script, carried.item, None)
-    script.fact(carried.value)
+    script.fact(carried.value, carried.kind)
     script.act(f"goto [{carried.site.url}]", note=f"{carried.key}: {carried.value}")
     script.act("tab_focus [1]")
 
@@ -177,7 +189,7 @@ def carry_task(
         f"{carried.key}: {carried.value}; then {len(items)} {done}.",
         program_html=checks,
     )
-    return {**task, "answer_prefix": f"{carried.key}:"}
+    return {**task, "answer_prefix": f"{carried.key}:", "distractors": True}
 
 
 def carry_to_cart(task_id: int, carried: Carried, products: list[str]) -> dict:
@@ -224,6 +236,30 @@ COMMENTS = (
 """The comment each forum-writing task posts (one per task)."""
 
 
+SHOWN_AGAIN = {543: 4, 544: 4, 545: 4, 558: 4}
+"""Task -> the one page after the fact that shows the fact's text again: the home page the
+first tab is sent to lists another listing in the same city (543-545: `Columbus, OH`,
+`Columbus, OH`, `Pittsburgh, PA`) or another product at the same price (558: `$23.95`). The
+fact's own item does not show again; the build and the replay test allow the text there
+only (the reference actions of these tasks are kept as built)."""
+SPLITS = ("calibration", "held-out")
+
+
+def alternate_splits(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`tasks` (one family's), each with its `split`: ordered by group (without distractors
+    first), the carried fact's kind (`kinds.KINDS` order) and task id, they are calibration,
+    held-out, calibration, ... in turn; so each half holds half of every group and kind (to
+    one task). Uses nothing but the tasks themselves (no results)."""
+
+    def order(task: dict[str, Any]) -> tuple[bool, int, int]:
+        (fact,) = task["facts"]
+        return task["distractors"], KINDS.index(fact["kind"]), task["task_id"]
+
+    ordered = sorted(tasks, key=order)
+    splits = {task["task_id"]: SPLITS[i % 2] for i, task in enumerate(ordered)}
+    return [{**task, "split": splits[task["task_id"]]} for task in tasks]
+
+
 def tasks() -> list[dict[str, Any]]:
     """Tasks 541-560: five of each pairing (a listing's location or a post's points carried
     to the cart, a listing's seller or a product's price carried to forum comments)."""
@@ -262,4 +298,4 @@ def tasks() -> list[dict[str, Any]]:
                 COMMENTS[(n + 3) % 5],
             )
         )
-    return sorted(built, key=lambda task: task["task_id"])
+    return alternate_splits(sorted(built, key=lambda task: task["task_id"]))

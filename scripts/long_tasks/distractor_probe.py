@@ -89,8 +89,8 @@ def main() -> None:
     fact_task, other_task = load_task(FACT_TASK), load_task(OTHER_TASK)
     with SiteServers(sorted({*fact_task.sites, *other_task.sites})) as servers:
         with BrowserEnv(servers, screenshots=False) as env:
-            fact = replay(env, fact_task, tokenizer)
-            other = replay(env, other_task, tokenizer)
+            fact = replay(env, fact_task, tokenizer)[:2]
+            other = replay(env, other_task, tokenizer)[:2]
     model = AutoModelForCausalLM.from_pretrained(
         tokenizer.name_or_path, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()

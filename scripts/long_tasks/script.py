@@ -107,9 +107,11 @@ class Script:
             raise ValueError(f"a note cannot hold brackets: {note!r}")
         self.actions.append(f"note [{note}] {action}" if note else action)
 
-    def fact(self, text: str) -> str:
-        """Record that the current page shows `text`, a fact the task needs; returns it."""
-        self.facts.append({"text": text, "page": self.page, "used_on": None})
+    def fact(self, text: str, kind: str | None = None) -> str:
+        """Record that the current page shows `text`, a fact the task needs (of `kind`, for
+        the carried facts: `envs.tasks.Fact.kind`); returns it."""
+        fact = {"text": text, "page": self.page, "used_on": None}
+        self.facts.append(fact if kind is None else {**fact, "kind": kind})
         return text
 
     def use(self, text: str) -> None:
