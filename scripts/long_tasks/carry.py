@@ -248,8 +248,8 @@ SPLITS = ("calibration", "held-out")
 def alternate_splits(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`tasks` (one family's), each with its `split`: ordered by group (without distractors
     first), the carried fact's kind (`kinds.KINDS` order) and task id, they are calibration,
-    held-out, calibration, ... in turn; so each half holds half of every group and kind (to
-    one task). Uses nothing but the tasks themselves (no results)."""
+    held-out, calibration, ... in turn; so each half holds half of every group and kind of the
+    family (to one task). Uses nothing but the tasks themselves (no results)."""
 
     def order(task: dict[str, Any]) -> tuple[bool, int, int]:
         (fact,) = task["facts"]

@@ -8,7 +8,7 @@ number), a date (a listing's, a post's, an order's) or a location (a listing's c
 order's shipping city). Around that reading the agent works on items of one site: it adds
 products to the shop's cart, buys products one order each, or posts a comment on forum posts
 or classifieds listings; some items come before the fact and the rest after it, so the fact
-is read 1 to 8 items before the answer (4K-24K tokens). A task on two sites opens them in two
+is read 1 to 10 items before the answer (4K-25K tokens). A task on two sites opens them in two
 tabs, the work's in the first: the agent reads the fact in the second tab and closes it, so
 no later page is that site's. The scripted run forces the note's key after `stop [`
 (`answer_prefix`), as in `carry.py`.
@@ -562,7 +562,7 @@ COMMENTS = (
 
 def without() -> list[dict[str, Any]]:
     """Tasks 561-585: no page after the fact shows a fact of its kind. Within each kind the
-    fact is read 1 to 8 items before the answer, later as the ids rise."""
+    fact is read 1 to 10 items before the answer, earlier as the ids rise."""
     listings = list(LISTINGS)
     products = pick_products(count=100)
     posts = {forum: pick_posts(forum, 12) for forum in ("bikes", "books", "cooking", "music")}
@@ -606,7 +606,7 @@ def without() -> list[dict[str, Any]]:
         carry(577, order_fact(1005, "id"), forum(COMMENTS[4]),
               split(posts["bikes"], 0, 6), False),
         carry(578, order_fact(1002, "id"), classifieds(COMMENTS[6]),
-              split(pick_listings("furniture", 12), 0, 9), False),
+              split(pick_listings("furniture", 12), 0, 10), False),
         carry(579, order_fact(1008, "id"), cart,
               split(products[70:], 0, 9), False),
         # a date, carried to the cart with products without reviews (whose pages show none)
