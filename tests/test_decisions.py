@@ -20,6 +20,7 @@ from agent_kv.harness.decisions import (
 )
 from agent_kv.harness.recall import scripted_episode
 from agent_kv.harness.sweep.decision_table import decision_tables
+from agent_kv.harness.sweep.group_table import group_table
 from agent_kv.kv.policies import make_policy
 from agent_kv.runtime.engine import Engine
 from envs.actions import parse_action
@@ -170,3 +171,34 @@ def test_each_step_records_the_models_own_action_and_a_policy_is_compared_with_f
     assert all(math.isfinite(s["kl"]) and s["kl"] >= 0 for s in window["agreement_steps"])
     last = window["agreement_steps"][-1]
     assert last["kv_allocated_bytes"] < last["full_kv_allocated_bytes"]
+
+
+def test_success_per_group_has_wilson_intervals_and_paired_differences_from_full_kv():
+    """Tasks 541 (held-out, with distractors), 542 (calibration, with), 561 (calibration,
+    without), 562 (held-out, without); recall task 401 has no group and is left out."""
+
+    def record(task, policy, success):
+        budget = None if policy == "full" else 192
+        return {"task_id": task, "policy": policy, "budget": budget, "success": success}
+
+    records = [
+        record(541, "full", True),
+        record(542, "full", False),
+        record(561, "full", True),
+        record(562, "full", True),
+        record(401, "full", True),
+        record(541, "window", True),
+        record(542, "window", True),
+        record(561, "window", False),
+    ]
+    head, rule, full, window = group_table(records).splitlines()
+    assert head == ("| policy | held-out | calibration | without distractors | with distractors |")
+    assert full == (
+        "| full | 2/2 (100%; 34-100%) | 1/2 (50%; 9-91%) | 2/2 (100%; 34-100%) | 1/2 (50%; 9-91%) |"
+    )
+    cells = window.split(" | ")
+    assert cells[1] == "1/1 (100%; 21-100%); +0 vs full"  # one shared task: no interval
+    assert cells[2] == "1/2 (50%; 9-91%); +0 (-100 to +100) vs full"  # 542 gained, 561 lost
+    assert cells[3] == "0/1 (0%; 0-79%); -100 vs full"
+    assert cells[4] == "2/2 (100%; 34-100%); +50 (+0 to +100) vs full |"
+    assert group_table([record(401, "full", True)]) == ""

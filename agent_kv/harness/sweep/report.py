@@ -12,6 +12,7 @@ from typing import Any
 
 from agent_kv.harness.sweep.aggregate import aggregate, mean, row_label
 from agent_kv.harness.sweep.decision_table import decision_tables
+from agent_kv.harness.sweep.group_table import group_table
 from agent_kv.harness.sweep.settings import (
     AGREEMENT_PLOT,
     MODES,
@@ -288,6 +289,16 @@ def write_report(out: Path) -> str:
         if by_k
         else ""
     )
+    groups = group_table(records)
+    if groups:
+        groups = (
+            "## Success per task group\n\nThe fitted long-horizon tasks' held-out and "
+            "calibration halves, and the tasks with and without pages between the fact and the "
+            "answer that show a fact of the same kind (tasks/README.md). Each cell: solved/tasks "
+            "(rate; Wilson's 95% interval) and, beside full KV, the difference from it on the same "
+            "tasks in points (95% paired bootstrap interval).\n\n"
+            f"{groups}\n\n"
+        )
     decisions = decision_tables(records)
     if decisions:
         decisions = (
@@ -315,7 +326,7 @@ def write_report(out: Path) -> str:
         "KV's on the same tasks, in percentage points, with the 95% percentile-bootstrap "
         "interval of that paired difference, tasks resampled (`agent_kv.harness.intervals`).\n\n"
         f"{table}\n\n{plots}\n\n"
-        f"{by_k}{decisions}## Per task\n\nEach cell links the episode's trace.\n\n"
+        f"{by_k}{groups}{decisions}## Per task\n\nEach cell links the episode's trace.\n\n"
         f"{per_task_table(records, out)}\n"
     )
     (out / SUMMARY).write_text(text, encoding="utf-8")
