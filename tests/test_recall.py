@@ -256,17 +256,18 @@ def test_pinning_only_the_pages_elements_lowers_the_pinned_floor(
 ):
     """Task 404 under a 16-token window, on the default model's template (random weights):
     with `page_pins="elements"` the most tokens pinned at once (system turn, examples, the
-    latest page's controls) is below the whole-page pins' and the trace has the count after
-    every forced reply."""
+    latest page's controls) is below the whole-page pins', lower still without the examples
+    pinned, and the trace has the count after every forced reply."""
     peaks = {}
-    for pins in ("whole", "elements"):
+    for pins, examples in (("whole", True), ("elements", True), ("elements", False)):
         engine = Engine(tiny_qwen, qwen_tokenizer, make_policy("window", budget=16), 64)
         record = run_recall_task(
-            load_task(404), engine, env, tmp_path / pins, "tiny", page_pins=pins
-        )
-        assert record.error is None and record.page_pins == pins
-        trace = json.loads((tmp_path / pins / TRACE_JSON).read_text())
+            load_task(404), engine, env, tmp_path / f"{pins}-{examples}", "tiny", page_pins=pins,
+            pin_examples=examples,
+        )  # fmt: skip
+        assert record.error is None and (record.page_pins, record.pin_examples) == (pins, examples)
+        trace = json.loads((tmp_path / f"{pins}-{examples}" / TRACE_JSON).read_text())
         counts = [page["pinned_tokens"] for page in trace["pages"][:-1]]
         assert len(counts) == 3 and record.peak_pinned_tokens >= max(counts) > 0
-        peaks[pins] = record.peak_pinned_tokens
-    assert peaks["elements"] < peaks["whole"]
+        peaks[pins, examples] = record.peak_pinned_tokens
+    assert peaks["elements", False] < peaks["elements", True] < peaks["whole", True]

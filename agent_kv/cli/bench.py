@@ -17,6 +17,7 @@ from agent_kv.cli.options import (
     ModeOption,
     ObservationOption,
     PagePinsOption,
+    PinExamplesOption,
     PinRepliesOption,
     PositionsOption,
     PrefillChunkOption,
@@ -140,6 +141,7 @@ def bench_command(
     positions: PositionsOption = "original",
     pin_replies: PinRepliesOption = "none",
     page_pins: PagePinsOption = "whole",
+    pin_examples: PinExamplesOption = True,
     agreement: AgreementOption = True,
     reference: ReferenceSweepOption = None,
     retry_errors: RetryErrorsOption = False,
@@ -186,6 +188,7 @@ def bench_command(
         weights=weights,
         pin_replies=pin_replies,
         page_pins=page_pins,
+        pin_examples=pin_examples,
         reference=None if reference is None else str(reference.resolve()),
     )
     _run_sweep(task_list, jobs, out, workers, ray_address, settings, retry_errors)

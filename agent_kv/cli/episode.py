@@ -26,6 +26,7 @@ from agent_kv.cli.options import (
     ObservationOption,
     PagePinsOption,
     ParamOption,
+    PinExamplesOption,
     PinRepliesOption,
     PolicyOption,
     PositionsOption,
@@ -69,6 +70,7 @@ def run_episode_command(
     agent: AgentOption = "text",
     pin_replies: PinRepliesOption = "none",
     page_pins: PagePinsOption = "whole",
+    pin_examples: PinExamplesOption = True,
     model: ModelOption = None,
     weights: WeightsOption = DEFAULT_WEIGHTS,
     threads: ThreadsOption = None,
@@ -110,6 +112,7 @@ def run_episode_command(
             agent=agent,
             pin_replies=pin_replies,
             page_pins=page_pins,
+            pin_examples=pin_examples,
         )
         summary = _run(
             task_obj, mode, spec, model, weights, config, prefill_chunk, observation, out, compile

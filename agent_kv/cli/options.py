@@ -159,6 +159,14 @@ PagePinsOption = Annotated[
         "tab and URL lines and interactive elements; its text is left to the policy).",
     ),
 ]
+PinExamplesOption = Annotated[
+    bool,
+    typer.Option(
+        "--pin-examples/--no-pin-examples",
+        help="Pin the example turns of the prompt for the whole episode (the default); "
+        "--no-pin-examples leaves them to the policy like the history.",
+    ),
+]
 ObservationOption = Annotated[
     str,
     typer.Option(

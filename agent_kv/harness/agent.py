@@ -71,6 +71,9 @@ class AgentConfig:
             per action; `agent_kv.harness.action_formats`).
         page_pins: how much of the latest page to pin (`page_pins.PAGE_PINS`): "whole" or
             "elements" (its tab and URL lines and interactive elements).
+        pin_examples: pin the example turns for the whole episode (the default); False
+            leaves them to the policy like the history (about 650 tokens of the scripted
+            runner's notes format on the default model: what a 16x budget cannot hold).
         pin_replies: which of the agent's replies to pin (`reply_pins.PIN_REPLIES`): "none", "notes"
             (the note a reply begins with, `note [fact]`, in the scripted runner's format;
             a free agent writes none) or "all" (every reply, actions and notes: short, and
@@ -86,6 +89,7 @@ class AgentConfig:
     agent: str = "text"
     pin_replies: str = "none"
     page_pins: str = "whole"
+    pin_examples: bool = True
 
     def __post_init__(self) -> None:
         check_pin_replies(self.pin_replies)
@@ -194,16 +198,17 @@ def open_conversation(
     fmt: ActionFormat = TEXT_ACTIONS,
     few_shot: Sequence[tuple[str, str]] | None = None,
     page_pins: str = "whole",
+    pin_examples: bool = True,
 ) -> Conversation:
     """An episode's conversation in the action format `fmt`, pinned by `PAGE_PIN_RULES`
     [`page_pins`]: its system prompt with the goal and its tools, and the example turns (user
-    text, assistant reply; the format's own unless given), pinned for good; the latest page
-    whole or its elements."""
+    text, assistant reply; the format's own unless given), pinned for good unless
+    `pin_examples` is False; the latest page whole or its elements."""
     chat = Conversation(engine, tools=fmt.tools, rules=PAGE_PIN_RULES[page_pins])
     chat.add("system", fmt.system_prompt.format(intent=intent))
     for example, action in fmt.few_shot(engine.tokenizer) if few_shot is None else few_shot:
-        chat.add("user", example, pin=True)
-        chat.add("assistant", action, pin=True)
+        chat.add("user", example, pin=pin_examples)
+        chat.add("assistant", action, pin=pin_examples)
     return chat
 
 
@@ -252,7 +257,9 @@ def run_episode(
     trace_dir.mkdir(parents=True, exist_ok=True)
     (trace_dir / TASK_JSON).write_text(task.model_dump_json(indent=2))
     started = time.perf_counter()
-    chat = open_conversation(engine, task.intent, fmt, page_pins=config.page_pins)
+    chat = open_conversation(
+        engine, task.intent, fmt, page_pins=config.page_pins, pin_examples=config.pin_examples
+    )
     episode = _Episode(task, env, trace_dir, config, fmt, chat, on_step)
     error = None
     try:

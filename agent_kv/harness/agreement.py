@@ -130,8 +130,10 @@ def replay_agreement(
     fmt = config.action_format
     greedy = replace(config.sampling, temperature=0.0)
     chats = {
-        "policy": open_conversation(engine, intent, fmt, page_pins=config.page_pins),
-        "full": open_conversation(reference, intent, fmt, page_pins=config.page_pins),
+        name: open_conversation(
+            chat_engine, intent, fmt, page_pins=config.page_pins, pin_examples=config.pin_examples
+        )
+        for name, chat_engine in (("policy", engine), ("full", reference))
     }
     previous: int | None = None
     compared = []

@@ -238,6 +238,7 @@ class RecallRecord:
         wall_s: seconds for the task.
         trace_dir: where its trace is.
         page_pins: how much of the latest page was pinned (`AgentConfig.page_pins`).
+        pin_examples: whether the example turns were pinned (`AgentConfig.pin_examples`).
         peak_pinned_tokens: the most tokens pinned at once (per layer; after each forced
             reply and at the answer): the floor under any budget, with one prefill chunk.
     """
@@ -271,6 +272,7 @@ class RecallRecord:
     wall_s: float
     trace_dir: str
     page_pins: str = "whole"
+    pin_examples: bool = True
     peak_pinned_tokens: int = 0
 
 
@@ -301,6 +303,7 @@ def run_recall_task(
     pin_replies: str = "none",
     decisions: DecisionRecorder | None = None,
     page_pins: str = "whole",
+    pin_examples: bool = True,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
@@ -310,7 +313,8 @@ def run_recall_task(
     prompt's length, the reply and the record). `on_page(n, pages)`, if given, is called as
     page n of the task's `pages` enters the conversation (progress). `pin_replies` says which
     forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`), and
-    `page_pins` how much of the latest page (`AgentConfig.page_pins`). With
+    `page_pins` how much of the latest page (`AgentConfig.page_pins`), and `pin_examples`
+    whether the example turns are pinned. With
     `decisions`, the model's own action is also decoded at each scripted step and written to
     `trace_dir` (`agent_kv.harness.decisions`).
 
@@ -324,7 +328,9 @@ def run_recall_task(
     started = time.perf_counter()
     trace_dir.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(max_obs_tokens=fmt.max_obs_tokens)
-    chat = open_conversation(engine, task.intent, few_shot=fmt.few_shot, page_pins=page_pins)
+    chat = open_conversation(
+        engine, task.intent, few_shot=fmt.few_shot, page_pins=page_pins, pin_examples=pin_examples
+    )
     replay = _Replay(chat, decisions=decisions)
     decoded, error, history = Decoded("", None), None, 0
     observation = env.reset(task)
@@ -368,6 +374,7 @@ def run_recall_task(
         wall_s=round(time.perf_counter() - started, 2),
         trace_dir=str(trace_dir),
         page_pins=page_pins,
+        pin_examples=pin_examples,
         peak_pinned_tokens=replay.peak_pinned_tokens,
     )
     if decisions is not None:
@@ -563,7 +570,8 @@ def scripted_episode(
     """One recall task as an episode of `run-episode --mode scripted` and of a scripted
     sweep: `run_recall_task` in the default format with pages truncated to
     `config.max_obs_tokens`, the replies and the page pinned as `config.pin_replies` and
-    `config.page_pins` say, returned as
+    `config.page_pins` say (the examples too unless `config.pin_examples` is False), returned
+    as
     `episode_summary` of its record; with `decisions`, the model's own action at each step is
     recorded in `trace_dir` too (`agent_kv.harness.decisions`). Raises what `run_recall_task`
     raises."""
@@ -571,6 +579,7 @@ def scripted_episode(
     record = run_recall_task(
         task, engine, env, trace_dir, model_name, fmt, on_page=on_page,
         pin_replies=config.pin_replies, decisions=decisions, page_pins=config.page_pins,
+        pin_examples=config.pin_examples,
     )  # fmt: skip
     return episode_summary(record)
 

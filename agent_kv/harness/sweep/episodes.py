@@ -80,7 +80,9 @@ def reference_replay(task: Task, engine, env, config) -> dict[str, Any]:
         page it is replayed on.
     """
     fmt = config.action_format
-    chat = open_conversation(engine, task.intent, fmt, page_pins=config.page_pins)
+    chat = open_conversation(
+        engine, task.intent, fmt, page_pins=config.page_pins, pin_examples=config.pin_examples
+    )
     matches: list[bool] = []
     logprobs: list[float] = []
     previous: int | None = None
@@ -321,6 +323,7 @@ class EpisodeRunner:
             agent=job.agent,
             pin_replies=self.settings.pin_replies,
             page_pins=self.settings.page_pins,
+            pin_examples=self.settings.pin_examples,
         )
         if self.settings.mode == "scripted":
             summary = self._recall(

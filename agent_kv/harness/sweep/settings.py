@@ -139,6 +139,7 @@ class BenchSettings:
         weights: the model's weight format (`agent_kv.runtime.weight_formats`).
         pin_replies: which of the agent's replies to pin (`AgentConfig.pin_replies`).
         page_pins: how much of the latest page to pin (`AgentConfig.page_pins`).
+        pin_examples: pin the example turns (`AgentConfig.pin_examples`).
         reference: scripted mode: the sweep directory whose full-KV runs the decisions are
             compared with (None: this sweep's own).
     """
@@ -157,6 +158,7 @@ class BenchSettings:
     weights: str = DEFAULT_WEIGHTS
     pin_replies: str = "none"
     page_pins: str = "whole"
+    pin_examples: bool = True
     reference: str | None = None
 
     def __post_init__(self) -> None:
