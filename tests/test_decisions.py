@@ -202,3 +202,25 @@ def test_success_per_group_has_wilson_intervals_and_paired_differences_from_full
     assert cells[3] == "0/1 (0%; 0-79%); -100 vs full"
     assert cells[4] == "2/2 (100%; 34-100%); +50 (+0 to +100) vs full |"
     assert group_table([record(401, "full", True)]) == ""
+
+
+def test_a_sweeps_records_are_kept_and_put_back(tmp_path):
+    from scripts.long_tasks.sweep_records import copy_records
+
+    sweep = tmp_path / "runs"
+    (sweep / "traces" / "task541-full").mkdir(parents=True)
+    (sweep / "traces" / "task541-conf-kv+reencode-192").mkdir()
+    (sweep / "results.jsonl").write_text('{"task_id": 541}\n')
+    (sweep / "settings.json").write_text('{"mode": "scripted"}\n')
+    (sweep / "traces" / "task541-full" / DECISIONS_JSON).write_text("[]")
+    (sweep / "traces" / "task541-full" / "recall.json").write_text("{}")
+    kept = tmp_path / "kept"
+    assert copy_records(sweep, kept) == 1
+    assert (kept / "results.jsonl").read_text() == '{"task_id": 541}\n'
+    assert (kept / "traces" / "task541-full" / DECISIONS_JSON).read_text() == "[]"
+    assert not (kept / "traces" / "task541-full" / "recall.json").exists()
+    assert not (kept / "traces" / "task541-conf-kv+reencode-192").exists()
+    back = tmp_path / "back"
+    assert copy_records(kept, back) == 1 and (back / "settings.json").is_file()
+    with pytest.raises(FileNotFoundError, match="holds no results.jsonl"):
+        copy_records(tmp_path / "nothing", tmp_path / "x")
