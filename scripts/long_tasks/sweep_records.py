@@ -8,8 +8,10 @@ later policy run is compared with: `agent_kv.harness.decisions`), then writes th
 plots there. `restore` copies them back into a sweep directory, so that `agent-kv bench` with
 the same `--out` skips the finished jobs and compares new ones with the saved full-KV runs.
 
-    .venv/bin/python -m scripts.long_tasks.sweep_records save runs/lh docs/results/long-horizon/sweep
-    .venv/bin/python -m scripts.long_tasks.sweep_records restore docs/results/long-horizon/sweep runs/lh
+    .venv/bin/python -m scripts.long_tasks.sweep_records save runs/lh \
+        docs/results/long-horizon/sweep
+    .venv/bin/python -m scripts.long_tasks.sweep_records restore \
+        docs/results/long-horizon/sweep runs/lh
 """
 
 from __future__ import annotations
