@@ -125,6 +125,53 @@ def test_recall_puts_tokens_back_in_position_order_and_the_policy_keeps_them_fir
     assert {2, 3, 4, 5, 16} <= set(kept) and len(kept) == 6
 
 
+def test_the_hot_tokens_next_to_a_recalled_page_stay_with_it():
+    """A fact split between a cold page and the hot tier (recall's split pass keys): recall
+    brings back [2-5]; with `neighbours` 2 the hot tokens 0, 1 (next to it) are kept right
+    after the recalled ones, before the policy's own choice (the heavy hitter 15), and with 0
+    they are not."""
+    kept = {}
+    for reach in (2, 0):
+        torch.manual_seed(1)
+        store = _store(page_tokens=4, pages=1, neighbours=reach)
+        keys = torch.randn(1, 2, 16, 8)
+        append_tokens(store, keys)
+        for layer in range(2):
+            store.compact(layer, torch.tensor([0, 1, 14, 15]))
+        call = ForwardCall.open(store, range(1), 1, CallPlan(recall=True))
+        for layer in range(2):
+            store.recall.recall(
+                layer, keys[:, :, 5:6] * 10, 1.0, call.rows, call.position_ids(),
+                call.tensors.origin,
+            )  # fmt: skip
+            call.segments(layer)
+            call.stage(layer, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+        call.close()
+        near = store.recall.tier.near[0][0]
+        assert (near.tolist() if near is not None else None) == ([0, 1] if reach else None)
+        policy = ColdRecall(
+            make_policy("window", budget=7, sinks=0, protect_recent=1, evict_slack=0),
+            ColdConfig(),
+        )
+        policy.prepare(store)
+        policy.evict(store, None)
+        kept[reach] = store.live_positions(0).tolist()
+    assert kept[2] == [0, 1, 2, 3, 4, 5, 16]  # the window would rather keep 14 and 15
+    assert kept[0] == [2, 3, 4, 5, 14, 15, 16]
+
+
+def test_neighbours_are_the_hot_positions_within_reach_of_a_recalled_one():
+    from agent_kv.kv.store.recall import neighbours
+
+    live = torch.tensor([40, 0, 7, 12, 19, 30])
+    recalled = torch.tensor([8, 9, 10, 11, 24, 25])
+    assert neighbours(live, recalled, 1).tolist() == [7, 12]
+    assert neighbours(live, recalled, 6).tolist() == [7, 12, 19, 30]
+    assert neighbours(live, recalled, 0) is None
+    assert neighbours(live, torch.tensor([], dtype=torch.int64), 4) is None
+    assert neighbours(torch.tensor([8, 9]), recalled, 4) is None  # only recalled ones
+
+
 def _evicted_middle(layers: int, rotary=None, **cold) -> tuple[KVStore, torch.Tensor]:
     """A store of `layers` layers whose 16 tokens keep 0, 1, 14, 15 in every layer, the rest
     cold in pages of 4 ([2-5], [6-9], [10-13]); returns it and the keys `[1, H, 16, D]`."""

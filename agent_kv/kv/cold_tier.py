@@ -84,6 +84,11 @@ class ColdConfig:
             layers' votes from a vote pass; module docstring).
         distances: in rerotate mode, score at `"original"` positions or `"in_cache"` ones
             (exact scoring only; module docstring).
+        neighbours: the hot tokens within this many positions of a recalled token are kept
+            right after the recalled ones, ahead of the policy's own choices, until the
+            layer's next recall (0: none). A fact evicted in part (a pass key's first digits
+            in a cold page, its last ones still hot) comes back whole only if its hot part
+            is not what the recalled tokens push out of the budget.
     """
 
     page_tokens: int = 16
@@ -95,6 +100,7 @@ class ColdConfig:
     score: str = "exact"
     select: str = "layer"
     distances: str = "original"
+    neighbours: int = 16
 
     @classmethod
     def from_params(cls, params: dict) -> ColdConfig:
@@ -124,8 +130,10 @@ class ColdConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"recall {name} must be a whole number >= 1, got {value!r}")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
-            raise ConfigError(f"recall every must be a whole number >= 0, got {self.every!r}")
+        for name in ("every", "neighbours"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"recall {name} must be a whole number >= 0, got {value!r}")
         if isinstance(self.cap_bytes, bool) or not isinstance(self.cap_bytes, int):
             raise ConfigError(f"recall cap_bytes must be a number of bytes, got {self.cap_bytes!r}")
         if self.cap_bytes < 1:
@@ -211,6 +219,9 @@ class ColdTier:
         pages: `pages[layer][row]`, oldest first.
         held: `held[layer][row]`, int64 positions recalled at the layer's last recall (None
             before any): a policy keeps them first until the next recall.
+        near: `near[layer][row]`, int64 positions of the hot tokens that were within
+            `ColdConfig.neighbours` of a recalled one at that recall (None before any, or
+            none): a policy keeps them right after the recalled ones.
         dropped_tokens: tokens dropped past the cap.
         recalled_tokens: tokens returned to the hot store.
         peak_bytes: the most bytes the tier has held.
@@ -228,6 +239,7 @@ class ColdTier:
     rotary: Rotary | None = None
     pages: list[list[list[ColdPage]]] = field(init=False)
     held: list[list[torch.Tensor | None]] = field(init=False)
+    near: list[list[torch.Tensor | None]] = field(init=False)
     votes: list[torch.Tensor | None] = field(init=False)
     ballots: list[list[torch.Tensor | None]] = field(init=False)
     dropped_tokens: int = 0
@@ -241,6 +253,7 @@ class ColdTier:
         self.config.validate()
         self.pages = [[[] for _ in range(self.batch)] for _ in range(self.num_layers)]
         self.held = [[None] * self.batch for _ in range(self.num_layers)]
+        self.near = [[None] * self.batch for _ in range(self.num_layers)]
         self.forget_votes()
         self._row_bytes = [0] * self.batch
 
@@ -431,6 +444,7 @@ class ColdTier:
                 [[{**vars(page)} for page in pages] for pages in layer] for layer in self.pages
             ],
             "held": self.held,
+            "near": self.near,
             "counters": [
                 self.dropped_tokens,
                 self.recalled_tokens,
@@ -447,6 +461,8 @@ class ColdTier:
         tier = cls(len(pages), len(pages[0]), ColdConfig(**state["config"]), rotary)
         tier.pages = [[[ColdPage(**p) for p in row] for row in layer] for layer in pages]
         tier.held = [list(row) for row in state["held"]]
+        if "near" in state:  # saved before neighbours were kept: none
+            tier.near = [list(row) for row in state["near"]]
         counters = state["counters"]
         tier.dropped_tokens, tier.recalled_tokens, tier.peak_bytes, tier._serial = counters[:4]
         tier.recall_s = counters[4]

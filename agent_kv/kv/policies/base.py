@@ -33,6 +33,9 @@ from kernels.formats import QUANT_FORMATS
 
 HELD_RANK = torch.finfo(torch.float32).max
 """The rank of a recalled token: above any score, below the `inf` of protected tokens."""
+NEAR_RANK = HELD_RANK / 2
+"""The rank of a hot token near a recalled one (`ColdConfig.neighbours`): below the recalled
+tokens, above any score."""
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,13 @@ class Policy(ABC):
 
     def keep_scores(self, store: KVStore, view: SlotView, candidates: torch.Tensor) -> torch.Tensor:
         """`rank`, with the tokens each layer's last recall brought back
-        (`RecallTier.held_joint`) above every other candidate: they stay first within the
-        budget until the next recall."""
+        (`RecallTier.held_joint`) above every other candidate, and the hot tokens that were
+        near them (`RecallTier.near_joint`) right after: they stay first within the budget
+        until the next recall."""
         ranks = self.rank(store, view, candidates)
+        near = store.recall.near_joint(slice(None), view.rows)
+        if near is not None:
+            ranks = torch.where(near, NEAR_RANK, ranks)
         held = store.recall.held_joint(slice(None), view.rows)
         return ranks if held is None else torch.where(held, HELD_RANK, ranks)
 

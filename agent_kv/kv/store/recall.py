@@ -86,7 +86,8 @@ class RecallTier:
         vote pass, the pass's scores and votes choose them (`ColdTier.picked`); the recalled
         tokens leave the `evicted_tokens` count (an eviction that was undone) and go back at
         their original positions (`Segments.insert`) with fresh statistics, and the policy
-        keeps them first until the layer's next recall (`held_joint`), within its budget.
+        keeps them first until the layer's next recall (`held_joint`), within its budget, and
+        the hot tokens near them right after (`near_joint`, `ColdConfig.neighbours`).
 
         Args:
             query: `[rows, Hq, q, D]`, the call's queries as attention receives them.
@@ -100,12 +101,15 @@ class RecallTier:
         recalled = 0
         for i, row in enumerate(rows):
             if not self.tier.pages[layer][row]:
-                self.tier.held[layer][row] = None
+                self.tier.held[layer][row] = self.tier.near[layer][row] = None
                 continue
             scores = self.tier.ballots[layer][row]
             if scores is None:
                 scores = self._scores(layer, row, query[i], scale, positions[i], int(origins[i]))
             kept_positions, keys, values = self.tier.recall(layer, row, scores)
+            self.tier.near[layer][row] = neighbours(
+                seg.live_positions(layer, row), kept_positions, self.tier.config.neighbours
+            )
             seg.insert(layer, row, keys, values, kept_positions, room=query.shape[2])
             seg.mark_changed(row)
             self.figures.evicted_tokens -= kept_positions.numel()  # back: no longer evicted
@@ -179,19 +183,31 @@ class RecallTier:
     def held_joint(self, layers: slice, rows: slice) -> torch.Tensor | None:
         """`[L', R, Cq + C]` bool: the slots of the tokens each layer's last recall brought
         back, or None when not recalling or before any recall."""
-        if not self.recalling:
+        return self._joint(self.tier.held if self.recalling else None, layers, rows)
+
+    def near_joint(self, layers: slice, rows: slice) -> torch.Tensor | None:
+        """`[L', R, Cq + C]` bool: the slots of the hot tokens that were near a recalled one
+        at each layer's last recall (`ColdConfig.neighbours`), or None when there are none."""
+        return self._joint(self.tier.near if self.recalling else None, layers, rows)
+
+    def _joint(
+        self, chosen: list[list[torch.Tensor | None]] | None, layers: slice, rows: slice
+    ) -> torch.Tensor | None:
+        """The slots whose positions are in `chosen[layer][row]`, None when no layer's row
+        has any (or `chosen` is None)."""
+        if chosen is None:
             return None
         seg = self.segments
-        held_any = False
+        found = False
         positions = seg.joint("positions", layers, rows)
-        held = torch.zeros_like(positions, dtype=torch.bool)
+        marked = torch.zeros_like(positions, dtype=torch.bool)
         for i, layer in enumerate(range(*layers.indices(seg.num_layers))):
             for j, row in enumerate(range(*rows.indices(seg.batch))):
-                taken = self.tier.held[layer][row]
+                taken = chosen[layer][row]
                 if taken is not None:
-                    held[i, j] = torch.isin(positions[i, j], taken)
-                    held_any = True
-        return (held & seg.valid(layers, rows)) if held_any else None
+                    marked[i, j] = torch.isin(positions[i, j], taken)
+                    found = True
+        return (marked & seg.valid(layers, rows)) if found else None
 
     def held_mask(self, layer: int, row: int = 0) -> torch.Tensor | None:
         """`[length]` bool over one layer's row's live slots (logical order): the tokens its
@@ -209,3 +225,17 @@ class RecallTier:
         """Exact bytes of the cold tier (codes, scales, digests), for one row or all; 0 without
         one. Never part of the hot store's bytes."""
         return 0 if self.tier is None else self.tier.nbytes(row)
+
+
+def neighbours(live: torch.Tensor, recalled: torch.Tensor, reach: int) -> torch.Tensor | None:
+    """The positions of `live` (int64 `[n]`, hot tokens) within `reach` positions of one of
+    `recalled` (int64 `[m]`, ascending) and not among them; None when there are none (or
+    `reach` is 0)."""
+    if reach == 0 or recalled.numel() == 0 or live.numel() == 0:
+        return None
+    at = torch.searchsorted(recalled, live)
+    left = recalled[(at - 1).clamp(min=0)]
+    right = recalled[at.clamp(max=recalled.numel() - 1)]
+    distance = torch.minimum((live - left).abs(), (right - live).abs())
+    near = live[(distance > 0) & (distance <= reach)]
+    return torch.sort(near).values if near.numel() else None
