@@ -16,6 +16,7 @@ from agent_kv.harness.decisions import (
     DecisionRecorder,
     coarse_kl,
     compare_decisions,
+    element_action,
     read_decisions,
 )
 from agent_kv.harness.recall import scripted_episode
@@ -67,6 +68,25 @@ def test_the_kl_is_over_full_kvs_top_tokens_and_the_rest():
     assert coarse_kl([], [], q.log()) == 0.0
     # only as many rows as both have
     assert coarse_kl(top_ids, top_logprobs, q.log()[:1]) == pytest.approx(float(exact[0]), abs=1e-6)
+
+
+def test_an_action_names_its_element_as_the_page_shows_it():
+    page = (
+        "Tab 0 (current): Shop\n[7] RootWebArea 'Shop' focused: True\n"
+        "\t[21] button 'Add to cart'\n\t[3] textbox 'Search' required: False\n"
+        "\t[1] StaticText 'Cart (1)'\n\t[30] button 'Add to cart'\n\t[44] link \"Ann's shop\""
+    )
+    assert element_action("click [30]", page) == "click [button 'Add to cart' #2]"
+    assert element_action("click [21]", page) == "click [button 'Add to cart' #1]"
+    assert element_action("type [3] [lamp] [1]", page) == "type [textbox 'Search' #1] [lamp] [1]"
+    assert element_action("click [44]", page) == "click [link 'Ann's shop' #1]"
+    # no element, or one the page does not show: as given; a tab index is no element id
+    for action in ("scroll [down]", "tab_focus [1]", "stop [3 [1]]", "click [99]", "x [1"):
+        assert element_action(action, page) == action
+    # already written as an element: unchanged
+    assert (
+        element_action("click [button 'Add to cart' #2]", page) == "click [button 'Add to cart' #2]"
+    )
 
 
 def test_a_policy_is_compared_step_by_step_with_full_kv(tmp_path):
@@ -160,7 +180,7 @@ def test_each_step_records_the_models_own_action_and_a_policy_is_compared_with_f
         assert 1 <= len(s["top_ids"]) <= KL_TOKENS and len(s["top_ids"][0]) == TOP_TOKENS
         probs = torch.tensor(s["top_logprobs"]).exp()
         assert (probs.sum(1) <= 1.0 + 1e-4).all() and (probs.diff(dim=1) <= 1e-6).all()
-    assert steps[0]["scripted"] == "type [3] [Brown sofa] [1]"  # task 404: search, resolved
+    assert steps[0]["scripted"] == "type [textbox 'Search' #1] [Brown sofa] [1]"  # task 404
     assert [s["since_fact_tokens"] for s in steps][:2] == [None, 0]
     assert steps[2]["since_fact_tokens"] == steps[2]["tokens_seen"] - steps[1]["tokens_seen"] > 0
     assert steps[0]["tokens_seen"] < steps[1]["tokens_seen"] < steps[2]["tokens_seen"]

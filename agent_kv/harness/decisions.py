@@ -12,8 +12,10 @@ begin with). Full KV's run of a task is the reference: it keeps, for each of tho
 its `TOP_TOKENS` most likely next tokens and their log-probabilities. A policy's run of the
 same task, given that record, gives per step:
 
-- whether the policy's own action equals full KV's own action (canonical text,
-  `agreement.canonical`);
+- whether the policy's own action equals full KV's own action: their canonical text
+  (`agreement.canonical`) with the element id written as the element the page shows
+  (`element_action`: `type [textbox 'Search' #1] [lamp] [1]`), since the two runs replay the
+  trajectory in two browser sessions whose element ids (Chromium's node ids) differ;
 - KL(full || policy) of the next-token distributions along the same forced tokens, each
   distribution coarsened to full KV's `TOP_TOKENS` most likely tokens and one bucket for the
   rest: with S those tokens, P and Q the mass p and q give S,
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ from agent_kv.harness.action_formats import TEXT_ACTIONS
 from agent_kv.harness.agent import AgentConfig
 from agent_kv.harness.agreement import canonical
 from agent_kv.runtime.conversation import Conversation
+from envs.actions import ActionParseError, parse_action
 
 KL_TOKENS = 8
 """Tokens of each action over which the KL to full KV is taken (the action's first tokens,
@@ -50,6 +54,30 @@ after the note a reply may begin with)."""
 TOP_TOKENS = 32
 """Next tokens full KV's record keeps per forced token (the KL's support, module docstring)."""
 DECISIONS_JSON = "decisions.json"
+ELEMENT_LINE = re.compile(r"^\s*\[(\d+)\] (\S+)(?: (['\"])(.*)\3)?", re.MULTILINE)
+"""An element's line of an observation: its id, role and, when it has one, quoted name."""
+
+
+def element_action(action: str, page: str) -> str:
+    """`action` (canonical text) with its element id written as the element `page` (the
+    observation the action answers, as shown) gives that id: its role, its name and its
+    place among the page's elements of that role and name, e.g. `click [15]` ->
+    `click [link 'Electronics' #1]`; `action` itself when it names no element or one the
+    page does not show."""
+    try:
+        element_id = parse_action(action).element_id
+    except ActionParseError:
+        return action
+    if element_id is None:
+        return action
+    seen: dict[tuple[str, str], int] = {}
+    for line in ELEMENT_LINE.finditer(page):
+        key = (line[2], line[4] or "")
+        seen[key] = seen.get(key, 0) + 1
+        if line[1] == str(element_id):
+            element = f"{key[0]} '{key[1]}' #{seen[key]}"
+            return action.replace(f"[{element_id}]", f"[{element}]", 1)
+    return action
 
 
 @dataclass(frozen=True)
@@ -58,8 +86,9 @@ class StepDecision:
 
     Attributes:
         step: 1-based page number of the trajectory (the page the action answers).
-        action: the model's own next action, greedy (canonical text).
-        scripted: the trajectory's action at that step (canonical text).
+        action: the model's own next action, greedy (canonical text, its element written as
+            the page shows it: `element_action`).
+        scripted: the trajectory's action at that step (the same way).
         constrained: whether the action was decoded under the page's grammar.
         tokens_seen: tokens the cache has seen when the action is decoded (the history, the
             page and the assistant header).
@@ -165,8 +194,8 @@ class DecisionRecorder:
         self.steps.append(
             StepDecision(
                 step=step,
-                action=canonical(own),
-                scripted=canonical(scripted),
+                action=element_action(canonical(own), shown),
+                scripted=element_action(canonical(scripted), shown),
                 constrained=decoding.constrained,
                 tokens_seen=store.seen_tokens,
                 since_fact_tokens=since,
