@@ -19,7 +19,7 @@ from agent_kv.harness.decisions import (
     element_action,
     read_decisions,
 )
-from agent_kv.harness.recall import scripted_episode
+from agent_kv.harness.recall import TRACE_JSON, scripted_episode
 from agent_kv.harness.sweep.decision_table import decision_tables
 from agent_kv.harness.sweep.group_table import group_table
 from agent_kv.kv.policies import make_policy
@@ -28,6 +28,10 @@ from envs.actions import parse_action
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import Fact, load_task
+
+
+def read_recall_record(trace_dir):
+    return json.loads((trace_dir / TRACE_JSON).read_text())["record"]
 
 
 def _step(n, action, **extra):
@@ -165,13 +169,21 @@ def test_each_step_records_the_models_own_action_and_a_policy_is_compared_with_f
     for name, policy, reference in runs:
         budget = None if policy == "full" else 16
         engine = Engine(tiny_qwen, qwen_tokenizer, make_policy(policy, budget=budget), 64)
-        if reference is not None:
+        pages = None
+        if reference is not None:  # full KV's decisions, pages and replies, word for word
             reference = read_decisions(tmp_path / "full")
+            pages = json.loads((tmp_path / "full" / TRACE_JSON).read_text())["pages"]
         recorder = DecisionRecorder(config, 2, reference)
         summary = scripted_episode(
-            task, engine, env, tmp_path / name, "tiny", config, decisions=recorder
-        )
+            task, engine, env, tmp_path / name, "tiny", config, decisions=recorder,
+            reference=pages,
+        )  # fmt: skip
         assert summary["error"] is None
+    shown = [
+        json.loads((tmp_path / n / TRACE_JSON).read_text())["pages"] for n in ("full", "again")
+    ]
+    assert shown[0] == shown[1]  # the same pages and replies, though the env's ids differ
+    assert summary["history_tokens"] == read_recall_record(tmp_path / "full")["history_tokens"]
     steps = read_decisions(tmp_path / "full")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["constrained"] and s["kl"] is None for s in steps)
@@ -186,6 +198,9 @@ def test_each_step_records_the_models_own_action_and_a_policy_is_compared_with_f
     assert steps[0]["tokens_seen"] < steps[1]["tokens_seen"] < steps[2]["tokens_seen"]
     same = compare_decisions(tmp_path / "again", tmp_path / "full")
     assert same["agreement"] == 1.0 and same["mean_kl"] == pytest.approx(0.0, abs=1e-4)
+    with pytest.raises(ValueError, match="the reference run has 2 pages, the task 4"):
+        engine = Engine(tiny_qwen, qwen_tokenizer, make_policy("full"), 64)
+        scripted_episode(task, engine, env, tmp_path / "short", "tiny", config, reference=[{}, {}])
     window = compare_decisions(tmp_path / "window", tmp_path / "full")
     assert window["steps_compared"] == 3
     assert all(math.isfinite(s["kl"]) and s["kl"] >= 0 for s in window["agreement_steps"])
@@ -234,13 +249,18 @@ def test_a_sweeps_records_are_kept_and_put_back(tmp_path):
     (sweep / "settings.json").write_text('{"mode": "scripted"}\n')
     (sweep / "traces" / "task541-full" / DECISIONS_JSON).write_text("[]")
     (sweep / "traces" / "task541-full" / "recall.json").write_text("{}")
+    policy = sweep / "traces" / "task541-conf-kv+reencode-192"
+    (policy / DECISIONS_JSON).write_text("[1]")
+    (policy / "recall.json").write_text("{}")
     kept = tmp_path / "kept"
-    assert copy_records(sweep, kept) == 1
+    assert copy_records(sweep, kept) == 2
     assert (kept / "results.jsonl").read_text() == '{"task_id": 541}\n'
     assert (kept / "traces" / "task541-full" / DECISIONS_JSON).read_text() == "[]"
-    assert not (kept / "traces" / "task541-full" / "recall.json").exists()
-    assert not (kept / "traces" / "task541-conf-kv+reencode-192").exists()
+    assert (kept / "traces" / "task541-full" / "recall.json").read_text() == "{}"  # full KV's
+    assert (kept / "traces" / policy.name / DECISIONS_JSON).read_text() == "[1]"
+    assert not (kept / "traces" / policy.name / "recall.json").exists()
     back = tmp_path / "back"
-    assert copy_records(kept, back) == 1 and (back / "settings.json").is_file()
+    assert copy_records(kept, back) == 2 and (back / "settings.json").is_file()
+    assert (back / "traces" / "task541-full" / "recall.json").is_file()
     with pytest.raises(FileNotFoundError, match="holds no results.jsonl"):
         copy_records(tmp_path / "nothing", tmp_path / "x")

@@ -219,8 +219,15 @@ def add_observation(
     `config.max_obs_tokens`, in `OBSERVATION_TEMPLATE`; `AGENT_PIN_RULES` pin it while it is
     the latest. Returns the page text as the agent sees it."""
     text = truncate_tokens(chat.engine.tokenizer, observation, config.max_obs_tokens)
-    chat.add(role, OBSERVATION_TEMPLATE.format(observation=text, intent=intent))
+    add_shown_observation(chat, text, intent, role)
     return text
+
+
+def add_shown_observation(chat: Conversation, shown: str, intent: str, role: str = "user") -> None:
+    """Queue a page already as the agent sees it (truncated: `add_observation`'s return, or a
+    trace's record of it) as the latest observation turn of `role`, in
+    `OBSERVATION_TEMPLATE`."""
+    chat.add(role, OBSERVATION_TEMPLATE.format(observation=shown, intent=intent))
 
 
 def observation_role(fmt: ActionFormat, previous: int | None) -> str:

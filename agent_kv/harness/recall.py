@@ -39,6 +39,7 @@ from agent_kv.harness.action_formats import FEW_SHOT
 from agent_kv.harness.agent import (
     AgentConfig,
     add_observation,
+    add_shown_observation,
     kv_reductions,
     open_conversation,
 )
@@ -304,6 +305,7 @@ def run_recall_task(
     decisions: DecisionRecorder | None = None,
     page_pins: str = "whole",
     pin_examples: bool = True,
+    reference: list[dict[str, Any]] | None = None,
 ) -> RecallRecord:
     """Replay `task`'s scripted navigation into a fresh conversation of `engine`, decode the
     answer with `decode` (default `forced_stop` with the task's `answer_prefix`), score it,
@@ -314,7 +316,11 @@ def run_recall_task(
     page n of the task's `pages` enters the conversation (progress). `pin_replies` says which
     forced replies are pinned, whole or their notes (`AgentConfig.pin_replies`), and
     `page_pins` how much of the latest page (`AgentConfig.page_pins`), and `pin_examples`
-    whether the example turns are pinned. With
+    whether the example turns are pinned. With `reference` (the `pages` of another run's
+    trace of the same task, e.g. full KV's), the model reads that run's pages as shown and
+    its forced replies, word for word, while `env` replays the task for the evaluation: two
+    runs in two browser sessions show different element ids and ports, and this way the two
+    caches differ only by their policies. With
     `decisions`, the model's own action is also decoded at each scripted step and written to
     `trace_dir` (`agent_kv.harness.decisions`).
 
@@ -322,8 +328,14 @@ def run_recall_task(
         envs.browser_env.ActionError: a scripted action names no element of its page or
             fails on it (a broken task, not a model failure); the message names the task, the
             step and the action.
+        ValueError: `reference` has not one page per page of the task.
         playwright Error: the browser failed.
     """
+    if reference is not None and len(reference) != len(task.reference_actions):
+        raise ValueError(
+            f"task {task.task_id}: the reference run has {len(reference)} pages, the task "
+            f"{len(task.reference_actions)}"
+        )
     decode = decode or forced_stop(prefix=task.answer_prefix)
     started = time.perf_counter()
     trace_dir.mkdir(parents=True, exist_ok=True)
@@ -331,7 +343,7 @@ def run_recall_task(
     chat = open_conversation(
         engine, task.intent, few_shot=fmt.few_shot, page_pins=page_pins, pin_examples=pin_examples
     )
-    replay = _Replay(chat, decisions=decisions)
+    replay = _Replay(chat, decisions=decisions, reference=reference)
     decoded, error, history = Decoded("", None), None, 0
     observation = env.reset(task)
     try:
@@ -396,6 +408,8 @@ class _Replay:
             positions `(start, end)`.
         hits: scripted actions that were the model's greedy choice.
         decisions: records the model's own action at each step, or None.
+        reference: another run's pages of the task, read instead of the env's (None: the
+            env's).
         peak_pinned_tokens: the most tokens pinned at once so far (`count_pinned`).
     """
 
@@ -405,6 +419,7 @@ class _Replay:
     notes: dict[str, tuple[int, int]] = field(default_factory=dict)
     hits: int = 0
     decisions: DecisionRecorder | None = None
+    reference: list[dict[str, Any]] | None = None
     peak_pinned_tokens: int = 0
 
     def count_pinned(self) -> int:
@@ -448,7 +463,11 @@ def _replay_script(
     for number, action in enumerate(script, start=1):
         if on_page is not None:
             on_page(number, len(script))
-        shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
+        if replay.reference is None:
+            shown = add_observation(chat, fmt.page_text(observation["text"]), task.intent, config)
+        else:
+            shown = replay.reference[number - 1]["observation"]
+            add_shown_observation(chat, shown, task.intent)
         replay.page_messages.append(len(chat.messages) - 1)
         page = {
             "step": number,
@@ -483,7 +502,10 @@ def _force_action(
         concrete = env.concrete_action(action)
     except ActionError as error:
         raise ActionError(f"task {task.task_id} step {number} {action}: {error}") from None
-    reply = fmt.reply(action, concrete)
+    if replay.reference is None:
+        reply = fmt.reply(action, concrete)
+    else:
+        reply = replay.reference[number - 1]["action"]
     note = NOTE.match(reply)
     note_tokens = _token_count(chat, note[0].rstrip()) if note else 0
     if replay.decisions is not None:
@@ -566,6 +588,7 @@ def scripted_episode(
     config: AgentConfig,
     on_page: Callable[[int, int], None] | None = None,
     decisions: DecisionRecorder | None = None,
+    reference: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One recall task as an episode of `run-episode --mode scripted` and of a scripted
     sweep: `run_recall_task` in the default format with pages truncated to
@@ -573,13 +596,14 @@ def scripted_episode(
     `config.page_pins` say (the examples too unless `config.pin_examples` is False), returned
     as
     `episode_summary` of its record; with `decisions`, the model's own action at each step is
-    recorded in `trace_dir` too (`agent_kv.harness.decisions`). Raises what `run_recall_task`
+    recorded in `trace_dir` too (`agent_kv.harness.decisions`); with `reference`, another
+    run's pages and replies are read (`run_recall_task`). Raises what `run_recall_task`
     raises."""
     fmt = replace(DEFAULT_FORMAT, max_obs_tokens=config.max_obs_tokens)
     record = run_recall_task(
         task, engine, env, trace_dir, model_name, fmt, on_page=on_page,
         pin_replies=config.pin_replies, decisions=decisions, page_pins=config.page_pins,
-        pin_examples=config.pin_examples,
+        pin_examples=config.pin_examples, reference=reference,
     )  # fmt: skip
     return episode_summary(record)
 

@@ -3,10 +3,11 @@
 A sweep of the long-horizon suite runs for many hours from a fixed commit in a separate
 checkout (`runs/` is not committed); its records must outlive the machine it ran on. `save`
 copies what resuming and reporting need into a directory of the repository: `results.jsonl`,
-`settings.json` and each run's `decisions.json` (full KV's decisions are the reference every
-later policy run is compared with: `agent_kv.harness.decisions`), then writes the summary and
-plots there. `restore` copies them back into a sweep directory, so that `agent-kv bench` with
-the same `--out` skips the finished jobs and compares new ones with the saved full-KV runs.
+`settings.json`, each run's `decisions.json` and the full-KV runs' `recall.json` (full KV's
+decisions, pages and replies are the reference every later policy run of the task reads and
+is compared with: `agent_kv.harness.decisions`), then writes the summary and plots there.
+`restore` copies them back into a sweep directory, so that `agent-kv bench` with the same
+`--out` skips the finished jobs and compares new ones with the saved full-KV runs.
 
     .venv/bin/python -m scripts.long_tasks.sweep_records save runs/lh \
         docs/results/long-horizon/sweep
@@ -21,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from agent_kv.harness.decisions import DECISIONS_JSON
+from agent_kv.harness.recall import TRACE_JSON
 from agent_kv.harness.sweep.report import write_report
 from agent_kv.harness.sweep.settings import RESULTS, SETTINGS
 
@@ -28,8 +30,8 @@ TRACES = "traces"
 
 
 def copy_records(source: Path, target: Path) -> int:
-    """Copy `source`'s results, settings and every run's decisions into `target` (created);
-    returns the decision files copied.
+    """Copy `source`'s results, settings, every run's decisions and the full-KV runs' traces
+    (`TRACE_JSON`) into `target` (created); returns the decision files copied.
 
     Raises:
         FileNotFoundError: `source` holds no results.
@@ -45,6 +47,8 @@ def copy_records(source: Path, target: Path) -> int:
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, destination)
         copied += 1
+        if path.parent.name.endswith("-full") and (path.parent / TRACE_JSON).is_file():
+            shutil.copy2(path.parent / TRACE_JSON, destination.parent / TRACE_JSON)
     return copied
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import queue
 import threading
@@ -47,7 +48,7 @@ from agent_kv.harness.agent import (
 )
 from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
 from agent_kv.harness.decisions import DecisionRecorder, compare_decisions, read_decisions
-from agent_kv.harness.recall import scripted_episode
+from agent_kv.harness.recall import TRACE_JSON, scripted_episode
 from agent_kv.harness.reply_pins import reply_pin
 from agent_kv.harness.sweep.settings import BenchSettings, Job, full_job
 from agent_kv.kv.policies import make_policy
@@ -366,25 +367,29 @@ class EpisodeRunner:
         """A recall task's record: scripted navigation, free answer (`scripted_episode`
         under `config`, an `AgentConfig`), recording the model's own action at each step when
         the sweep compares decisions (a policy's against the full-KV run of the task beside
-        `trace_dir`; none found leaves the comparison to report it)."""
+        `trace_dir`, whose pages and replies it then reads word for word: `run_recall_task`'s
+        `reference`; none found leaves the comparison to report it)."""
         steps = self.settings.max_steps
 
         def on_page(number: int, pages: int) -> None:
             on_step(math.ceil(number * steps / pages))
 
         env = browser.open(self._servers, self._observation)
-        decisions = None
+        decisions, pages = None, None
         if self.settings.agreement:
             reference = None
             if job.policy != "full":
                 full_dir = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
                 with contextlib.suppress(FileNotFoundError):
                     reference = read_decisions(full_dir)
+                    pages = json.loads((full_dir / TRACE_JSON).read_text())["pages"]
                 reference = reference or []
             fact_page = task.facts[0].page if task.facts else None
             decisions = DecisionRecorder(config, fact_page, reference)
         try:
-            return scripted_episode(task, engine, env, trace_dir, model, config, on_page, decisions)
+            return scripted_episode(
+                task, engine, env, trace_dir, model, config, on_page, decisions, pages
+            )
         except BaseException:
             browser.drop()
             raise
