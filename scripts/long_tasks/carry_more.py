@@ -35,6 +35,7 @@ from envs.sites.classifieds.data import SELLERS, generate_comments
 from envs.sites.common.web import money_cents, site_date
 from envs.sites.forum.data import USERNAMES
 from envs.sites.shopping.data import generate_orders
+from scripts.long_tasks.carry import COMMENTS as FORUM_COMMENTS
 from scripts.long_tasks.carry import alternate_splits
 from scripts.long_tasks.classifieds import HOME as CLASSIFIEDS
 from scripts.long_tasks.classifieds import LISTINGS, listing_check, open_listing
@@ -548,11 +549,7 @@ def other_counts(title: str, skip: int) -> list[str]:
 
 
 COMMENTS = (
-    "Thanks, this was useful.",
-    "Bookmarked for later.",
-    "Good point, I agree.",
-    "Following this thread.",
-    "Same here, thanks for sharing.",
+    *FORUM_COMMENTS,
     "Can you hold it until Friday?",
     "Is the price negotiable?",
     "Could you send more photos?",
