@@ -24,7 +24,9 @@ LOOPS = (
 )
 
 
-def model_limited(reason: str, raises: type[Exception] = AssertionError):
+def model_limited(
+    reason: str, raises: type[Exception] | tuple[type[Exception], ...] = AssertionError
+):
     """An xfail for a test the default model's size makes impossible, failing as `raises`."""
     return pytest.mark.xfail(reason=reason, raises=raises, strict=True)
 
@@ -35,12 +37,17 @@ AGENT_LOOP = (
 )
 JSON_MODE = (
     "response_format json_object constrains the syntax only; asked for 'setup' and "
-    "'punchline' keys, the model writes only 'setup'"
+    "'punchline' keys, the model loops inside a string until max_tokens cuts it, and "
+    "LangChain's parser closes a cut JSON: so the request that prefills the prompt (its last "
+    "token in the prefill product) reaches 'punchline' and parses, and the same request again "
+    "(the session's cache reused, the last prompt token fed alone through the packed decode "
+    "product, rounded to bf16) loops in 'setup' and the stream yields nothing; which call "
+    "fails depends on what the server ran before"
 )
 CASE_MARKS = {
     "test_bind_runnables_as_tools": model_limited(LOOPS),
     "test_structured_output_optional_param": model_limited(LOOPS),
-    "test_json_mode": model_limited(JSON_MODE, OutputParserException),
+    "test_json_mode": model_limited(JSON_MODE, (OutputParserException, AssertionError)),
     "test_agent_loop[model0]": model_limited(AGENT_LOOP),
     "test_agent_loop[model1]": model_limited(AGENT_LOOP),
 }

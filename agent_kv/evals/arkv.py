@@ -151,8 +151,14 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
 
 
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:
-    """Row label -> (policy, budget), the unbudgeted policies first."""
-    rows = {name: (name, None) for name, cls in POLICIES.items() if not cls.takes_budget}
+    """Row label -> (policy, budget), the policies that evict nothing first. An unbudgeted
+    policy that evicts (`pins-only`, the floor of pinned runs) is left out: this context has no
+    pinned span, so it would hold nothing."""
+    rows = {
+        name: (name, None)
+        for name, cls in POLICIES.items()
+        if not cls.takes_budget and not cls.evicts
+    }
     for budget in sizes.budgets:
         rows |= {f"{name} {budget}": (name, budget) for name in BUDGETED}
     return rows
