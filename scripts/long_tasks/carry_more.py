@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from envs.sites.classifieds.data import SELLERS, generate_comments
@@ -418,39 +419,32 @@ def purchase_work() -> Work:
     )
 
 
-def forum_work(text: str) -> Work:
-    """Post the comment `text` on each forum post (three actions each)."""
+def comment_work(site: str, text: str) -> Work:
+    """Post the comment `text` on each forum post (`site` FORUM) or classifieds listing
+    (`site` CLASSIFIEDS), three actions each.
+
+    Raises:
+        ValueError: `site` is neither.
+    """
+    if site not in (FORUM, CLASSIFIEDS):
+        raise ValueError(f"comments go on the forum or the classifieds, not {site}")
+    on_forum = site == FORUM
+    opener = open_post if on_forum else open_listing
+    check = comments_check if on_forum else listing_check
 
     def comment(script: Script, title: str, note: str | None) -> None:
-        open_post(script, title, note)
+        opener(script, title, note)
         script.act(comment_action(text))
 
     return Work(
-        FORUM,
-        "the forum",
-        f"post the comment '{text}' on each of these forum posts",
-        "posts",
+        site,
+        "the forum" if on_forum else "the classifieds site",
+        f"post the comment '{text}' on each of these "
+        + ("forum posts" if on_forum else "classifieds listings"),
+        "posts" if on_forum else "listings",
         comment,
-        lambda items: [comments_check(t, {"must_include": [text]}) for t in (items[0], items[-1])],
-        "comments on the forum",
-    )
-
-
-def listing_work(text: str) -> Work:
-    """Post the comment `text` on each classifieds listing (three actions each)."""
-
-    def comment(script: Script, title: str, note: str | None) -> None:
-        open_listing(script, title, note)
-        script.act(comment_action(text))
-
-    return Work(
-        CLASSIFIEDS,
-        "the classifieds site",
-        f"post the comment '{text}' on each of these classifieds listings",
-        "listings",
-        comment,
-        lambda items: [listing_check(t, {"must_include": [text]}) for t in (items[0], items[-1])],
-        "comments on the classifieds",
+        lambda items: [check(t, {"must_include": [text]}) for t in (items[0], items[-1])],
+        "comments on the forum" if on_forum else "comments on the classifieds",
     )
 
 
@@ -563,7 +557,8 @@ def without() -> list[dict[str, Any]]:
     listings = list(LISTINGS)
     products = pick_products(count=100)
     posts = {forum: pick_posts(forum, 12) for forum in ("bikes", "books", "cooking", "music")}
-    cart, forum, classifieds = cart_work(), forum_work, listing_work
+    cart = cart_work()
+    forum, classifieds = partial(comment_work, FORUM), partial(comment_work, CLASSIFIEDS)
     return [
         # a price, carried to the forum (which shows no price)
         carry(561, listing_fact(listings[5], "price"), forum(COMMENTS[0]),
@@ -632,7 +627,8 @@ def with_distractors() -> list[dict[str, Any]]:
     quiet = [t for t in pick_listings("electronics", 30) if not LISTING_COMMENTS[LISTINGS[t]["id"]]]
     science, travel = pick_posts("science", 12), pick_posts("travel", 12)
     gaming, movies = pick_posts("gaming", 12), pick_posts("movies", 12)
-    cart, forum, classifieds = cart_work(), forum_work, listing_work
+    cart = cart_work()
+    forum, classifieds = partial(comment_work, FORUM), partial(comment_work, CLASSIFIEDS)
     return [
         # a name: sellers on the listings, users on the forum, reviewers and the account in the shop
         carry(586, listing_fact(bikes[0], "name"), classifieds(COMMENTS[5]),
