@@ -633,6 +633,20 @@ def test_jobs_wait_for_their_tasks_full_kv_reference():
     assert next_ready(work, references)[1] == Job(1, "h2o", 64)
 
 
+def test_pending_jobs_run_task_by_task_with_full_kv_first(tmp_path: Path):
+    jobs = [Job(t, p, 64 if p != "full" else None) for t in (7, 3, 5) for p in ("h2o", "full")]
+    results = tmp_path / RESULTS
+    results.write_text(json.dumps(_record(3, "h2o", 64, True, 100)) + "\n")
+    pending = schedule._pending(jobs, results, retry_errors=False)
+    assert [(j.task_id, j.policy) for j in pending] == [
+        (7, "full"),
+        (7, "h2o"),
+        (3, "full"),
+        (5, "full"),
+        (5, "h2o"),
+    ]
+
+
 def test_two_ray_actors_run_every_job(tmp_path: Path, two_tasks, local_ray):
     jobs = make_jobs(two_tasks, ["full", "window"], [512])
     factory = functools.partial(FakeRunner, crash={Job(1, "window", 512).key}, seconds=0.3)

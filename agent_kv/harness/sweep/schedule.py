@@ -159,14 +159,22 @@ def run_bench(
 
 def _pending(jobs: list[Job], results: Path, retry_errors: bool) -> list[Job]:
     """The jobs of `jobs` without a record in `results` (with `retry_errors`, also those
-    recorded with `end_reason: "error"`), full KV's first; how many are skipped is said on
-    stderr."""
+    recorded with `end_reason: "error"`), task by task in the order tasks first appear, each
+    task's full KV before its other jobs (which replay it); how many are skipped is said on
+    stderr. Task by task, a sweep stopped early has its tasks' policies run beside their full
+    KV, not full KV on every task and no policy."""
     done = {
         record_key(r)
         for r in read_results(results)
         if not (retry_errors and r.get("end_reason") == "error")
     }
-    pending = sorted((job for job in jobs if job.key not in done), key=lambda j: j.policy != "full")
+    first = {}
+    for job in jobs:
+        first.setdefault(job.task_id, len(first))
+    pending = sorted(
+        (job for job in jobs if job.key not in done),
+        key=lambda j: (first[j.task_id], j.policy != "full"),
+    )
     if len(jobs) > len(pending):
         tqdm.write(f"skipping {len(jobs) - len(pending)} episodes already in {results}", sys.stderr)
     return pending
