@@ -88,7 +88,9 @@ class ColdConfig:
             right after the recalled ones, ahead of the policy's own choices, until the
             layer's next recall (0: none). A fact evicted in part (a pass key's first digits
             in a cold page, its last ones still hot) comes back whole only if its hot part
-            is not what the recalled tokens push out of the budget.
+            is not what the recalled tokens push out of the budget. 64 was chosen on the
+            default model's 2K needle contexts at hot budget 1,024: 2 of 5 pass keys with
+            0, 3 with 16, 5 with 64 (docs/results.md, section 3).
     """
 
     page_tokens: int = 16
@@ -100,7 +102,7 @@ class ColdConfig:
     score: str = "exact"
     select: str = "layer"
     distances: str = "original"
-    neighbours: int = 16
+    neighbours: int = 64
 
     @classmethod
     def from_params(cls, params: dict) -> ColdConfig:
