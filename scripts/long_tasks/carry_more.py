@@ -419,32 +419,50 @@ def purchase_work() -> Work:
     )
 
 
-def comment_work(site: str, text: str) -> Work:
-    """Post the comment `text` on each forum post (`site` FORUM) or classifieds listing
-    (`site` CLASSIFIEDS), three actions each.
+@dataclass(frozen=True)
+class CommentSite:
+    """What differs between commenting on forum posts and on classifieds listings: the site,
+    how an item is opened and checked, and the goal's and comment's words (`Work`'s)."""
 
-    Raises:
-        ValueError: `site` is neither.
-    """
-    if site not in (FORUM, CLASSIFIEDS):
-        raise ValueError(f"comments go on the forum or the classifieds, not {site}")
-    on_forum = site == FORUM
-    opener = open_post if on_forum else open_listing
-    check = comments_check if on_forum else listing_check
+    site: Start
+    opener: Callable[[Script, str, str | None], None]
+    check: Callable[[str, dict[str, list[str]]], dict[str, Any]]
+    site_name: str
+    items: str
+    noun: str
+    done: str
+
+
+FORUM_POSTS = CommentSite(
+    FORUM, open_post, comments_check, "the forum", "forum posts", "posts", "comments on the forum"
+)
+CLASSIFIEDS_LISTINGS = CommentSite(
+    CLASSIFIEDS,
+    open_listing,
+    listing_check,
+    "the classifieds site",
+    "classifieds listings",
+    "listings",
+    "comments on the classifieds",
+)
+
+
+def comment_work(where: CommentSite, text: str) -> Work:
+    """Post the comment `text` on each item of `where` (`FORUM_POSTS` or
+    `CLASSIFIEDS_LISTINGS`), three actions each."""
 
     def comment(script: Script, title: str, note: str | None) -> None:
-        opener(script, title, note)
+        where.opener(script, title, note)
         script.act(comment_action(text))
 
     return Work(
-        site,
-        "the forum" if on_forum else "the classifieds site",
-        f"post the comment '{text}' on each of these "
-        + ("forum posts" if on_forum else "classifieds listings"),
-        "posts" if on_forum else "listings",
+        where.site,
+        where.site_name,
+        f"post the comment '{text}' on each of these {where.items}",
+        where.noun,
         comment,
-        lambda items: [check(t, {"must_include": [text]}) for t in (items[0], items[-1])],
-        "comments on the forum" if on_forum else "comments on the classifieds",
+        lambda items: [where.check(t, {"must_include": [text]}) for t in (items[0], items[-1])],
+        where.done,
     )
 
 
@@ -558,7 +576,8 @@ def without() -> list[dict[str, Any]]:
     products = pick_products(count=100)
     posts = {forum: pick_posts(forum, 12) for forum in ("bikes", "books", "cooking", "music")}
     cart = cart_work()
-    forum, classifieds = partial(comment_work, FORUM), partial(comment_work, CLASSIFIEDS)
+    forum = partial(comment_work, FORUM_POSTS)
+    classifieds = partial(comment_work, CLASSIFIEDS_LISTINGS)
     return [
         # a price, carried to the forum (which shows no price)
         carry(561, listing_fact(listings[5], "price"), forum(COMMENTS[0]),
@@ -628,7 +647,8 @@ def with_distractors() -> list[dict[str, Any]]:
     science, travel = pick_posts("science", 12), pick_posts("travel", 12)
     gaming, movies = pick_posts("gaming", 12), pick_posts("movies", 12)
     cart = cart_work()
-    forum, classifieds = partial(comment_work, FORUM), partial(comment_work, CLASSIFIEDS)
+    forum = partial(comment_work, FORUM_POSTS)
+    classifieds = partial(comment_work, CLASSIFIEDS_LISTINGS)
     return [
         # a name: sellers on the listings, users on the forum, reviewers and the account in the shop
         carry(586, listing_fact(bikes[0], "name"), classifieds(COMMENTS[5]),
