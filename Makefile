@@ -7,10 +7,10 @@ TASK   ?= 424
 EPISODE_ARGS ?= --task $(TASK) --mode scripted --policy conf-kv --budget 160 --prefill-chunk 128 \
 	--out runs/readme
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint docs
 setup: $(VENV)/.setup-stamp
 
-$(VENV)/.setup-stamp: pyproject.toml scripts/setup.sh agent_kv/runtime/bundled_models.py
+$(VENV)/.setup-stamp: pyproject.toml scripts/setup.sh agent_kv/runtime/models/bundled_models.py
 	bash scripts/setup.sh
 	touch $@
 
@@ -24,3 +24,8 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# The pages written from the code: docs/layout.md (module docstrings) and the policy table of
+# docs/policies.md; tests/test_generated_docs.py fails while either is stale.
+docs: setup
+	$(BIN)/python -m scripts.write_docs

@@ -22,8 +22,9 @@ policy overrides that cannot be applied, 429 when too many requests wait for the
 when one waited too long. A server-side failure is a 500 with the same shape. The OpenAPI
 document (`/openapi.json`) lists these per route (`api.openapi_doc`).
 
-The routes' parts: a request is read by `api.chat_request`, its turn run by `api.turns`, its
-reply built by `api.replies` or streamed by `api.streaming`.
+The route handlers are `api.routes`'s, named functions registered here; a request is read by
+`api.chat_request`, its turn run by `api.turns`, its reply built by `api.response_bodies` or
+streamed by `api.streaming`.
 """
 
 from __future__ import annotations
@@ -32,65 +33,37 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict
-from typing import Annotated
+from functools import partial
 
-from fastapi import FastAPI, Header, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent_kv.errors import ConfigError, GrammarError
-from agent_kv.runtime.tool_calls import ReplySpec
 from agent_kv.serving.chat_service import ChatService
-from agent_kv.serving.session_store import SessionBusyError
+from api import routes
 from api.access import AccessControl
 from api.body_limit import MAX_BODY_BYTES, BodyLimit
-from api.chat_request import (
-    check_names,
-    header_text,
-    image_parts,
-    pin_rules,
-    policy_override,
-    refuse_unsupported,
-    sampling_params,
-)
 from api.errors import APIError, error_response
 from api.metrics import ServerMetrics
 from api.openapi_doc import error_responses, openapi_without_validation_422
-from api.replies import completion_body, native_reply, set_session_header
-from api.reply_spec import check_tool_results, reply_spec
-from api.request_log import CLIENT_CLOSED, RequestLine, client_closed, note_error, note_turn
-from api.response_schemas import (
-    ChatCompletion,
-    DeletedSession,
-    Health,
-    ModelCard,
-    ModelList,
-    NativeChatResponse,
-    SessionInfo,
-    SessionList,
-    TokenizeResponse,
-)
-from api.schemas import (
-    SESSION_ID_CHARS,
-    ChatCompletionRequest,
-    NativeChatRequest,
-    TokenizeChat,
-    TokenizeRequest,
-)
-from api.streaming import SSE_EVENT, stream_reply
-from api.turns import admit, run_watched
+from api.request_log import CLIENT_CLOSED, RequestLine, client_closed, note_error
+from api.response_schemas import ChatCompletion, NativeChatResponse
+from api.routes import ServerState
+from api.streaming import SSE_EVENT
 
 log = logging.getLogger(__name__)
 
-SessionHeader = Annotated[
-    str | None, Header(min_length=1, max_length=SESSION_ID_CHARS, description="Session id")
-]
 HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
 """Error codes of the statuses the framework itself answers (a body it cannot parse, an
 unknown route, a wrong method)."""
+ROUTE_PATHS = {
+    "/v1/chat/completions", "/chat", "/tokenize", "/v1/models", "/health", "/metrics",
+    "/sessions",
+}  # fmt: skip
+"""The paths requests are counted under in `/metrics` (`/sessions/{id}` as `/sessions`, any
+other as `other`)."""
 
 
 def create_app(
@@ -121,206 +94,148 @@ def create_app(
     ttl = service.sessions.idle_ttl_s
     if sweep_interval_s is None and ttl is not None:
         sweep_interval_s = min(max(ttl / 4, 0.05), 60.0)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        sweeper = None
-        if sweep_interval_s is not None:
-            sweeper = asyncio.create_task(_sweep(service, sweep_interval_s))
-        try:
-            yield
-        finally:
-            if sweeper is not None:
-                sweeper.cancel()
-            await run_in_threadpool(service.sessions.save_all)  # a restart finds them
-
-    app = FastAPI(title="agent_kv", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="agent_kv",
+        version="0.1.0",
+        lifespan=partial(_lifespan, service=service, sweep_interval_s=sweep_interval_s),
+    )
     app.openapi = openapi_without_validation_422(app)
-    engine = service.engine
-    vocab_size = engine.model.config.vocab_size
     metrics = ServerMetrics(service.sessions)
-    app.state.metrics = metrics  # a replica's reports read it (`api.cluster.replica`)
-    routes = {
-        "/v1/chat/completions", "/chat", "/tokenize", "/v1/models", "/health", "/metrics",
-        "/sessions",
-    }  # fmt: skip
-    key_error = (401,) if api_key is not None else ()
-    post_errors = (400, *key_error, 413)
-    chat_errors = (*post_errors, 429, 503)
-
-    @app.middleware("http")
-    async def count_and_log_requests(request: Request, call_next):
-        started = time.perf_counter()
-        path = request.url.path
-        endpoint = (
-            path if path in routes else "/sessions" if path.startswith("/sessions/") else "other"
-        )
-
-        def ended(status: int) -> None:  # counted and logged once the response has ended
-            metrics.requests.labels(endpoint, str(status)).inc()
-            RequestLine.of(request, status, started).write()
-
-        try:
-            response = await call_next(request)
-        except Exception as err:  # a 500: the catch-all handler answers it outside this
-            note_error(request, None, f"internal error ({type(err).__name__})")
-            ended(500)
-            raise
-        response.body_iterator = _ended(
-            response.body_iterator, request, response.status_code, ended
-        )
-        return response
-
+    app.state.server = ServerState(service, model_name, metrics, drop_image_parts)
+    app.middleware("http")(_count_and_log_requests)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, reject=error_response)
     app.add_middleware(
         AccessControl, reject=error_response, api_key=api_key, allowed_hosts=allowed_hosts
     )
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError):
-        note_error(request, err.code, err.message)
-        return error_response(err.status, err.message, err.param, err.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, err: RequestValidationError):
-        errors = err.errors()
-        if any(e["type"] == "json_invalid" for e in errors):
-            note_error(request, "invalid_json", "request body is not valid JSON")
-            return error_response(400, "request body is not valid JSON", None, "invalid_json")
-        unknown = [e for e in errors if e["type"] == "extra_forbidden"]
-        if unknown:  # OpenAI's answer, for the outermost field a body does not define
-            param = _param_name(min(unknown, key=lambda e: len(e["loc"]))["loc"])
-            message = f"Unrecognized request argument supplied: {param}"
-            note_error(request, "unrecognized_argument", message)
-            return error_response(400, message, param, "unrecognized_argument")
-        # the deepest location is the most specific: of a union's branches, the one that
-        # got furthest (a list of text parts rather than "not a string")
-        first = max(errors, key=lambda e: len(e["loc"]))
-        param = _param_name(first["loc"])
-        if first["type"] == "invalid_role":  # the message union could not pick a kind
-            param = f"{param}.role"
-        message = f"{param or 'body'}: {first['msg']}"
-        note_error(request, "invalid_value", message)
-        return error_response(400, message, param, "invalid_value")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, err: StarletteHTTPException):
-        code = HTTP_ERROR_CODES.get(err.status_code)
-        note_error(request, code, str(err.detail))
-        return error_response(err.status_code, str(err.detail), None, code, err.headers)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, err: Exception):
-        log.error("internal error on %s", request.url.path, exc_info=err)
-        message = f"internal error ({type(err).__name__}); the server's log has the details"
-        return error_response(500, message, None, None)
-
-    @app.get("/health", responses=error_responses(400))
-    async def health() -> Health:
-        """Liveness: the model id and the default policy (served without the API key)."""
-        return Health(status="ok", model=model_name, policy=engine.policy.name)
-
-    @app.get("/v1/models", responses=error_responses(400, *key_error))
-    async def models() -> ModelList:
-        """The one model served."""
-        return ModelList(data=[ModelCard(id=model_name, created=0, owned_by="agent_kv")])
-
-    @app.get(
+    key_error = (401,) if api_key is not None else ()
+    get_errors = error_responses(400, *key_error)
+    post_errors = (400, *key_error, 413)
+    chat_errors = (*post_errors, 429, 503)
+    app.add_api_route("/health", routes.health, methods=["GET"], responses=error_responses(400))
+    app.add_api_route("/v1/models", routes.models, methods=["GET"], responses=get_errors)
+    app.add_api_route(
         "/metrics",
+        routes.prometheus,
+        methods=["GET"],
         response_class=PlainTextResponse,
-        responses={
-            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-            **error_responses(400, *key_error),
-        },
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **get_errors},
     )
-    async def prometheus() -> Response:
-        """Prometheus metrics in the text exposition format."""
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/sessions", responses=error_responses(400, *key_error))
-    async def list_sessions() -> SessionList:
-        """Every session known, in memory or on disk, least recently used first."""
-        summaries = await run_in_threadpool(service.sessions.describe)
-        return SessionList(data=[SessionInfo.model_validate(asdict(s)) for s in summaries])
-
-    @app.delete("/sessions/{session_id:path}", responses=error_responses(400, *key_error, 404, 409))
-    async def delete_session(session_id: str) -> DeletedSession:
-        """Forget a session, in memory and on disk."""
-        try:
-            deleted = await run_in_threadpool(service.sessions.drop, session_id)
-        except SessionBusyError as err:
-            raise APIError(409, str(err), "session_id", "session_busy") from None
-        if not deleted:
-            raise APIError(404, f"no session {session_id!r}", "session_id", "not_found")
-        return DeletedSession(id=session_id, deleted=True)
-
-    @app.post("/tokenize", responses=error_responses(*post_errors))
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        """Token ids of plain text, or of a conversation as a chat turn would prefill it."""
-        tokens = await run_in_threadpool(_tokenize, service, request)
-        limit = engine.model.config.max_position_embeddings
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=limit)
-
-    @app.post(
+    app.add_api_route("/sessions", routes.list_sessions, methods=["GET"], responses=get_errors)
+    app.add_api_route(
+        "/sessions/{session_id:path}",
+        routes.delete_session,
+        methods=["DELETE"],
+        responses=error_responses(400, *key_error, 404, 409),
+    )
+    app.add_api_route(
+        "/tokenize", routes.tokenize, methods=["POST"], responses=error_responses(*post_errors)
+    )
+    app.add_api_route(
         "/v1/chat/completions",
+        routes.chat_completions,
+        methods=["POST"],
         response_model=ChatCompletion,
         responses={
             200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
             **error_responses(*chat_errors),
         },
     )
-    async def chat_completions(
-        request: ChatCompletionRequest,
-        raw: Request,
-        response: Response,
-        x_session_id: SessionHeader = None,
-    ) -> ChatCompletion:
-        """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
-        refuse_unsupported(request)
-        params = sampling_params(request, vocab_size, request.max_completion_tokens)
-        check_tool_results(request.messages)
-        check_names(request.messages, engine.tokenizer)
-        images = image_parts(request.messages, drop_image_parts, metrics)
-        messages = [m.as_dict() for m in request.messages]
-        rules = None if request.pin is None else pin_rules(request)
-        reply = await run_in_threadpool(reply_spec, request, engine, model_name)
-        session_id = header_text(x_session_id) or request.user
-        admission = admit(service)
-        turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
-        if request.stream:
-            return await stream_reply(
-                service, metrics, raw, admission, messages, params, turn_args, request,
-                model_name, images,
-            )  # fmt: skip
-        turn = await run_watched(raw, admission, metrics, service, messages, params, **turn_args)
-        note_turn(raw, turn)
-        set_session_header(response.headers, turn.kv.session_id)
-        return completion_body(model_name, turn, images)
-
-    @app.post(
+    app.add_api_route(
         "/chat",
+        routes.chat,
+        methods=["POST"],
         response_model=NativeChatResponse,
         responses=error_responses(*chat_errors, 422),
     )
-    async def chat(request: NativeChatRequest, raw: Request) -> NativeChatResponse:
-        """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
-        params = sampling_params(request, vocab_size)
-        check_tool_results(request.messages)
-        check_names(request.messages, engine.tokenizer)
-        images = image_parts(request.messages, drop_image_parts, metrics)
-        messages = [m.as_dict() for m in request.messages]
-        rules = None if request.pin is None else pin_rules(request)
-        policy = None if request.policy is None else policy_override(request, service)
-        reply = await run_in_threadpool(reply_spec, request, engine, model_name)
-        admission = admit(service)
-        turn = await run_watched(
-            raw, admission, metrics, service, messages, params, session_id=request.session_id,
-            rules=rules, policy=policy, reply=reply,
-        )  # fmt: skip
-        note_turn(raw, turn)
-        return native_reply(turn, images)
-
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(_: FastAPI, service: ChatService, sweep_interval_s: float | None):
+    """While the app runs: expire idle sessions every `sweep_interval_s` seconds (none when
+    None); at shutdown, save every session so that a restart finds them."""
+    sweeper = None
+    if sweep_interval_s is not None:
+        sweeper = asyncio.create_task(_sweep(service, sweep_interval_s))
+    try:
+        yield
+    finally:
+        if sweeper is not None:
+            sweeper.cancel()
+        await run_in_threadpool(service.sessions.save_all)
+
+
+async def _count_and_log_requests(request: Request, call_next):
+    """Count each request in `/metrics` by route and status, and log its line, once its
+    response has ended."""
+    started = time.perf_counter()
+    path = request.url.path
+    endpoint = (
+        path if path in ROUTE_PATHS else "/sessions" if path.startswith("/sessions/") else "other"
+    )
+    metrics = request.app.state.server.metrics
+
+    def ended(status: int) -> None:
+        metrics.requests.labels(endpoint, str(status)).inc()
+        RequestLine.of(request, status, started).write()
+
+    try:
+        response = await call_next(request)
+    except Exception as err:  # a 500: the catch-all handler answers it outside this
+        note_error(request, None, f"internal error ({type(err).__name__})")
+        ended(500)
+        raise
+    response.body_iterator = _ended(response.body_iterator, request, response.status_code, ended)
+    return response
+
+
+async def _api_error(request: Request, err: APIError):
+    """An `APIError`, as its OpenAI-shaped error response."""
+    note_error(request, err.code, err.message)
+    return error_response(err.status, err.message, err.param, err.code)
+
+
+async def _validation_error(request: Request, err: RequestValidationError):
+    """A body pydantic refused, as a 400: invalid JSON, a field the body does not define
+    (OpenAI's "Unrecognized request argument supplied"), or the most specific invalid value."""
+    errors = err.errors()
+    if any(e["type"] == "json_invalid" for e in errors):
+        note_error(request, "invalid_json", "request body is not valid JSON")
+        return error_response(400, "request body is not valid JSON", None, "invalid_json")
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:  # OpenAI's answer, for the outermost field a body does not define
+        param = _param_name(min(unknown, key=lambda e: len(e["loc"]))["loc"])
+        message = f"Unrecognized request argument supplied: {param}"
+        note_error(request, "unrecognized_argument", message)
+        return error_response(400, message, param, "unrecognized_argument")
+    # the deepest location is the most specific: of a union's branches, the one that
+    # got furthest (a list of text parts rather than "not a string")
+    first = max(errors, key=lambda e: len(e["loc"]))
+    param = _param_name(first["loc"])
+    if first["type"] == "invalid_role":  # the message union could not pick a kind
+        param = f"{param}.role"
+    message = f"{param or 'body'}: {first['msg']}"
+    note_error(request, "invalid_value", message)
+    return error_response(400, message, param, "invalid_value")
+
+
+async def _http_error(request: Request, err: StarletteHTTPException):
+    """A status the framework answers itself (unknown route, wrong method, ...)."""
+    code = HTTP_ERROR_CODES.get(err.status_code)
+    note_error(request, code, str(err.detail))
+    return error_response(err.status_code, str(err.detail), None, code, err.headers)
+
+
+async def _server_error(request: Request, err: Exception):
+    """Anything else: a 500 of the same shape, the details in the server's log."""
+    log.error("internal error on %s", request.url.path, exc_info=err)
+    message = f"internal error ({type(err).__name__}); the server's log has the details"
+    return error_response(500, message, None, None)
 
 
 async def _sweep(service: ChatService, interval_s: float) -> None:
@@ -328,25 +243,6 @@ async def _sweep(service: ChatService, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         await run_in_threadpool(service.sessions.sweep)
-
-
-def _tokenize(service: ChatService, request: TokenizeRequest) -> list[int]:
-    """The request's token ids: its text's, or its conversation's as a chat turn would
-    prefill it (the tools rendered as a chat completion renders them); a 400 for a name the
-    template cannot render, tools offered twice, or a conversation the template refuses."""
-    if isinstance(request, TokenizeChat):
-        check_names(request.messages, service.engine.tokenizer)
-        tools = request.model_dump(include={"tools"})["tools"]
-        try:
-            offered = ReplySpec.from_openai(tools=tools).tools
-        except GrammarError as err:
-            raise APIError(400, str(err), "tools", "invalid_value") from None
-        try:
-            return service.render([m.as_dict() for m in request.messages], offered).token_ids
-        except ConfigError as err:
-            raise APIError(400, str(err), "messages", "invalid_value") from None
-    tokenizer = service.engine.tokenizer
-    return tokenizer(request.content, add_special_tokens=request.add_special)["input_ids"]
 
 
 async def _ended(body, request: Request, status: int, ended):

@@ -10,10 +10,10 @@ import json
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.chat_rendering import template_takes_names
-from agent_kv.runtime.pin_rules import PinRules
-from agent_kv.runtime.policy_setup import policy_from_spec
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.chat.pin_rules import PinRules
+from agent_kv.runtime.chat.rendering import template_takes_names
+from agent_kv.runtime.engine.policy_setup import policy_from_spec
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 from api.errors import APIError
 from api.metrics import ServerMetrics

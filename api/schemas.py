@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from agent_kv.kv.policies import POLICIES
 from agent_kv.kv.policy_names import RECALL_SUFFIX
-from agent_kv.runtime.tool_calls import TOOL_NAME_PATTERN, ToolCall
+from agent_kv.runtime.replies.tool_calls import TOOL_NAME_PATTERN, ToolCall
 from agent_kv.valid_text import check_unicode
 
 SEED_RANGE = (-(2**53 - 1), 2**53 - 1)
@@ -226,7 +226,7 @@ class MessageFields(BaseModel):
     OpenAI's `name` of its author, and `pin: true` (an agent_kv extension), which pins the
     message's tokens: never evicted or quantized.
 
-    `name` goes to the chat template (`agent_kv.runtime.chat_rendering`); on a message of a
+    `name` goes to the chat template (`agent_kv.runtime.chat.rendering`); on a message of a
     role whose name the template does not render it is a 400, and on a tool message it must
     be the name of the call the message answers (`api.chat_request.check_names`)."""
 
@@ -236,7 +236,7 @@ class MessageFields(BaseModel):
 
     def as_dict(self) -> dict:
         """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` with the content as one
-        string and the calls as `ToolCall`s (`agent_kv.runtime.chat_rendering`), and `name`
+        string and the calls as `ToolCall`s (`agent_kv.runtime.chat.rendering`), and `name`
         when the message has one."""
         message = {
             "role": self.role,
@@ -433,7 +433,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(RequestBody):
     """The conversation and sampling fields both chat endpoints take: OpenAI's, and the
     `top_k`, `min_p` and `repetition_penalty` of vLLM and llama.cpp
-    (`agent_kv.runtime.sampling`)."""
+    (`agent_kv.runtime.replies.sampling`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: PositiveCount | None = None
@@ -463,7 +463,7 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 
 class PinRulesBody(BaseModel):
-    """`pin` of a `/chat` request: the protection rules of this turn (`PinRules`)."""
+    """`pin` of a `/chat` request: the pin rules of this turn (`PinRules`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -471,8 +471,8 @@ class PinRulesBody(BaseModel):
     latest_observations: NonNegativeCount = 1
     observation_roles: list[Role] = ["tool"]
     patterns: list[Text] = []
-    """RE2 patterns; more than `protection.MAX_PATTERNS`, one over
-    `protection.MAX_PATTERN_CHARS` characters or one RE2 cannot compile is a 422."""
+    """RE2 patterns; more than `agent_kv.runtime.chat.pin_rules.MAX_PATTERNS`, one over
+    `pin_rules.MAX_PATTERN_CHARS` characters or one RE2 cannot compile is a 422."""
     tool_names: list[ToolName] = Field(default=[], max_length=MAX_TOOLS)
     """Tools whose results are always pinned."""
     tool_calls: StrictBool = False

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -28,7 +28,7 @@ class ServerSettings:
     Attributes:
         spec: the default policy and its store options.
         model: a bundled model name, or None for the default.
-        weights: the weight format (`agent_kv.runtime.weight_formats`).
+        weights: the weight format (`agent_kv.runtime.models.weight_formats`).
         session_bytes: cap on the allocated KV bytes of all sessions in memory, or None.
         session_ttl_s: seconds an idle session is kept.
         spill_dir: where sessions leave memory to, or None (dropped instead).
@@ -63,14 +63,14 @@ class ServerSettings:
 def build_server(settings: ServerSettings) -> tuple[FastAPI, ChatService]:
     """Load the model and build the app serving it, saying on stderr when the model starts
     loading and when the decode step compiles (its compiled kernels kept on disk for the next
-    start: `agent_kv.runtime.compile_cache`).
+    start: `agent_kv.runtime.models.compile_cache`).
 
     Raises:
         AgentKVError: the model cannot be loaded or the policy cannot run on it.
     """
-    from agent_kv.runtime.compile_cache import use_compile_cache
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import load_model
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.models.compile_cache import use_compile_cache
+    from agent_kv.runtime.models.model_loading import load_model
     from agent_kv.serving.chat_service import ChatService
     from agent_kv.serving.session_store import SessionStore
     from api.app import create_app

@@ -12,10 +12,10 @@ import uuid
 
 from fastapi.responses import StreamingResponse
 
-from agent_kv.runtime.tool_calls import ToolCallStream, call_check
+from agent_kv.runtime.replies.tool_calls import ToolCallStream, call_check
 from api.errors import APIError
-from api.replies import kv_stats, reply_usage, set_session_header
 from api.request_log import note_client_closed, note_error, note_turn
+from api.response_bodies import kv_stats, reply_usage, set_session_header
 from api.response_schemas import ErrorDetail
 from api.schemas import ToolCallBody
 from api.turns import run_turn, watch_disconnect

@@ -28,7 +28,7 @@ import time
 import torch
 
 from kernels.dispatch import decode_attention
-from kernels.reference import Segment
+from kernels.torch_attention import Segment
 
 BLOCK = 32
 

@@ -1,5 +1,5 @@
 """A long agent chat's turn prompt, tokenized whole against only from the generation prompt on
-of the last prompt it extends (`agent_kv.runtime.chat_layout.placed_chat` with `previous`, what
+of the last prompt it extends (`agent_kv.runtime.chat.layout.placed_chat` with `previous`, what
 the server does for a session's next turn, `agent_kv.serving.last_prompts`), side by side in
 one run: the median of
 `--repeats` alternating timings of each, with their ratio. The chat is a system message, then
@@ -14,10 +14,10 @@ import argparse
 import statistics
 import time
 
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime.chat_layout import placed_chat, render_placed
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.model_loading import load_tokenizer
+from agent_kv.runtime.chat.layout import placed_chat, render_placed
+from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models.model_loading import load_tokenizer
 
 
 def agent_chat(turns: int) -> list[dict]:

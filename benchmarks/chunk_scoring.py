@@ -28,8 +28,8 @@ import torch
 from agent_kv.evals.texts import licence_text
 from agent_kv.kv import attention
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
 
 BIN = 128
 """Tokens per bin of the kept-position distribution."""

@@ -26,10 +26,10 @@ import time
 
 from agent_kv.evals.texts import licence_text
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 
 SYSTEM = (

@@ -12,7 +12,7 @@ so machine noise falls on all of them alike), and the table gives the median ste
   and for a `--model` directory);
 - `full`, `conf-kv`, `conf-kv+int8` (budget `--budget`, INT8 window 128): agent_kv's engine,
   `eager` (`Engine(compile=False)`) and `compiled` (`compile=True`: one `torch.compile`d
-  graph per step, `agent_kv.runtime.decode_graph`).
+  graph per step, `agent_kv.runtime.engine.decode_graph`).
 Per setting also: aten operators per decode step (torch profiler, every aten event, nested
 ones included: the CPU-measurable proxy of a GPU's kernel launches) and, for the compiled
 ones, the fused kernels inductor generated that the step ran; and the KV bytes held
@@ -42,10 +42,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model
 
 PREFILL_CHUNK = 512
 

@@ -8,7 +8,8 @@ tokens x batch 8 through random weights would take most of the run and measure n
 - `hf`: transformers' own path, eager, as users run it (`attn_implementation="sdpa"`, a
   `DynamicCache` filled by its own `update`);
 - `full`: agent_kv's engine with every token kept (`Engine(compile=True)`: each step a CUDA
-  graph, `agent_kv.runtime.decode_graph`), the store filled by `agent_kv.kv.forward_call.append_kv`;
+  graph, `agent_kv.runtime.engine.decode_graph`), the store filled by
+  `agent_kv.kv.forward_call.append_kv`;
 - `conf-kv+int8`: CONF-KV at `--budget` with INT8 mixed precision, the same way, after one
   policy eviction with no confidence signal (evicted to its uncertain budget, quantized).
 Every agent_kv step is `Engine.decode`: the graph (model call, attention read, commit), then the
@@ -46,7 +47,7 @@ from agent_kv.kv.cache import StoreCache
 from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config, KVStore
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from agent_kv.runtime.grammar import Grammar, GrammarCompiler
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.grammar import Grammar, GrammarCompiler
 from envs.action_grammar import TEXT_CHARS, URL_CHARS, action_grammar
 
 ACTIONS = ["click [{a}]", "type [{b}] [blue road bike] [1]", "stop [$18.95]", "scroll [down]"]
@@ -56,7 +56,7 @@ def regex_grammar(ids: list[int]) -> str:
 
 
 class Llguidance:
-    """The shipped path: `agent_kv.runtime.grammar` on `envs.action_grammar`'s grammar."""
+    """The shipped path: `agent_kv.runtime.replies.grammar` on `envs.action_grammar`'s grammar."""
 
     name = "llguidance"
 

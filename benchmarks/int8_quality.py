@@ -24,8 +24,8 @@ import math
 from agent_kv.evals.texts import licence_text
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
 from kernels.int8 import dequantize, quantize_groups
 
 

@@ -25,8 +25,8 @@ def measure(model: str | None, tokens: int, chunk: int, defaults: bool) -> dict:
     import torch
 
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime import model_loading
-    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.models import model_loading
 
     torch.set_num_threads(1)
     if defaults:

@@ -22,9 +22,9 @@ import time
 from agent_kv.evals.texts import licence_text
 from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 SETTINGS = {"alone": None, "recall": ColdConfig(), "recall every=1": ColdConfig(every=1)}
 

@@ -26,11 +26,11 @@ from agent_kv.evals.texts import licence_text
 from agent_kv.harness.action_formats import TOOLS_SYSTEM_PROMPT
 from agent_kv.harness.action_tools import ACTION_TOOLS
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_calls import ReplySpec, ToolChoice
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_calls import ReplySpec, ToolChoice
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.session_store import SessionStore
 

@@ -22,9 +22,9 @@ import time
 import torch
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model
 
 
 def main() -> None:

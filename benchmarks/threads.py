@@ -42,8 +42,8 @@ def worker(prefill: int, decode: int, model: str) -> None:
 
     from agent_kv.evals.texts import licence_text
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import load_model
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.models.model_loading import load_model
 
     loaded = load_model(model)
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("conf-kv"), prefill_chunk=prefill)

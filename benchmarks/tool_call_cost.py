@@ -3,7 +3,7 @@ side in one run with `--model` (smollm2-135m).
 
     .venv/bin/python benchmarks/tool_call_cost.py [--tools 2] [--repeats 5]
 
-For `tool_choice` `required` and `auto` (`agent_kv.runtime.tool_calls.ReplySpec`) over
+For `tool_choice` `required` and `auto` (`agent_kv.runtime.replies.tool_calls.ReplySpec`) over
 `--tools` function tools with object schemas:
 - `build`: compiling the reply's grammar against the tokenizer (once per turn);
 - `token`: one decode step's constraint work (fill the allowed-token mask, apply it to the
@@ -22,11 +22,11 @@ import time
 import torch
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.tool_call_format import tool_call_format
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, ToolChoice, render_calls
+from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.tool_call_format import tool_call_format
+from agent_kv.runtime.replies.tool_calls import ReplySpec, Tool, ToolCall, ToolChoice, render_calls
 
 
 def tools(count: int) -> tuple[Tool, ...]:

@@ -33,12 +33,12 @@ import httpx
 import jsonschema
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_call_format import tool_call_format
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, call_check, parse_reply
+from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_call_format import tool_call_format
+from agent_kv.runtime.replies.tool_calls import ReplySpec, Tool, ToolChoice, call_check, parse_reply
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 

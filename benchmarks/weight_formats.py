@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model, transformers_directory
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model, transformers_directory
 
 PREFILL_CHUNK = 512
 SETTINGS = (

@@ -28,8 +28,8 @@ def _resident_gb() -> float:
 def measure(model: str, weights: str, context: int) -> dict:
     """Load `model` in `weights`, then prefill `context` tokens under full KV; the figures."""
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import load_model
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.models.model_loading import load_model
 
     start = time.perf_counter()
     loaded = load_model(model, weights=weights)

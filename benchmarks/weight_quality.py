@@ -35,10 +35,10 @@ from agent_kv.evals.texts import licence_text
 from agent_kv.harness.agent import AgentConfig
 from agent_kv.harness.agreement import read_trajectory, replay_agreement
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.model_loading import load_model
 
 SCORE_CHUNK = 512
 

@@ -19,7 +19,7 @@ other nodes or describe live regions are left out.
 The whole page is rendered, not only the viewport (the bundled sites keep pages short).
 `main_content(text)` cuts an observation text down to the page's main content (no tab and URL
 lines, menus or forms): an observation format the recall runner offers
-(`agent_kv.harness.recall`).
+(`agent_kv.harness.scripted_episode`).
 
 Set-of-marks (SoM): `interactive_elements(tree)` picks the tree's interactive elements (roles in
 INTERACTIVE_ROLES), `draw_marks(png, marks)` draws a numbered box per element on a screenshot

@@ -161,8 +161,8 @@ class Task(BaseModel):
 
     The long-horizon suite's fields (tasks/README.md): `facts` and `history_tokens` as
     measured by its build, and `answer_prefix`: the start of the answer that a scripted run
-    (`agent_kv.harness.recall`) forces after `stop [`, so that what the model decodes is the
-    fact itself (e.g. `Black wool sweater location:`); empty, only `stop [` is forced. The
+    (`agent_kv.harness.scripted_episode`) forces after `stop [`, so that what the model decodes
+    is the fact itself (e.g. `Black wool sweater location:`); empty, only `stop [` is forced. The
     reference answer must begin with it.
 
     The fitted carry tasks (541-600) answer with one fact read many pages earlier and say two

@@ -3,7 +3,7 @@ quantize-on-append.
 
 `AGENT_KV_KERNELS` (read at every call) chooses:
 - `auto` (default): the Triton kernels (`kernels.triton_attention`) for CUDA tensors, the
-  PyTorch path (`kernels.reference.single_pass_attention`) elsewhere;
+  PyTorch path (`kernels.torch_attention.single_pass_attention`) elsewhere;
 - `triton`: the Triton kernels on any device (CPU tensors need `TRITON_INTERPRET=1` set
   before `kernels.triton_attention` is imported, see `kernels.triton_device`);
 - `torch`: the PyTorch path everywhere.
@@ -22,8 +22,8 @@ import os
 import torch
 
 from kernels.formats import QuantFormat
-from kernels.reference import Segment, single_pass_attention
 from kernels.softmax_extras import NO_EXTRAS, SoftmaxExtras
+from kernels.torch_attention import Segment, single_pass_attention
 
 ENV = "AGENT_KV_KERNELS"
 MODES = ("auto", "triton", "torch")
@@ -47,13 +47,13 @@ def decode_attention(
     scaling: float,
     extras: SoftmaxExtras = NO_EXTRAS,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`kernels.reference.segmented_attention`'s contract, run by the implementation
+    """`kernels.torch_attention.segmented_attention`'s contract, run by the implementation
     `kernel_mode()` picks for these tensors (the PyTorch path for a call the Triton kernel
     refuses).
 
     Args:
         query: `[B, Hq, q, D]`.
-        segments: as for `kernels.reference.segmented_attention`.
+        segments: as for `kernels.torch_attention.segmented_attention`.
         scaling: softmax scale.
         extras: soft-capping and sinks (`kernels.softmax_extras`).
 

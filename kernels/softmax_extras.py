@@ -1,5 +1,5 @@
 """What some model families add to the attention softmax: logit soft-capping and learned
-attention sinks. The PyTorch read paths (`kernels.reference`) apply both; the Triton decode
+attention sinks. The PyTorch read paths (`kernels.torch_attention`) apply both; the Triton decode
 kernel applies neither and refuses calls that ask for them (`kernels.triton_attention.unsupported`),
 so `kernels.dispatch` runs those through the PyTorch path.
 

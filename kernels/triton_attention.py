@@ -1,5 +1,5 @@
 """The store's attention read for decode as fused Triton kernels, with the attention mass per
-token: the GPU path of `kernels.reference.segmented_attention`, with its arguments and return
+token: the GPU path of `kernels.torch_attention.segmented_attention`, with its arguments and return
 contract (that function stays the CPU path and this module's test oracle).
 
 Three launches per call (split-KV "flash-decoding": Dao, Haziza, Massa & Sizov, 2023,
@@ -26,7 +26,7 @@ Scores, softmax and sums are float32. The two matrix products run in IEEE float3
 queries, and on TF32 tensor cores for half-precision models (bf16, fp16: TF32's 10 mantissa
 bits are more than their inputs carry).
 
-Refused (`unsupported` says why; `kernels.dispatch` then uses `kernels.reference`): more than
+Refused (`unsupported` says why; `kernels.dispatch` then uses `kernels.torch_attention`): more than
 `MAX_QUERIES` queries or `MAX_ROWS` query rows per KV head, segments with `cos`/`sin` (the
 store's rerotate mode, which rotates keys at read), FP8 codes on CUDA devices older than
 compute capability 8.9, and the model-family features the kernels do not implement: a
@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.reference import Segment, check_segments
 from kernels.softmax_extras import NO_EXTRAS, SoftmaxExtras
+from kernels.torch_attention import Segment, check_segments
 from kernels.triton_device import require_launchable
 
 BLOCK_N = 64
@@ -68,7 +68,7 @@ def unsupported(
 
     Args:
         query: `[B, Hq, q, D]`.
-        segments: as for `kernels.reference.segmented_attention`.
+        segments: as for `kernels.torch_attention.segmented_attention`.
         extras: the call's soft-capping and sinks (`kernels.softmax_extras`).
     """
     q_heads, q_len = query.shape[1], query.shape[2]
@@ -95,7 +95,7 @@ def segmented_attention(
     query: torch.Tensor, segments: list[Segment], scaling: float, split: int | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Softmax attention over the segments with the mass per token, as
-    `kernels.reference.segmented_attention`: the last segment is causal and holds the new
+    `kernels.torch_attention.segmented_attention`: the last segment is causal and holds the new
     tokens (row b's query i sees its slots `j <= lengths[b] - q + i`), the others are visible
     up to each row's length.
 

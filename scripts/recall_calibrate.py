@@ -4,7 +4,8 @@
         --out runs/recall/notes [--tasks 401,402] [--max-k 3] [--model DIR] [--weights fp32] \
         [--policy window --budget 1024 --rerotate]
 
-Each task's trace and `results.jsonl` go under `--out` (see `agent_kv.harness.recall`). Under
+Each task's trace and `results.jsonl` go under `--out` (see
+`agent_kv.harness.scripted_episode`). Under
 full KV, tasks past the model's context end with an error (counted in the table's `errors`).
 """
 
@@ -13,11 +14,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from agent_kv.harness.recall import FORMATS, SUITE, format_by_k, run_recall
+from agent_kv.harness.scripted_episode import FORMATS, SUITE, format_by_k, run_recall
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import load_model
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, WEIGHT_FORMATS
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import load_suite

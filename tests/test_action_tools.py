@@ -19,10 +19,10 @@ from agent_kv.harness.action_formats import (
 from agent_kv.harness.action_tools import ACTION_TOOLS, action_call, call_action, page_tools
 from agent_kv.harness.agent import AgentConfig, _act, run_episode
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_call_format import tool_call_format
-from agent_kv.runtime.tool_calls import ToolCall, render_calls
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_call_format import tool_call_format
+from agent_kv.runtime.replies.tool_calls import ToolCall, render_calls
 from envs.action_grammar import element_ids
 from envs.actions import ACTION_FORMATS, ACTION_GRAMMAR, ActionParseError, parse_action
 from envs.browser_env import StepResult

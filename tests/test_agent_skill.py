@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent_kv.harness.agent import AgentConfig
-from agent_kv.harness.recall import (
+from agent_kv.harness.scripted_episode import (
     FORMATS,
     NOTE,
     TRACE_JSON,
@@ -25,9 +25,9 @@ from agent_kv.harness.recall import (
 )
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.bundled_models import DEFAULT_MODEL
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.bundled_models import DEFAULT_MODEL
+from agent_kv.runtime.models.model_loading import load_model
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers
 from envs.tasks import load_task

@@ -16,7 +16,7 @@ from agent_kv.harness.agreement import (
     replay_agreement,
 )
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 
 PAGE = "Tab 0 (current): Bikes\nURL: http://127.0.0.1:8001/c/bikes\n[3] RootWebArea 'Bikes'\n"
 LISTINGS = "".join(f"[{10 + i}] link 'Bike {i} - ${100 + 7 * i}'\n" for i in range(40))

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.chat_rendering import NAME_PROBE, template_takes_names
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.chat.rendering import NAME_PROBE, template_takes_names
+from agent_kv.runtime.engine.engine import Engine
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 from api.schemas import UNSUPPORTED_FIELDS, NoOpFields

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 

@@ -13,7 +13,7 @@ from agent_kv.kv.policies import check_policy_precision, make_policy
 from agent_kv.kv.policies.arkv import layer_sensitivity
 from agent_kv.kv.store import Int8Config, KVStore
 from kernels import fp8, int8
-from kernels.reference import (
+from kernels.torch_attention import (
     Segment,
     attention_profile,
     attention_with_mass,

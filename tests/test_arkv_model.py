@@ -7,9 +7,9 @@ import torch
 
 from agent_kv.evals.texts import licence_text
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import SequenceState
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceState
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 
 def licence_ids(smollm, n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Continuous batching (`agent_kv.runtime.batch_scheduler`) on the default model: sessions
+"""Continuous batching (`agent_kv.runtime.engine.batch_scheduler`) on the default model: sessions
 decoded together give the replies they get one at a time; a packed call equals its parts run
 alone; a lone turn is the serial path exactly; waiting turns time out or are cancelled without
 touching their sequence; a failed step fails its own turns only; prompts arriving together
@@ -15,10 +15,10 @@ import torch
 from agent_kv.errors import QueueTimeoutError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.batched_calls import PackedPart
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.batch_scheduler import BatchScheduler
+from agent_kv.runtime.engine.batched_calls import PackedPart
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 
 TOPICS = ["rivers", "violins", "glaciers", "bread", "comets", "chess"]

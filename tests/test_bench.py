@@ -25,17 +25,17 @@ from agent_kv.cli import app
 from agent_kv.errors import ConfigError, ModelNotFoundError
 from agent_kv.harness.agreement import canonical
 from agent_kv.harness.decisions import read_decisions
-from agent_kv.harness.sweep import episodes, ray_pool, schedule
+from agent_kv.harness.sweep import episode_runner, ray_pool, schedule
 from agent_kv.harness.sweep.aggregate import aggregate, row_label
-from agent_kv.harness.sweep.episodes import EpisodeRunner
-from agent_kv.harness.sweep.ray_pool import ray_session
-from agent_kv.harness.sweep.report import format_table, per_task_table, recall_table, write_report
-from agent_kv.harness.sweep.runner import (
+from agent_kv.harness.sweep.episode_runner import EpisodeRunner
+from agent_kv.harness.sweep.job_runs import (
     CONNECT_TIMEOUT_S,
     RayActors,
     check_ray_address,
     next_ready,
 )
+from agent_kv.harness.sweep.ray_pool import ray_session
+from agent_kv.harness.sweep.report import format_table, per_task_table, recall_table, write_report
 from agent_kv.harness.sweep.schedule import StepProgress, run_bench
 from agent_kv.harness.sweep.settings import (
     RESULTS,
@@ -760,9 +760,9 @@ def test_bench_usage_errors_import_neither_torch_nor_ray(tmp_path: Path, args, n
 @pytest.mark.model
 def test_force_reply_agrees_with_greedy_decoding(smollm):
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.conversation import Conversation
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.sampling import SamplingParams
+    from agent_kv.runtime.chat.conversation import Conversation
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.replies.sampling import SamplingParams
 
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=48))
     decoded = Conversation(engine)
@@ -925,7 +925,7 @@ def test_real_sweep_runs_two_episodes_at_once_on_one_model(tmp_path: Path, smoll
     (the window's with its agreement replay: its engine and full KV's both scheduled), and
     only the scheduler's thread ran the model. Short observations and no reference replay
     (`force_reply` through the scheduler: `test_scheduled_engine.py`) keep it quick."""
-    monkeypatch.setattr(episodes, "load_model", lambda model=None, weights=None: smollm)
+    monkeypatch.setattr(episode_runner, "load_model", lambda model=None, weights=None: smollm)
     threads_seen: set[str] = set()
     hook = smollm.model.register_forward_pre_hook(
         lambda module, args: threads_seen.add(threading.current_thread().name)

@@ -23,8 +23,8 @@ import pytest
 from processes import CLI
 
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime.bundled_models import BundledModel, Part, Slices
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models.bundled_models import BundledModel, Part, Slices
 
 SIZES = (5_000, 5_000, 1_234)
 """Bytes of the fake model's three parts."""
@@ -376,7 +376,7 @@ def test_load_model_refuses_an_unknown_name_before_importing_transformers():
     probe = (
         "import sys\n"
         "from agent_kv.errors import ModelNotFoundError\n"
-        "from agent_kv.runtime.model_loading import load_model\n"
+        "from agent_kv.runtime.models.model_loading import load_model\n"
         "try:\n"
         "    load_model('unknown-name')\n"
         "except ModelNotFoundError as err:\n"

@@ -13,11 +13,11 @@ from agent_kv.harness.agent import AgentConfig, run_episode
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store.pins import flag_runs
-from agent_kv.runtime.chat_layout import render_placed
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.pin_rules import PinRules, protected_spans
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.chat.layout import render_placed
+from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 from envs.browser_env import BrowserEnv, StepResult
 from envs.server import SiteServers
 from envs.tasks import load_task

@@ -9,12 +9,12 @@ import pytest
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime.chat_layout import message_char_spans, place_messages, render_placed
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import load_tokenizer
-from agent_kv.runtime.tool_calls import Tool, ToolCall
+from agent_kv.runtime.chat.layout import message_char_spans, place_messages, render_placed
+from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models.model_loading import load_tokenizer
+from agent_kv.runtime.replies.tool_calls import Tool, ToolCall
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 

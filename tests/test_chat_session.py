@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store.pins import flag_runs
-from agent_kv.runtime.chat_layout import render_placed
-from agent_kv.runtime.chat_session import ChatSession
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.history_sync import common_prefix
-from agent_kv.runtime.pin_rules import PinRules, protected_spans
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.chat.history_sync import common_prefix
+from agent_kv.runtime.chat.layout import render_placed
+from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.chat.session import ChatSession
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 RULES = PinRules(latest_observations=1, observation_roles=frozenset({"user"}), patterns=("#\\d+",))
 

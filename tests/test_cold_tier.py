@@ -23,12 +23,12 @@ from agent_kv.kv.policy_names import check_policy_name
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import KVStore
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import SequenceState
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceState
 from envs.tasks import load_task
 from kernels.int8 import quantize_groups
 from kernels.page_digest import digest_bound, key_digest
-from kernels.reference import apply_rotation
+from kernels.torch_attention import apply_rotation
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "

@@ -10,7 +10,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from agent_kv.runtime.compile_cache import compile_cache_dir, use_compile_cache
+from agent_kv.runtime.models.compile_cache import compile_cache_dir, use_compile_cache
 from kernels import cpu_compile
 
 

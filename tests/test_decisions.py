@@ -19,11 +19,11 @@ from agent_kv.harness.decisions import (
     element_action,
     read_decisions,
 )
-from agent_kv.harness.recall import TRACE_JSON, scripted_episode
+from agent_kv.harness.scripted_episode import TRACE_JSON, scripted_episode
 from agent_kv.harness.sweep.decision_table import decision_tables
 from agent_kv.harness.sweep.group_table import group_table
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 from envs.actions import parse_action
 from envs.browser_env import BrowserEnv
 from envs.server import SiteServers

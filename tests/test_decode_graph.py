@@ -14,8 +14,8 @@ from agent_kv.kv.attention import register_attention
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime.decode_graph import DecodeGraph, decode_logits
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.decode_graph import DecodeGraph, decode_logits
+from agent_kv.runtime.engine.engine import Engine
 
 
 class _Tokenizer:

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy, make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 PROMPT = (
     "The classifieds board lists bicycles, furniture, phones and books. "

@@ -72,7 +72,7 @@ def test_eviction_rules_and_slices():
 def test_forked_eviction_path_matches_full_path(smollm):
     from agent_kv.evals.texts import licence_text
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.engine.engine import Engine
 
     ids = smollm.tokenizer(licence_text()[:4000], add_special_tokens=False)["input_ids"][:301]
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))

@@ -20,7 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 from tests.conftest import serving

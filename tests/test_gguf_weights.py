@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models.model_loading import load_model
 from kernels.gguf_blocks import Int4Groups, dequantize, int4_groups
 from kernels.gguf_file import read_tensors
 from kernels.quantized_linear import (

@@ -9,9 +9,9 @@ import torch
 
 from agent_kv.errors import GrammarError, GrammarStateError
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.grammar import Grammar, GrammarCompiler
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.grammar import Grammar, GrammarCompiler
+from agent_kv.runtime.replies.sampling import SamplingParams
 from envs.action_grammar import (
     MAX_ELEMENT_IDS,
     TEXT_CHARS,

@@ -9,8 +9,8 @@ from helpers import random_tokens
 
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import KVStore
-from agent_kv.runtime.engine import Engine
-from kernels.reference import Segment, sampled_mass
+from agent_kv.runtime.engine.engine import Engine
+from kernels.torch_attention import Segment, sampled_mass
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "

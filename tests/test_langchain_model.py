@@ -14,7 +14,7 @@ from langchain_core.tools import tool
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.langchain_chat import ChatAgentKV
 from agent_kv.serving.langchain_messages import chat_dicts

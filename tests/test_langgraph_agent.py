@@ -16,8 +16,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from agent_kv.runtime.pin_rules import PinRules, protected_spans
-from agent_kv.runtime.tool_calls import ReplySpec
+from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.replies.tool_calls import ReplySpec
 from agent_kv.serving.langchain_chat import ChatAgentKV
 from agent_kv.serving.langchain_messages import chat_dicts
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent_kv.runtime.chat_layout import RenderedChat
+from agent_kv.runtime.chat.layout import RenderedChat
 from agent_kv.serving.last_prompts import LastPrompts
 
 

@@ -10,40 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from scripts.layers import PACKAGES, module_name, python_files, rank_of, unit_of
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("agent_kv", "api", "envs", "kernels", "tasks")
-
-LAYERS: list[tuple[str, ...]] = [
-    ("agent_kv.base", "kernels", "tasks"),
-    ("agent_kv.kv", "envs"),
-    ("agent_kv.runtime",),
-    ("agent_kv.serving", "agent_kv.harness", "agent_kv.evals"),
-    ("api",),
-    ("agent_kv.cli",),
-]
-"""Units, lowest layer (1) first. `agent_kv.base` names the package's own root modules."""
-BASE = {"agent_kv", "agent_kv.errors", "agent_kv.valid_text", "agent_kv.renamed_fields"}
-"""The modules of `agent_kv.base`: the package itself, its errors, the Unicode check and the
-old names of saved fields (read for one release)."""
-
-
-def unit_of(module: str) -> str | None:
-    """The unit a dotted module name belongs to (the longest unit it lies in), or None."""
-    if module in BASE:
-        return "agent_kv.base"
-    units = [unit for layer in LAYERS for unit in layer]
-    inside = [unit for unit in units if module == unit or module.startswith(unit + ".")]
-    return max(inside, key=len, default=None)
-
-
-def rank_of(unit: str) -> int:
-    """The layer of a unit, counted from 1 at the bottom."""
-    return next(i for i, layer in enumerate(LAYERS, start=1) if unit in layer)
-
-
-def module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: Path, module: str) -> set[str]:
@@ -70,25 +39,24 @@ def layer_violations(root: Path) -> list[str]:
     """Every import of a module under `root` that goes up or sideways, and every module that
     lies in no unit, as readable lines."""
     problems = []
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            module = module_name(path, root)
-            unit = unit_of(module)
-            if unit is None:
-                problems.append(f"{module} lies in no layer: add its package to LAYERS")
-                continue
-            upward: dict[str, str] = {}  # unit imported -> the shortest name imported from it
-            for target in sorted(imports_of(path, module), key=len):
-                target_unit = unit_of(target)
-                if target_unit is None or target_unit == unit:
-                    continue  # a name outside every unit, or the module's own unit
-                if rank_of(target_unit) >= rank_of(unit):
-                    upward.setdefault(target_unit, target)
-            problems += [
-                f"{module} (layer {rank_of(unit)}) imports {target} "
-                f"({target_unit}, layer {rank_of(target_unit)})"
-                for target_unit, target in sorted(upward.items())
-            ]
+    for path in python_files(root):
+        module = module_name(path, root)
+        unit = unit_of(module)
+        if unit is None:
+            problems.append(f"{module} lies in no layer: add its package to LAYERS")
+            continue
+        upward: dict[str, str] = {}  # unit imported -> the shortest name imported from it
+        for target in sorted(imports_of(path, module), key=len):
+            target_unit = unit_of(target)
+            if target_unit is None or target_unit == unit:
+                continue  # a name outside every unit, or the module's own unit
+            if rank_of(target_unit) >= rank_of(unit):
+                upward.setdefault(target_unit, target)
+        problems += [
+            f"{module} (layer {rank_of(unit)}) imports {target} "
+            f"({target_unit}, layer {rank_of(target_unit)})"
+            for target_unit, target in sorted(upward.items())
+        ]
     return problems
 
 
@@ -96,11 +64,7 @@ def import_circles(root: Path) -> list[list[str]]:
     """Every circle of imports between the project's modules under `root` (each import
     counts, as in `layer_violations`; a package is its `__init__`), as module names in the
     order they import one another, each circle once."""
-    modules = {
-        module_name(path, root): path
-        for package in PACKAGES
-        for path in sorted((root / package).rglob("*.py"))
-    }
+    modules = {module_name(path, root): path for path in python_files(root)}
     graph = {
         module: sorted(t for t in imports_of(path, module) if t in modules and t != module)
         for module, path in modules.items()
@@ -154,9 +118,11 @@ def test_an_upward_or_sideways_import_is_caught(tmp_path):
         "agent_kv/errors.py": "",
         "agent_kv/kv/__init__.py": "",
         "agent_kv/kv/store.py": "from agent_kv.errors import X\n",
-        "agent_kv/kv/policies.py": "def f():\n    from agent_kv.runtime.engine import Engine\n",
+        "agent_kv/kv/policies.py": (
+            "def f():\n    from agent_kv.runtime.engine.engine import Engine\n"
+        ),
         "agent_kv/runtime/__init__.py": "",
-        "agent_kv/runtime/engine.py": "from ..kv import store\n",
+        "agent_kv/runtime/engine/engine.py": "from ...kv import store\n",
         "agent_kv/harness/__init__.py": "",
         "agent_kv/harness/sweep/settings.py": "from agent_kv.cli import PolicySpec\n",
         "agent_kv/evals/__init__.py": "from agent_kv.harness import sweep\n",
@@ -168,9 +134,9 @@ def test_an_upward_or_sideways_import_is_caught(tmp_path):
     for package in PACKAGES[1:]:
         (tmp_path / package).mkdir()
     assert layer_violations(tmp_path) == [
-        "agent_kv.evals (layer 4) imports agent_kv.harness (agent_kv.harness, layer 4)",
-        "agent_kv.harness.sweep.settings (layer 4) imports agent_kv.cli (agent_kv.cli, layer 6)",
-        "agent_kv.kv.policies (layer 2) imports agent_kv.runtime.engine "
-        "(agent_kv.runtime, layer 3)",
+        "agent_kv.evals (layer 6) imports agent_kv.harness (agent_kv.harness, layer 6)",
+        "agent_kv.harness.sweep.settings (layer 6) imports agent_kv.cli (agent_kv.cli, layer 8)",
+        "agent_kv.kv.policies (layer 2) imports agent_kv.runtime.engine.engine "
+        "(agent_kv.runtime.engine, layer 4)",
         "agent_kv.scheduler lies in no layer: add its package to LAYERS",
     ]

@@ -31,16 +31,16 @@ from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store import Int8Config, KVStore
-from agent_kv.runtime.decode_graph import decode_logits
-from agent_kv.runtime.engine import Engine
-from kernels.reference import (
+from agent_kv.runtime.engine.decode_graph import decode_logits
+from agent_kv.runtime.engine.engine import Engine
+from kernels.softmax_extras import SoftmaxExtras
+from kernels.torch_attention import (
     Segment,
     fused_attention,
     sampled_mass,
     segmented_attention,
     single_pass_attention,
 )
-from kernels.softmax_extras import SoftmaxExtras
 
 VOCAB = 256
 PROMPT = 40

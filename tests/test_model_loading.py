@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent_kv.errors import ModelNotFoundError
-from agent_kv.runtime import bundled_models, model_cache, model_loading
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.models import bundled_models, model_cache, model_loading
+from agent_kv.runtime.models.model_loading import load_model
 
 
 def test_a_bundled_model_loads_from_its_gguf_file_without_a_conversion(smollm):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.engine.engine import Engine
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.session_store import SessionStore
 from api.app import create_app

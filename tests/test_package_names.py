@@ -28,7 +28,7 @@ def test_each_top_level_package_is_this_projects_and_only_its(name):
 
 def test_transformers_finds_no_hub_kernels_library_and_uses_none():
     probe = (
-        "import json, agent_kv.runtime.model_loading\n"
+        "import json, agent_kv.runtime.models.model_loading\n"
         "from transformers.integrations import hub_kernels\n"
         "from transformers.utils import import_utils\n"
         "print(json.dumps([hub_kernels._kernels_enabled,\n"

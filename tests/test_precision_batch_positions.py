@@ -8,8 +8,8 @@ import torch
 from agent_kv.errors import ContextOverflowError
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 TEXT = (
     "Listing 4412: a blue road bike, 56 cm frame, new tyres, sold by Maria in Oakland for 120 "

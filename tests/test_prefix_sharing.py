@@ -13,9 +13,9 @@ import torch
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.prefix_cache import PrefixCache
 from agent_kv.kv.store import BLOCK_TOKENS, KVStore
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 SYSTEM = "You are a careful web agent. Answer with one action. " * 12
 

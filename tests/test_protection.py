@@ -7,8 +7,8 @@ from helpers import random_tokens
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
-from agent_kv.runtime.chat_layout import render_placed
-from agent_kv.runtime.pin_rules import PinRules, apply_pins, protected_spans
+from agent_kv.runtime.chat.layout import render_placed
+from agent_kv.runtime.chat.pin_rules import PinRules, apply_pins, protected_spans
 
 URL = "http://127.0.0.1:8000/item/42"
 MESSAGES = [

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from agent_kv.harness.recall import (
+from agent_kv.harness.scripted_episode import (
     FORMATS,
     NOTE,
     SUITE,
@@ -22,8 +22,8 @@ from agent_kv.harness.recall import (
 )
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.engine.engine import Engine
 from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
 from envs.observation import main_content

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import attention_with_mass
+from kernels.torch_attention import attention_with_mass
 
 
 def sdpa_reference(query, keys, values, scaling):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.runtime.reply_decoding import ReplyDecoder
-from agent_kv.runtime.sampling import SamplingParams, penalized, sample_next
+from agent_kv.runtime.replies.decoding import ReplyDecoder
+from agent_kv.runtime.replies.sampling import SamplingParams, penalized, sample_next
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, -1.0])
 

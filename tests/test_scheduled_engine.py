@@ -13,13 +13,13 @@ import torch
 from agent_kv.errors import ConfigError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.grammar import Grammar
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.scheduled_engine import ScheduledEngine
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.engine.batch_scheduler import BatchScheduler
+from agent_kv.runtime.engine.chat_engine import ChatEngine
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.scheduled_engine import ScheduledEngine
+from agent_kv.runtime.replies.grammar import Grammar
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.int8 import QMAX, dequantize, quantize_groups
-from kernels.reference import (
+from kernels.torch_attention import (
     Segment,
     apply_rotation,
     attention_with_mass,

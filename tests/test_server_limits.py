@@ -19,10 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.kv.store.figures import StoreFigures
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.pin_rules import PinRules, protected_spans
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import SequenceOutline
+from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceOutline
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.session_store import SessionStore
 from api.app import create_app

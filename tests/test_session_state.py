@@ -10,8 +10,8 @@ from helpers import random_tokens
 from agent_kv.errors import AgentKVError
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config, KVStore
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import SequenceOutline, SequenceState
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceOutline, SequenceState
 
 TEXT = (
     "Order 1182 shipped on Monday: two lamps and a rug. The courier left a note at the door. "

@@ -11,11 +11,11 @@ from helpers import kept_positions, with_old_names
 
 from agent_kv.errors import KVCapacityError
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.history_sync import HistorySync, prepare_history
-from agent_kv.runtime.pin_rules import apply_pins
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import CallRecord, SequenceState
+from agent_kv.runtime.chat.history_sync import HistorySync, prepare_history
+from agent_kv.runtime.chat.pin_rules import apply_pins
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import CallRecord, SequenceState
+from agent_kv.runtime.replies.sampling import SamplingParams
 from agent_kv.serving.session_store import SessionBusyError, SessionStore
 
 BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32

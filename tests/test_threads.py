@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from agent_kv.errors import ConfigError
-from agent_kv.runtime import threads
-from agent_kv.runtime.model_loading import load_model
+from agent_kv.runtime.models import threads
+from agent_kv.runtime.models.model_loading import load_model
 
 
 @pytest.fixture

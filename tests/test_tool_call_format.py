@@ -1,4 +1,5 @@
-"""A model's tool-call format learnt from its chat template (`agent_kv.runtime.tool_call_format`):
+"""A model's tool-call format learnt from its chat template
+(`agent_kv.runtime.replies.tool_call_format`):
 Qwen's own template, a Hermes-style template of other whitespace, templates whose calls
 agent_kv does not read (a 400 naming the model, before any token is decoded), the generic
 format, and a grammar failure in the middle of decoding (the server's fault: a 500)."""
@@ -12,9 +13,9 @@ import pytest
 
 from agent_kv.errors import ToolFormatError
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.grammar import GrammarMatcher, end_of_generation_ids
-from agent_kv.runtime.tool_call_format import tool_call_format
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.grammar import GrammarMatcher, end_of_generation_ids
+from agent_kv.runtime.replies.tool_call_format import tool_call_format
 from agent_kv.serving.chat_service import ChatService
 from api.app import create_app
 

@@ -1,5 +1,5 @@
 """Tool calls and structured replies: the grammar a `ReplySpec` builds, parsing, streaming
-and rendering (`agent_kv.runtime.tool_calls`, `agent_kv.runtime.chat_rendering`)."""
+and rendering (`agent_kv.runtime.replies.tool_calls`, `agent_kv.runtime.chat.rendering`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import jsonschema
 import pytest
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.chat_rendering import render_chat, tools_block
-from agent_kv.runtime.grammar import GrammarCompiler
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_call_format import ToolCallFormat, template_takes_tools, tool_call_format
-from agent_kv.runtime.tool_calls import (
+from agent_kv.runtime.chat.rendering import render_chat, tools_block
+from agent_kv.runtime.replies.grammar import GrammarCompiler
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_call_format import (
+    ToolCallFormat,
+    template_takes_tools,
+    tool_call_format,
+)
+from agent_kv.runtime.replies.tool_calls import (
     ReplyFormat,
     ReplySpec,
     Tool,
@@ -191,7 +195,7 @@ def test_schemas_are_checked_before_the_decoder_sees_them():
     with pytest.raises(GrammarError, match="not valid Unicode"):
         ReplySpec((Tool("f", "", {"description": "x\ud800"}),)).grammar(GENERIC)
     # data keywords are data: closing objects leaves a const alone
-    from agent_kv.runtime.json_schemas import closed
+    from agent_kv.runtime.replies.json_schemas import closed
 
     const = {"const": {"properties": {"a": 1}}}
     assert closed(const) == const
@@ -267,7 +271,7 @@ def test_constrained_generation_always_parses_validates_and_renders_back(request
     """Sampled calls (temperature 1, three seeds) parse, validate against their schemas and,
     sent back, render through the chat template to the very text the model generated."""
     from agent_kv.kv.policies import make_policy
-    from agent_kv.runtime.engine import Engine
+    from agent_kv.runtime.engine.engine import Engine
 
     if model == "smollm2":
         smollm = request.getfixturevalue("smollm")
@@ -466,7 +470,7 @@ def test_under_auto_a_call_written_as_json_text_is_read_when_its_arguments_pass(
 def test_a_stop_string_does_not_cut_a_call_written_as_json_text(grammars):
     """Under `auto`, a reply that is (or may become) a call written as JSON text is a call:
     no stop string cuts it, as none cuts a call opened by the marker; plain text is cut."""
-    from agent_kv.runtime.reply_decoding import ReplyDecoder
+    from agent_kv.runtime.replies.decoding import ReplyDecoder
 
     fmt = grammars[3]
     spec = ReplySpec((WEATHER,), ToolChoice("auto"))

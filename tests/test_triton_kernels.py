@@ -1,6 +1,6 @@
 """The Triton kernels against the PyTorch path, run by Triton's interpreter on CPU tensors:
 decode attention with the attention mass (`kernels.triton_attention` vs
-`kernels.reference.segmented_attention` and the dense oracle `attention_with_mass`),
+`kernels.torch_attention.segmented_attention` and the dense oracle `attention_with_mass`),
 quantize-on-append (`kernels.triton_store_ops` vs `kernels.int8` and `kernels.fp8`), and the
 dispatcher (`kernels.dispatch`).
 
@@ -32,7 +32,7 @@ from agent_kv.kv.forward_call import ForwardCall, append_kv
 from agent_kv.kv.store import Int8Config, KVStore  # noqa: E402
 from kernels import dispatch, fp8, int8, triton_attention, triton_store_ops  # noqa: E402
 from kernels.formats import QUANT_FORMATS  # noqa: E402
-from kernels.reference import Segment, attention_with_mass, segmented_attention  # noqa: E402
+from kernels.torch_attention import Segment, attention_with_mass, segmented_attention  # noqa: E402
 
 OUT_TOL = {"atol": 1e-4, "rtol": 1e-4}
 MASS_TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -13,8 +13,8 @@ from gguf.quants import quantize as gguf_quantize
 from agent_kv.errors import ConfigError
 from agent_kv.kv.attention import register_attention
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.weight_formats import (
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.weight_formats import (
     WEIGHT_FORMATS,
     apply_weight_format,
     check_weight_format,

@@ -28,9 +28,9 @@ from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 
 if TYPE_CHECKING:
     from agent_kv.harness.sweep.settings import BenchSettings, Job
@@ -216,7 +216,7 @@ def _sweep_jobs(
             ValueError: an unknown policy or a budget below 1.
     """
     # the sweep's settings load the tasks (pydantic, the sites' web framework): not at start
-    from agent_kv.harness.sweep.runner import check_ray_address
+    from agent_kv.harness.sweep.job_runs import check_ray_address
     from agent_kv.harness.sweep.settings import make_jobs, parse_list
 
     names = parse_list(policies, "--policies")
@@ -255,8 +255,8 @@ def _run_sweep(
     table; a runner that cannot start, or an `out` that cannot be written, fails the
     command."""
     # Ray and Playwright: imported once the options are checked
+    from agent_kv.harness.sweep.job_runs import RayActors
     from agent_kv.harness.sweep.report import write_report
-    from agent_kv.harness.sweep.runner import RayActors
     from agent_kv.harness.sweep.schedule import run_bench
     from agent_kv.harness.sweep.settings import AGREEMENT_PLOT, PLOT, SUMMARY
     from envs.browser_env import ChromiumNotFoundError

@@ -41,9 +41,9 @@ from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.harness.trace_view import write_trace_html
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 
 
 def run_episode_command(
@@ -159,10 +159,10 @@ def _run(
 ) -> dict:  # fmt: skip
     # torch, Playwright and the sites' web framework: once the options are checked
     from agent_kv.harness.agent import run_episode
-    from agent_kv.harness.recall import scripted_episode
-    from agent_kv.runtime.compile_cache import use_compile_cache
-    from agent_kv.runtime.engine import Engine
-    from agent_kv.runtime.model_loading import load_model
+    from agent_kv.harness.scripted_episode import scripted_episode
+    from agent_kv.runtime.engine.engine import Engine
+    from agent_kv.runtime.models.compile_cache import use_compile_cache
+    from agent_kv.runtime.models.model_loading import load_model
     from envs.browser_env import BrowserEnv
     from envs.server import SiteServers
 

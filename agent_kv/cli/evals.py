@@ -13,9 +13,9 @@ from agent_kv.cli.options import ModelOption, RecallParamOption, ThreadsOption, 
 from agent_kv.errors import AgentKVError, ConfigError
 from agent_kv.kv.policy_names import check_policy_name
 from agent_kv.kv.policy_spec import parse_params
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 
 
 def _eval_policies(text: str, experiments: list[str]) -> list[str]:
@@ -112,7 +112,7 @@ def eval_command(
     # torch: imported by the command, not at start
     from agent_kv.evals import experiment_names, run_experiments
     from agent_kv.evals.texts import licence_text
-    from agent_kv.runtime.model_loading import load_model
+    from agent_kv.runtime.models.model_loading import load_model
 
     try:
         thread_setting.choose(threads)

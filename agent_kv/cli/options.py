@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from agent_kv.kv.policy_names import declared_policies
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
 
 ModeOption = Annotated[
     str,

@@ -41,9 +41,9 @@ from agent_kv.errors import AgentKVError
 from agent_kv.kv.budgets import parse_bytes
 from agent_kv.kv.policy_names import split_reencode
 from agent_kv.kv.policy_spec import PolicySpec
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime import threads as thread_setting
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models import threads as thread_setting
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 from api.access import loopback_hosts
 
 API_KEY_ENV = "AGENT_KV_API_KEY"
@@ -267,7 +267,7 @@ def _check_place(
     """
     if ray_address is not None:
         # the sweep's modules load the tasks (pydantic, the sites' web framework): not at start
-        from agent_kv.harness.sweep.runner import check_ray_address
+        from agent_kv.harness.sweep.job_runs import check_ray_address
 
         check_ray_address(ray_address)
     if spill_dir is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from agent_kv.evals.report import SUMMARY, EvalContext, Report
 from agent_kv.kv.cold_tier import ColdConfig
-from agent_kv.runtime.model_loading import LoadedModel
+from agent_kv.runtime.models.model_loading import LoadedModel
 
 EXPERIMENTS = ["perplexity", "ablations", "needle", "mechanistic", "latency", "arkv"]
 POLICY_EXPERIMENTS = ("needle", "arkv")

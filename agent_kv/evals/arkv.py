@@ -31,8 +31,8 @@ from agent_kv.evals.answers import is_right
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import POLICIES, make_policy
 from agent_kv.kv.policy_names import base_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "grey"]
 THINGS = ["door", "box", "car", "lamp", "chair", "boat", "clock", "bag", "gate", "cup"]

@@ -38,10 +38,10 @@ import torch
 from agent_kv.errors import ConfigError
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.batched_calls import BatchGeneration
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import SequenceState
+from agent_kv.runtime.engine.batched_calls import BatchGeneration
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceState
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 PAPER_SPEEDUP = 1.8
 """CONF-KV's per-step latency reduction over full KV (docs/methods.md, "CONF-KV claims and

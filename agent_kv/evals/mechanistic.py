@@ -65,8 +65,8 @@ from agent_kv.errors import AgentKVError
 from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_figure
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.policies import make_policy
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sequence import SequenceState
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceState
 
 PAPER_R = -0.77
 """Pearson r between confidence and the KL shift of evicting recent context (docs/methods.md,

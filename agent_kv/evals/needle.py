@@ -36,8 +36,8 @@ from agent_kv.evals.report import EvalContext, Report, Table, new_figure, save_f
 from agent_kv.kv.cold_tier import ColdConfig
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_names import base_policy, split_recall
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.replies.sampling import SamplingParams
 
 POLICIES = [
     "full", "window", "h2o", "conf-kv", "kvzip",

@@ -35,8 +35,8 @@ from agent_kv.kv.budgets import tokens_for_bytes
 from agent_kv.kv.policies import Policy, make_policy
 from agent_kv.kv.policies.conf_kv import ConfidenceGate
 from agent_kv.kv.store import Int8Config, KVStore
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.model_loading import LoadedModel
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.models.model_loading import LoadedModel
 
 SCORE_CHUNK = 16
 SINKS = 4

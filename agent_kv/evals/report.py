@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_kv.kv.cold_tier import ColdConfig
-from agent_kv.runtime.model_loading import LoadedModel
+from agent_kv.runtime.models.model_loading import LoadedModel
 
 SUMMARY = "summary.md"
 RESULTS = "results.json"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.grammar import Grammar
-from agent_kv.runtime.sampling import SamplingParams
+from agent_kv.runtime.engine.chat_engine import ChatEngine
+from agent_kv.runtime.replies.grammar import Grammar
+from agent_kv.runtime.replies.sampling import SamplingParams
 from envs.action_grammar import ActionGrammarError, action_grammar, element_ids
 
 

@@ -10,7 +10,7 @@ text to the reply the model would write for it (`reply`, to teacher-force refere
 - **text**: observations are user turns; a reply is decoded under the page's action grammar
   (`action_decoding`) and is the action itself.
 - **tools**: the tools are rendered into the prompt by the chat template's tool support or
-  the generic format (`agent_kv.runtime.chat_rendering`), the same tools on every page so
+  the generic format (`agent_kv.runtime.chat.rendering`), the same tools on every page so
   the prompt stays a prefix of the cache; a reply is one call, decoded under the grammar of
   the page's tools (`page_tools`: only its element ids and tabs) with `tool_choice`
   required; the page an action leads to comes back as the call's result, a `tool` turn. A
@@ -27,10 +27,16 @@ from dataclasses import dataclass, replace
 from agent_kv.errors import GrammarError
 from agent_kv.harness.action_decoding import ActionDecoding, action_decoding
 from agent_kv.harness.action_tools import ACTION_TOOLS, action_call, call_action, page_tools
-from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_call_format import tool_call_format
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolChoice, parse_reply, render_calls
+from agent_kv.runtime.engine.chat_engine import ChatEngine
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_call_format import tool_call_format
+from agent_kv.runtime.replies.tool_calls import (
+    ReplySpec,
+    Tool,
+    ToolChoice,
+    parse_reply,
+    render_calls,
+)
 from envs.action_grammar import TEXT_CHARS, URL_CHARS, element_ids
 from envs.actions import ACTION_FORMATS, ActionParseError, parse_action
 

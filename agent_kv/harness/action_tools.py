@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agent_kv.runtime.tool_calls import Tool, ToolCall
+from agent_kv.runtime.replies.tool_calls import Tool, ToolCall
 from envs.action_grammar import TEXT_CHARS, URL_CHARS
 from envs.actions import ACTION_GRAMMAR, Action
 

@@ -26,11 +26,11 @@ from agent_kv.harness.page_pins import ELEMENT_PATTERNS, check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies, reply_pin
 from agent_kv.harness.trace_view import TASK_JSON, step_cache_fields
 from agent_kv.kv.kv_figures import KVFigures
-from agent_kv.runtime.chat_engine import ChatEngine
-from agent_kv.runtime.conversation import Conversation
-from agent_kv.runtime.pin_rules import PinRules
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.weight_formats import weight_format
+from agent_kv.runtime.chat.conversation import Conversation
+from agent_kv.runtime.chat.pin_rules import PinRules
+from agent_kv.runtime.engine.chat_engine import ChatEngine
+from agent_kv.runtime.models.weight_formats import weight_format
+from agent_kv.runtime.replies.sampling import SamplingParams
 from envs.actions import ActionParseError
 from envs.browser_env import BrowserEnv, StepResult
 from envs.evaluators import evaluate

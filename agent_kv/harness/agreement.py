@@ -29,7 +29,7 @@ import torch
 from agent_kv.harness.action_formats import ActionFormat
 from agent_kv.harness.agent import AgentConfig, add_observation, observation_role, open_conversation
 from agent_kv.harness.reply_pins import reply_pin
-from agent_kv.runtime.chat_engine import ChatEngine
+from agent_kv.runtime.engine.chat_engine import ChatEngine
 from envs.actions import ActionParseError, parse_action
 
 

@@ -2,15 +2,15 @@
 action at any step of a long task?
 
 A model that cannot finish a long task alone can still be asked, at every step of the task's
-reference trajectory, what it would do next. The scripted runner (`agent_kv.harness.recall`)
-replays the trajectory; with a `DecisionRecorder`, before it forces each scripted action it
-first decodes the model's own next action from the cache as it stands (greedy, under the
-page's action grammar, as in free navigation, on a fork of the conversation so the replay
-goes on unchanged), and while it forces the scripted reply it keeps the model's next-token
-distributions over the first `KL_TOKENS` tokens of the action (after the note the reply may
-begin with). Full KV's run of a task is the reference: it keeps, for each of those tokens,
-its `TOP_TOKENS` most likely next tokens and their log-probabilities. A policy's run of the
-same task, given that record, gives per step:
+reference trajectory, what it would do next. The scripted runner
+(`agent_kv.harness.scripted_episode`) replays the trajectory; with a `DecisionRecorder`,
+before it forces each scripted action it first decodes the model's own next action from the
+cache as it stands (greedy, under the page's action grammar, as in free navigation, on a
+fork of the conversation so the replay goes on unchanged), and while it forces the scripted
+reply it keeps the model's next-token distributions over the first `KL_TOKENS` tokens of the
+action (after the note the reply may begin with). Full KV's run of a task is the reference:
+it keeps, for each of those tokens, its `TOP_TOKENS` most likely next tokens and their log-
+probabilities. A policy's run of the same task, given that record, gives per step:
 
 - whether the policy's own action equals full KV's own action: their canonical text
   (`agreement.canonical`) with the element id written as the element the page shows
@@ -45,7 +45,7 @@ import torch
 from agent_kv.harness.action_formats import TEXT_ACTIONS
 from agent_kv.harness.agent import AgentConfig
 from agent_kv.harness.agreement import canonical
-from agent_kv.runtime.conversation import Conversation
+from agent_kv.runtime.chat.conversation import Conversation
 from envs.actions import ActionParseError, parse_action
 
 KL_TOKENS = 8

@@ -37,7 +37,7 @@ from agent_kv.errors import AgentKVError
 from agent_kv.renamed_fields import current_names
 
 if TYPE_CHECKING:
-    from agent_kv.runtime.conversation import Conversation
+    from agent_kv.runtime.chat.conversation import Conversation
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 TRACE_HTML = "trace.html"

@@ -6,18 +6,18 @@
   (`ForwardCall.open`: shared prefix views, quantized segment, FP segment, then the call's
   own new tokens, which it stages for the call's commit) — decode steps and chunks of up to
   `SCORED_QUERIES` tokens through `kernels.dispatch.decode_attention` (Triton kernels on
-  CUDA, `kernels.reference.segmented_attention` elsewhere), longer prefill chunks through
+  CUDA, `kernels.torch_attention.segmented_attention` elsewhere), longer prefill chunks through
   torch's fused attention with the mass from a strided sample of the chunk's queries
   (`scored_offsets`) — and hands the attention mass back to the store (and in prefill
   calls, when the call's plan asks, the shape of the attention:
-  `kernels.reference.attention_profile`, and the mass from the last `observation_window`
+  `kernels.torch_attention.attention_profile`, and the mass from the last `observation_window`
   queries: `ForwardCall.record_observation_window`);
 - before reading, when the call's plan recalls and a recall is due (never in a static call),
   the best cold pages of the layer back into the hot store (`ForwardCall.recall`,
   `agent_kv.kv.policies.cold_recall`); in a vote pass, only the cold pages' scores and the
   layer's votes (`ForwardCall.vote`) and the output, nothing recorded or kept;
 - a mask function (`AttentionMaskInterface`) that builds no mask: causality is positional
-  inside the store (see `kernels.reference`), so no `[q, L]` mask is materialised.
+  inside the store (see `kernels.torch_attention`), so no `[q, L]` mask is materialised.
 
 Model-family keywords of transformers' attention interface:
 - `sliding_window` (Mistral, Phi-3, Qwen2/3, Gemma-2/3, gpt-oss): the layer's window, which must
@@ -29,7 +29,8 @@ Model-family keywords of transformers' attention interface:
   (`kernels.softmax_extras`); the Triton decode kernel implements neither, nor windows, so
   such calls take the PyTorch path (`kernels.dispatch`).
 
-Load a model with `attn_implementation="agent_kv"` (done by `agent_kv.runtime.model_loading`).
+Load a model with `attn_implementation="agent_kv"` (done by
+`agent_kv.runtime.models.model_loading`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.packed_call import PackedCall
 from kernels.dispatch import decode_attention
-from kernels.reference import (
+from kernels.softmax_extras import SoftmaxExtras
+from kernels.torch_attention import (
     Segment,
     attention_profile,
     fused_attention,
@@ -49,7 +51,6 @@ from kernels.reference import (
     sampled_mass,
     segmented_attention,
 )
-from kernels.softmax_extras import SoftmaxExtras
 
 NAME = "agent_kv"
 SCORED_QUERIES = 64

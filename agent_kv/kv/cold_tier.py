@@ -51,7 +51,7 @@ from agent_kv.kv.rope import Rotary
 from kernels.formats import QUANT_FORMATS
 from kernels.int8 import dequantize
 from kernels.page_digest import digest_bound, key_digest
-from kernels.reference import apply_rotation
+from kernels.torch_attention import apply_rotation
 
 DIGEST_DTYPE = torch.float32
 """Digests stay in float32: a float16 min or max rounded the wrong way would no longer bound."""

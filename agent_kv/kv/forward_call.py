@@ -21,7 +21,7 @@ A static call (`static=True`) reads a fixed width of every segment (`KVStore.dec
 its capacity, or the policy's bound), masked by length tensors, so nothing it does depends on
 a host value that changes between decode steps and it synchronises nothing: a decode step
 made of the model call and the commit traces into one graph
-(`agent_kv.runtime.decode_graph`).
+(`agent_kv.runtime.engine.decode_graph`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.rope import Rotary
-from kernels.reference import Segment
+from kernels.torch_attention import Segment
 
 if TYPE_CHECKING:
     from agent_kv.kv.store import KVStore

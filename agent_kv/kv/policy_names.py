@@ -31,7 +31,7 @@ RECALL_SUFFIX = "+recall"
 REENCODE_SUFFIX = "+reencode"
 """A policy name ending in it runs that policy on an engine that encodes the tokens the cache
 keeps again, without the evicted history, before a new message once the cache has evicted as
-many tokens as it holds since the last time (`agent_kv.runtime.engine.Engine.reencode`), e.g.
+many tokens as it holds since the last time (`agent_kv.runtime.engine.engine.Engine.reencode`), e.g.
 `window+reencode`."""
 
 

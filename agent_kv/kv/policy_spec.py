@@ -120,7 +120,7 @@ class PolicySpec:
         """The settings, checked as far as they can be before the model loads: the one way a
         policy is built from what a user gives (the command line through `parse`, the API's
         per-turn `policy`, the LangChain model), then `build` (or
-        `agent_kv.runtime.policy_setup.policy_from_spec`) once the model is known.
+        `agent_kv.runtime.engine.policy_setup.policy_from_spec`) once the model is known.
 
         Args:
             name: a policy name, with `+recall` or `+reencode` if wanted.

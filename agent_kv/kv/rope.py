@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from agent_kv.errors import ConfigError
-from kernels.reference import apply_rotation
+from kernels.torch_attention import apply_rotation
 
 
 class Rotary:

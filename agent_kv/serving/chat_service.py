@@ -2,12 +2,12 @@
 `/v1/chat/completions` and `/chat`, and the in-process LangChain model).
 
 A turn renders the messages with the model's chat template and tokenizes them, once
-(`agent_kv.runtime.chat_layout`; only the text from the session's last generation prompt on
+(`agent_kv.runtime.chat.layout`; only the text from the session's last generation prompt on
 when the rendering extends it, `agent_kv.serving.last_prompts`); then, holding the session, a
 `ChatSession` over its sequence (the session object the agent's `Conversation` runs on too)
 matches the tokens against the history so only what is new is prefilled
-(`agent_kv.runtime.history_sync`) and pins what the rules protect
-(`agent_kv.runtime.pin_rules`); then the reply is decoded.
+(`agent_kv.runtime.chat.history_sync`) and pins what the rules protect
+(`agent_kv.runtime.chat.pin_rules`); then the reply is decoded.
 
 Which session a turn runs in:
 - a turn naming a session id runs in that session (created on first use);
@@ -45,16 +45,16 @@ from agent_kv.kv.attention_windows import attention_windows
 from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.kv.store import ATTENTION_WINDOW_SLACK
-from agent_kv.runtime.batch_scheduler import BatchScheduler
-from agent_kv.runtime.chat_layout import RenderedChat, placed_chat
-from agent_kv.runtime.chat_rendering import render_chat
-from agent_kv.runtime.chat_session import ChatSession
-from agent_kv.runtime.engine import Engine, Generation
-from agent_kv.runtime.history_sync import HistorySync, plan_history_sync
-from agent_kv.runtime.pin_rules import PinRules, protected_spans
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.sequence import CallRecord, SequenceOutline
-from agent_kv.runtime.tool_calls import ReplySpec, Tool, ToolCall, call_check, parse_reply
+from agent_kv.runtime.chat.history_sync import HistorySync, plan_history_sync
+from agent_kv.runtime.chat.layout import RenderedChat, placed_chat
+from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.chat.session import ChatSession
+from agent_kv.runtime.engine.batch_scheduler import BatchScheduler
+from agent_kv.runtime.engine.engine import Engine, Generation
+from agent_kv.runtime.engine.sequence import CallRecord, SequenceOutline
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_calls import ReplySpec, Tool, ToolCall, call_check, parse_reply
 from agent_kv.serving.issued_calls import IssuedCalls
 from agent_kv.serving.last_prompts import LastPrompts
 from agent_kv.serving.session_store import SessionStore
@@ -195,7 +195,7 @@ class ChatService:
         queue_timeout_s: seconds a turn may wait for its session, KV room and the batch.
         max_anonymous: anonymous sessions kept (the newest).
         max_batch: turns running at once as rows of one forward call
-            (`agent_kv.runtime.batch_scheduler`); 1 serves one turn at a time.
+            (`agent_kv.runtime.engine.batch_scheduler`); 1 serves one turn at a time.
 
     Raises:
         ValueError: a non-positive limit.
@@ -261,7 +261,7 @@ class ChatService:
     def render(
         self, messages: list[dict], tools: Sequence[Tool] = (), session_id: str | None = None
     ) -> RenderedChat:
-        """`messages` (`{"role", "content"}` dicts, see `agent_kv.runtime.chat_rendering`)
+        """`messages` (`{"role", "content"}` dicts, see `agent_kv.runtime.chat.rendering`)
         rendered with the chat template, the `tools` offered and the generation prompt, once,
         tokenized once (only from the generation prompt on of the last prompt the rendering
         extends, of the session `session_id` or, for None, of an anonymous one:
@@ -330,7 +330,7 @@ class ChatService:
             on_start: called with the session id once the turn holds its
                 session, before any prefill.
             reply: the tools offered, the tool choice and the reply format
-                (`agent_kv.runtime.tool_calls`): the tools are rendered into the prompt, the
+                (`agent_kv.runtime.replies.tool_calls`): the tools are rendered into the prompt, the
                 reply is decoded under `ReplySpec.grammar` (unless `params.grammar` is set)
                 and split into `content` and `tool_calls`.
 

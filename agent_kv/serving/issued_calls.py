@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
-from agent_kv.runtime.tool_calls import ToolCall
+from agent_kv.runtime.replies.tool_calls import ToolCall
 
 MAX_ISSUED_CALLS = 4096
 """Calls remembered (the newest); an older one sent back renders as the client sent it."""

@@ -21,7 +21,7 @@ and every call the model makes, which a LangGraph `ToolNode`'s messages cannot f
 `parallel_tool_calls` and `response_format` on every call (`langchain_tools.REPLY_KWARGS`):
 in-process they become the turn's `ReplySpec`, against a server the request's fields. Calls
 come back as `AIMessage.tool_calls` (and `tool_call_chunks` when streamed), decoded under the
-tools' schemas (`agent_kv.runtime.tool_calls`).
+tools' schemas (`agent_kv.runtime.replies.tool_calls`).
 
 The model's parts: `langchain_messages` converts messages both ways, `langchain_local` runs
 an in-process turn, `langchain_server` sends one to a server (its errors are
@@ -45,9 +45,9 @@ from langchain_core.utils import secret_from_env
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from agent_kv.errors import ConfigError
-from agent_kv.runtime.pin_rules import PinRules
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_calls import ReplySpec
+from agent_kv.runtime.chat.pin_rules import PinRules
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_calls import ReplySpec
 from agent_kv.serving.chat_service import ChatService, ChatTurn
 from agent_kv.serving.langchain_local import alocal_stream, local_stream, turn_message
 from agent_kv.serving.langchain_messages import chat_dicts
@@ -161,7 +161,7 @@ class ChatAgentKV(BaseChatModel):
             policy: the KV policy's name (`agent_kv.kv.policies.POLICIES`).
             budget: unpinned tokens per layer (`PolicySpec.checked`); None for the policy's
                 default.
-            weights: the weight format (`agent_kv.runtime.weight_formats`); None for the
+            weights: the weight format (`agent_kv.runtime.models.weight_formats`); None for the
                 default.
             **fields: further fields (`session_id`, `max_tokens`, ...).
 
@@ -171,10 +171,10 @@ class ChatAgentKV(BaseChatModel):
             ModelNotFoundError: the model cannot be loaded.
         """
         from agent_kv.kv.policy_spec import PolicySpec
-        from agent_kv.runtime.engine import Engine
-        from agent_kv.runtime.model_loading import load_model
-        from agent_kv.runtime.policy_setup import policy_from_spec
-        from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS
+        from agent_kv.runtime.engine.engine import Engine
+        from agent_kv.runtime.engine.policy_setup import policy_from_spec
+        from agent_kv.runtime.models.model_loading import load_model
+        from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS
 
         spec = PolicySpec.checked(policy, budget)
         loaded = load_model(model_path, weights or DEFAULT_WEIGHTS)

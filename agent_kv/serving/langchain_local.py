@@ -17,7 +17,7 @@ from dataclasses import asdict
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from agent_kv.runtime.tool_calls import ReplySpec, ToolCallStream, call_check
+from agent_kv.runtime.replies.tool_calls import ReplySpec, ToolCallStream, call_check
 from agent_kv.serving.chat_service import ChatTurn
 from agent_kv.serving.langchain_messages import call_chunk, call_fields, usage_metadata
 from agent_kv.serving.langchain_tools import reply_spec

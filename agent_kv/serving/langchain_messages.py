@@ -2,7 +2,7 @@
 LangChain messages: the conversions `ChatAgentKV` makes both in-process and against a server.
 
 Going out, `chat_dicts` turns LangChain messages into the `{"role", "content", "pin",
-"tool_calls", "tool_call_id"}` dicts of `agent_kv.runtime.chat_rendering` (what
+"tool_calls", "tool_call_id"}` dicts of `agent_kv.runtime.chat.rendering` (what
 `ChatService.run` takes) and `wire_messages` turns those into `/v1/chat/completions`
 messages. Coming back, `usage_metadata`, `call_fields` and `call_chunk` give a reply's token
 counts and tool calls in LangChain's terms.
@@ -25,7 +25,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from agent_kv.runtime.tool_calls import ToolCall
+from agent_kv.runtime.replies.tool_calls import ToolCall
 
 TOOL_CALL_BLOCKS = ("tool_call", "tool_use")
 """Content blocks of an `AIMessage` that repeat its `tool_calls` (LangChain's and Anthropic's)."""
@@ -40,7 +40,7 @@ ROLES = (
 
 def chat_dicts(messages: list[BaseMessage]) -> list[dict]:
     """`{"role", "content", "pin", "tool_calls", "tool_call_id"}` dicts of LangChain messages
-    (`agent_kv.runtime.chat_rendering`): an `AIMessage`'s `tool_calls` as `ToolCall`s (their
+    (`agent_kv.runtime.chat.rendering`): an `AIMessage`'s `tool_calls` as `ToolCall`s (their
     arguments as generated when `additional_kwargs["tool_calls"]` holds them, else as JSON);
     a `ToolMessage`'s `tool_call_id` when it answers an earlier call (otherwise the message
     is a plain observation of role tool). Content is text blocks; an `AIMessage` may also

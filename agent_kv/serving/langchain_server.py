@@ -16,8 +16,8 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGenerationChunk
 
 from agent_kv.errors import AgentKVError
-from agent_kv.runtime.sampling import SamplingParams
-from agent_kv.runtime.tool_calls import ToolCall
+from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_calls import ToolCall
 from agent_kv.serving.langchain_messages import (
     call_chunk,
     call_fields,

@@ -19,7 +19,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from agent_kv.runtime.tool_calls import ReplySpec
+from agent_kv.runtime.replies.tool_calls import ReplySpec
 
 REPLY_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 """Call keyword arguments (set by `bind_tools`, `with_structured_output` or `bind`) that say

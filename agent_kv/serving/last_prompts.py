@@ -1,10 +1,10 @@
 """Each session's last prompt as rendered and tokenized, so that the next turn, whose
 rendering a stateless client's resent chat makes a text extension of it, tokenizes only the
-text from its generation prompt on (`agent_kv.runtime.chat_layout.placed_chat`, which splits
+text from its generation prompt on (`agent_kv.runtime.chat.layout.placed_chat`, which splits
 at an added token so the tokens are those of the whole chat) instead of the whole history.
 
 Only a tokenization is kept here, never a cache: the tokens a turn gets are still matched
-against its session's history (`agent_kv.runtime.history_sync`), so a stale or missing entry
+against its session's history (`agent_kv.runtime.chat.history_sync`), so a stale or missing entry
 costs a full tokenization and nothing else. Entries are kept for the sessions in memory.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from agent_kv.runtime.chat_layout import RenderedChat
+from agent_kv.runtime.chat.layout import RenderedChat
 
 
 class LastPrompts:

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent_kv.errors import AgentKVError, KVCapacityError, QueueTimeoutError, TurnCancelled
-from agent_kv.runtime.engine import Engine
-from agent_kv.runtime.history_sync import common_prefix
-from agent_kv.runtime.sequence import SequenceOutline, SequenceState
+from agent_kv.runtime.chat.history_sync import common_prefix
+from agent_kv.runtime.engine.engine import Engine
+from agent_kv.runtime.engine.sequence import SequenceOutline, SequenceState
 from agent_kv.serving.session_checkpoints import SessionCheckpoints
 
 log = logging.getLogger(__name__)

@@ -80,7 +80,7 @@ class ReplicaServer:
             "node": self.node,
             "sessions": [asdict(summary) for summary in sessions.describe()],
             "kv_allocated_bytes": sessions.allocated_bytes(),
-            "metrics": self.app.state.metrics.render().decode(),
+            "metrics": self.app.state.server.metrics.render().decode(),
         }
 
     async def __del__(self) -> None:

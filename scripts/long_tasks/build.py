@@ -5,7 +5,7 @@ write one JSON file per task.
     .venv/bin/python -m scripts.long_tasks.build            # every family
     .venv/bin/python -m scripts.long_tasks.build --only 501,502 --dry-run
 
-What is measured is the history the scripted runner (`agent_kv.harness.recall`, the notes
+What is measured is the history the scripted runner (`agent_kv.harness.scripted_episode`, the notes
 format) builds: the pinned system prompt and example episodes, each page truncated to 1,200
 tokens in the observation template, each reference action with its note as the assistant's
 turn, rendered with the model's chat template and tokenized as one text. A fact's `tokens` is
@@ -33,8 +33,8 @@ from typing import Any
 
 from agent_kv.harness.action_formats import TEXT_ACTIONS
 from agent_kv.harness.agent import OBSERVATION_TEMPLATE, AgentConfig, truncate_tokens
-from agent_kv.harness.recall import DEFAULT_FORMAT
-from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.harness.scripted_episode import DEFAULT_FORMAT
+from agent_kv.runtime.chat.rendering import render_chat
 from envs.browser_env import ActionError, BrowserEnv
 from envs.evaluators import evaluate
 from envs.server import SiteServers
@@ -56,7 +56,7 @@ class BuildError(Exception):
 
 def default_tokenizer():
     """The default bundled model's tokenizer, without its weights."""
-    from agent_kv.runtime.model_loading import load_tokenizer
+    from agent_kv.runtime.models.model_loading import load_tokenizer
 
     return load_tokenizer()
 

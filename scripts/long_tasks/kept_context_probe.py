@@ -41,8 +41,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from agent_kv.harness.action_formats import TEXT_ACTIONS
 from agent_kv.harness.agent import OBSERVATION_TEMPLATE
-from agent_kv.harness.recall import DEFAULT_FORMAT, NOTE, STOP_PREFIX
-from agent_kv.runtime.chat_rendering import render_chat
+from agent_kv.harness.scripted_episode import DEFAULT_FORMAT, NOTE, STOP_PREFIX
+from agent_kv.runtime.chat.rendering import render_chat
 from envs.tasks import load_task
 from scripts.long_tasks.build import default_tokenizer
 

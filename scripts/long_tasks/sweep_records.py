@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from agent_kv.harness.decisions import DECISIONS_JSON
-from agent_kv.harness.recall import TRACE_JSON
+from agent_kv.harness.scripted_episode import TRACE_JSON
 from agent_kv.harness.sweep.report import write_report
 from agent_kv.harness.sweep.settings import RESULTS, SETTINGS
 

@@ -8,7 +8,7 @@ import llguidance
 import schemathesis
 
 from agent_kv.errors import GrammarError
-from agent_kv.runtime.json_schemas import check_schema, closed
+from agent_kv.runtime.replies.json_schemas import check_schema, closed
 
 CHAT_PATHS = ("/chat", "/v1/chat/completions")
 MAX_TOKENS = 4

@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.queue import Queue
 
 from agent_kv.errors import AgentKVError, ConfigError
-from agent_kv.harness.sweep.runner import (
+from agent_kv.harness.sweep.job_runs import (
     STEP_POLL_S,
     RayActors,
     RunnerFactory,
@@ -42,7 +42,7 @@ from agent_kv.harness.sweep.runner import (
     run_job,
 )
 from agent_kv.harness.sweep.settings import BenchSettings, Job
-from agent_kv.runtime import threads as thread_setting
+from agent_kv.runtime.models import threads as thread_setting
 from envs.tasks import Task
 
 RAY_OBJECT_STORE_BYTES = 100 * 2**20

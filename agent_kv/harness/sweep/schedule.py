@@ -6,7 +6,7 @@ By default the episodes run on Ray actors (`RayActors`), each a worker process h
 own runner, running `BenchSettings.episodes_per_engine` episodes at a time (one by default).
 With more than one episode per engine the runner keeps one model and runs every episode's
 model calls through one `BatchScheduler` (continuous batching: their decode tokens and
-prefill chunks share forward calls, `agent_kv.runtime.scheduled_engine`), each episode in a
+prefill chunks share forward calls, `agent_kv.runtime.engine.scheduled_engine`), each episode in a
 thread with its own browser, all on the same sites. A `Runner` passed in instead runs the
 episodes in the calling process, without Ray (tests, debugging): one after another, or
 `episodes_per_engine` at a time in threads.
@@ -26,8 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from agent_kv.harness.sweep.ray_pool import run_on_ray
-from agent_kv.harness.sweep.runner import (
+from agent_kv.harness.sweep.job_runs import (
     STEP_POLL_S,
     RayActors,
     Runner,
@@ -35,6 +34,7 @@ from agent_kv.harness.sweep.runner import (
     next_ready,
     run_job,
 )
+from agent_kv.harness.sweep.ray_pool import run_on_ray
 from agent_kv.harness.sweep.settings import (
     RESULTS,
     BenchSettings,

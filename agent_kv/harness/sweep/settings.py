@@ -18,8 +18,8 @@ from agent_kv.harness.page_pins import check_page_pins
 from agent_kv.harness.reply_pins import check_pin_replies
 from agent_kv.kv.policy_names import base_policy, check_policy_name
 from agent_kv.renamed_fields import current_names
-from agent_kv.runtime import bundled_models
-from agent_kv.runtime.weight_formats import DEFAULT_WEIGHTS, check_weight_format
+from agent_kv.runtime.models import bundled_models
+from agent_kv.runtime.models.weight_formats import DEFAULT_WEIGHTS, check_weight_format
 from envs.actions import ACTION_FORMATS
 from envs.tasks import Task, TaskError, load_suite, load_task, load_tasks, suite_names
 
@@ -118,7 +118,7 @@ class BenchSettings:
         model: a bundled model's name, a model directory or a .gguf file; None stands for
             the default bundled model (`bundled_models.DEFAULT_MODEL`), recorded by its name.
         reference_accuracy: also replay each task's reference actions
-            (`agent_kv.harness.sweep.episodes`); tasks without reference actions get none.
+            (`agent_kv.harness.sweep.episode_runner`); tasks without reference actions get none.
         observation: the browser's observation mode (`envs.browser_env.OBSERVATION_MODES`).
         constrain: decode actions under each page's action grammar (`AgentConfig.constrain`).
         agreement: compare each other policy's decisions with full KV's on the same task;
@@ -128,7 +128,7 @@ class BenchSettings:
             are compared with full KV's (`agent_kv.harness.decisions`).
         mode: "free" (free navigation: the agent acts at every step, `run_episode`) or
             "scripted" (scripted navigation, free answer: the recall suite's runner,
-            `agent_kv.harness.recall`).
+            `agent_kv.harness.scripted_episode`).
         positions: "original" or "rerotate" (`PolicySpec`), for every policy of the sweep.
         episodes_per_engine: episodes run at once on one runner, i.e. one model in memory
             (`EpisodeRunner`): each its own thread and browser, their model calls batched by
@@ -136,7 +136,7 @@ class BenchSettings:
             `Engine`. Success and memory do not depend on it; the time figures (decode
             tokens/s, seconds per step) are per episode while the model is shared, so it is
             recorded with the sweep like the other settings.
-        weights: the model's weight format (`agent_kv.runtime.weight_formats`).
+        weights: the model's weight format (`agent_kv.runtime.models.weight_formats`).
         pin_replies: which of the agent's replies to pin (`AgentConfig.pin_replies`).
         page_pins: how much of the latest page to pin (`AgentConfig.page_pins`).
         pin_examples: pin the example turns (`AgentConfig.pin_examples`).

@@ -19,7 +19,7 @@ the memory budget from the layer's prefill attention statistics (entropy, varian
 without giving the formula. This project's mapping (`layer_plan`):
 1. Per layer, the mean over prefill calls, scored queries and heads of the normalised entropy
    `h`, the log concentration `v = log(1 + n^2 Var(p))` and the log kurtosis `k` of the
-   attention weights (`kernels.reference.attention_profile`).
+   attention weights (`kernels.torch_attention.attention_profile`).
 2. Flatness `f = (z(h) - z(v) - z(k)) / 3`, each statistic standardised across layers
    (`z(x) = (x - mean) / std`). Flat attention spreads over many tokens: eviction and
    quantization both cost such a layer more, so flatness stands for sensitivity.

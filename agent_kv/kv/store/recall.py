@@ -12,7 +12,7 @@ from agent_kv.kv.cold_tier import ColdConfig, ColdTier
 from agent_kv.kv.rope import Rotary
 from agent_kv.kv.store.figures import StoreFigures
 from agent_kv.kv.store.segments import Segments
-from kernels.reference import apply_rotation
+from kernels.torch_attention import apply_rotation
 
 
 class RecallTier:

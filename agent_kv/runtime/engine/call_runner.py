@@ -1,0 +1,218 @@
+"""Forward calls over policy-managed KV stores, each followed by the policy's eviction: the part of
+`Engine` every one of its operations (feed, decode, batches, packed calls, scoring) runs on.
+
+One call, top to bottom (docs/architecture.md, "Data flow of one forward call"): the policy
+prepares the call and bounds the store's capacity; with `select="vote"` recall, a vote pass
+first; the model runs on the new token(s) (one graph per decode step with `compile`) -> the
+store appends their keys/values and the attention function folds the attention mass into the
+scores -> the last logits give the confidence `c` -> after a prefilled chunk, KVzip's
+reconstruction pass -> the policy evicts down to this call's budget and a `CallRecord` notes
+the call. A row's prompt is prefilled chunk by chunk through the same path; only its last
+chunk gates the budget with its confidence.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from agent_kv.errors import TurnCancelled
+from agent_kv.kv.cache import StoreCache
+from agent_kv.kv.call_plan import CallPlan
+from agent_kv.kv.confidence import confidence
+from agent_kv.kv.forward_call import ForwardCall
+from agent_kv.kv.policies import Policy
+from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
+from agent_kv.kv.store import KVStore
+from agent_kv.runtime.engine.decode_graph import DecodeGraph
+from agent_kv.runtime.engine.model_call import run_call
+from agent_kv.runtime.engine.sequence import CallRecord
+
+RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
+"""The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
+only (`ForwardCall.record_reconstruction`), and its tokens are not kept."""
+VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
+"""The plan of a vote pass (`agent_kv.kv.cold_tier`, "Choosing pages across layers"): each
+layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
+
+
+class CallRunner:
+    """Runs a causal LM's forward calls over stores a `Policy` manages, the policy evicting
+    after each (`Engine` builds its operations on these).
+
+    Args:
+        model: a transformers causal LM loaded with `attn_implementation="agent_kv"`.
+        tokenizer: its tokenizer (KVzip's repeat prompt is tokenized with it).
+        policy: the KV policy applied after every forward call that names no other.
+        prefill_chunk: tokens per prefill forward call.
+        decode_graph: runs the decode steps it takes as one graph each, or None to run every
+            call eagerly.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        policy: Policy,
+        prefill_chunk: int,
+        decode_graph: DecodeGraph | None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.prefill_chunk = prefill_chunk
+        self.decode_graph = decode_graph
+        self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
+
+    def _forward(
+        self,
+        cache: StoreCache,
+        rows: range,
+        chunks: list[list[int]],
+        all_positions: bool = False,
+        policy: Policy | None = None,
+    ) -> torch.Tensor:
+        """One model call: `chunks[i]` (equal lengths `n`) for row `rows[i]` of the cache's
+        store, whose capacity `policy` (default: the engine's) bounds. Returns float32 logits
+        after each row's last token, `[len(rows), vocab]`, or with `all_positions` after every
+        token, `[len(rows), n, vocab]`."""
+        store = cache.store
+        plan = self._prepare(policy or self.policy, store)
+        n = len(chunks[0])
+        self._vote(cache, rows, chunks, plan)
+        if (
+            self.decode_graph is not None
+            and not all_positions
+            and self.decode_graph.takes(store, rows, n, plan)
+        ):
+            return self.decode_graph.decode(cache, [chunk[0] for chunk in chunks], plan)
+        call = ForwardCall.open(store, rows, n, plan)
+        input_ids = torch.tensor(chunks, device=store.device)
+        logits = run_call(self.model, cache, call, input_ids, 0 if all_positions else 1)
+        return logits.float() if all_positions else logits[:, -1].float()
+
+    def _vote(
+        self, cache: StoreCache, rows: range, chunks: list[list[int]], plan: CallPlan
+    ) -> None:
+        """Before a multi-token call under `plan` that recalls with `select="vote"`: the vote
+        pass, the last `ColdConfig.queries` tokens of each of `chunks` fed where they will
+        stand, their tokens not kept, every layer's votes held for the call
+        (`agent_kv.kv.cold_tier`, "Choosing pages across layers")."""
+        store = cache.store
+        n = len(chunks[0])
+        if not plan.recall or n < 2 or not store.recall.due(n, rows[0]):
+            return
+        config = store.recall.tier.config
+        if config.select != "vote":
+            return
+        tail = min(n, config.queries)
+        call = ForwardCall.open(store, rows, tail, VOTE, ahead=n - tail)
+        input_ids = torch.tensor([chunk[n - tail :] for chunk in chunks], device=store.device)
+        run_call(self.model, cache, call, input_ids)
+
+    def _prepare(self, policy: Policy, store: KVStore) -> CallPlan:
+        """Before a forward call: the policy's plan for it (`Policy.prepare`), and the store's
+        capacity bounded by the policy's bound (`KVStore.bound_capacity`)."""
+        plan = policy.prepare(store)
+        store.bound_capacity(*policy.slot_bounds(store), self.prefill_chunk)
+        return plan
+
+    def _prefill_row(
+        self,
+        cache: StoreCache,
+        row: int,
+        token_ids: list[int],
+        records: list[CallRecord],
+        fed: Callable[[list[int], torch.Tensor], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> torch.Tensor:
+        """Feed one row's tokens chunk by chunk, calling `fed(chunk, [vocab] logits)` after
+        each; returns `[vocab]` logits after the last. Raises `TurnCancelled` when `cancel`
+        is set before a chunk."""
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            check_cancel(cancel)
+            chunk = token_ids[start : start + self.prefill_chunk]
+            last_chunk = start + self.prefill_chunk >= len(token_ids)
+            logits = self._forward(cache, range(row, row + 1), [chunk])  # [1, vocab]
+            self._after_chunk(self.policy, cache, row, chunk, logits, last_chunk, records)
+            if fed is not None:
+                fed(chunk, logits[0])
+        return logits[0]
+
+    def _after_chunk(
+        self,
+        policy: Policy,
+        cache: StoreCache,
+        row: int,
+        chunk: list[int],
+        logits: torch.Tensor,
+        last_chunk: bool,
+        records: list[CallRecord],
+    ) -> None:
+        """What follows a forward call of `chunk` on `row`: KVzip's reconstruction pass, then
+        `policy`'s eviction with the confidence of `logits` `[1, vocab]`. Inside a prompt the
+        logits after a chunk boundary say nothing about the reply: only the last chunk's
+        confidence gates the budget (`last_chunk`; otherwise the no-signal budget).
+        """
+        if policy.reconstructs and len(chunk) > 1:  # a decoded token: none
+            self._reconstruct(cache.store, cache, row, chunk)
+        self._apply_policy(
+            cache.store, range(row, row + 1), logits, [last_chunk], [records], policy
+        )
+
+    def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
+        """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
+        the repeat prompt and the chunk fed once more, every stored token's largest attention
+        from them recorded (`ForwardCall.record_reconstruction`); the pass's own tokens are
+        never kept, so the cache is as before but for those scores. The pass's rotary
+        positions follow the row's, moved back as far as needed to stay inside the model's
+        trained context (only at its very end do they overlap the chunk's)."""
+        if self._repeat_ids is None:
+            self._repeat_ids = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+        tokens = self._repeat_ids + chunk
+        start = store.seen(row) if store.rotary is None else max(store.lengths(row))
+        if store.max_positions:
+            start = max(min(start, store.max_positions - len(tokens)), 0)
+        call = ForwardCall.open(
+            store, range(row, row + 1), len(tokens), RECONSTRUCTION, start=start
+        )
+        run_call(self.model, cache, call, torch.tensor([tokens], device=store.device))
+
+    def _apply_policy(
+        self,
+        store: KVStore,
+        rows: range,
+        logits: torch.Tensor,
+        gated: list[bool],
+        records: list[list[CallRecord]],
+        policy: Policy | None = None,
+    ) -> None:
+        """Confidence from `logits` `[len(rows), vocab]`, one eviction by `policy` (default:
+        the engine's) per row, one `CallRecord` appended to each row's `records`."""
+        policy = policy or self.policy
+        confs = [float(c) for c in confidence(logits)]
+        gates = [c if g else None for c, g in zip(confs, gated, strict=True)]
+        appended = [store.nbytes(row) for row in rows]
+        for i, row in enumerate(rows):
+            evicted = policy.evict(store, gates[i], rows=range(row, row + 1))
+            records[i].append(
+                CallRecord(
+                    seen_tokens=store.seen(row),
+                    appended_kv_live_bytes=appended[i],
+                    kv_live_bytes=store.nbytes(row),
+                    kv_allocated_bytes=store.figures.call_allocated_bytes // store.batch,
+                    cold_kv_bytes=store.recall.nbytes(row),
+                    confidence=confs[i],
+                    gated=gated[i],
+                    budget=policy.budget(gates[i]),
+                    evicted=evicted,
+                )
+            )
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Raise `TurnCancelled` when `cancel` is set (a turn's caller went away)."""
+    if cancel is not None and cancel.is_set():
+        raise TurnCancelled("the turn was cancelled: its caller went away")
