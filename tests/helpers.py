@@ -6,11 +6,23 @@ from __future__ import annotations
 import torch
 
 from agent_kv.kv.call_plan import CallPlan
-from agent_kv.kv.forward_call import NO_PLAN, ForwardCall, append_kv
+from agent_kv.kv.forward_call import ForwardCall, append_kv
+from agent_kv.kv.policies.arkv import RelativeAttentionMoments
+from agent_kv.kv.policies.conf_kv import AttentionEma
+from agent_kv.kv.policies.h2o import AccumulatedMass
+from agent_kv.kv.policies.kvzip import ReconstructionMax
+from agent_kv.kv.policies.snapkv import ObservationMass
 from agent_kv.kv.store import KVStore
 from agent_kv.renamed_fields import RENAMED
 
 OLD_NAMES = {new: old for old, new in RENAMED.items()}
+EVERY_STATISTIC = (
+    AttentionEma(), AccumulatedMass(), RelativeAttentionMoments(), ObservationMass(),
+    ReconstructionMax(),
+)  # fmt: skip
+"""The statistics of the bundled policies: the stores these helpers fill hold all their columns,
+and a `recorded_call` folds them all unless its plan says otherwise."""
+EVERY_STATISTIC_PLAN = CallPlan(statistics=EVERY_STATISTIC)
 
 
 def with_old_names(record: dict) -> dict:
@@ -22,8 +34,10 @@ def with_old_names(record: dict) -> dict:
 def append_tokens(
     store: KVStore, keys: torch.Tensor, values: torch.Tensor | None = None, rows: range = range(1)
 ) -> None:
-    """Append `keys`/`values` `[len(rows), H, n, D]` to every layer, as one forward call."""
+    """Append `keys`/`values` `[len(rows), H, n, D]` to every layer, as one forward call; the
+    store then holds the columns of `EVERY_STATISTIC` (0 for tokens appended so)."""
     append_kv(store, keys, -keys if values is None else values, rows)
+    store.ensure_columns(EVERY_STATISTIC)
 
 
 def random_tokens(store: KVStore, n: int, rows: range = range(1)) -> None:
@@ -62,7 +76,7 @@ def recorded_call(
     masses: torch.Tensor | None = None,
     window: torch.Tensor | None = None,
     observed: int = 0,
-    plan: CallPlan = NO_PLAN,
+    plan: CallPlan = EVERY_STATISTIC_PLAN,
 ) -> None:
     """One forward call of `keys`/`values` `[len(rows), H, n, D]` in every layer, without a
     model: in each layer it reads the stored segments, stages the tokens and records `masses`

@@ -11,7 +11,10 @@ from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import POLICIES, make_policy
+from agent_kv.kv.policies.arkv import RelativeAttentionMoments
 from agent_kv.kv.policies.conf_kv import ConfKV
+from agent_kv.kv.policies.h2o import AccumulatedMass
+from agent_kv.kv.policies.snapkv import ObservationMass
 from agent_kv.kv.policy_names import declared_policies
 from agent_kv.kv.policy_spec import PolicySpec
 from agent_kv.kv.store import KVStore
@@ -367,16 +370,31 @@ def test_snapkv_keeps_pins_and_sinks_whatever_their_attention():
     assert kept_positions(store) == [0, 1, *range(20, 25), 50, 60, *range(92, 100)]
 
 
+def test_knorm_keeps_the_keys_of_smallest_norm_scored_from_the_keys_alone():
+    store = KVStore(1, 2, 4)
+    norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0, 6.0, 0.1, 7.0, 8.0])
+    keys = torch.zeros(1, 2, 10, 4)
+    keys[0, :, :, 0] = norms  # both heads, one channel: the norm is the value
+    policy = make_policy("knorm", budget=4, protect_recent=1, sinks=1, evict_slack=0)
+    recorded_call(store, keys, plan=policy.prepare(store))  # no attention recorded at all
+    torch.testing.assert_close(store.live_meta("key_norm", 0), norms.expand(2, -1))
+    policy.evict(store, None)
+    # the sink (0) and the newest (9) stay, within the budget of 4: then the two smallest norms
+    assert kept_positions(store) == [0, 3, 7, 9]
+
+
 def test_each_policy_plans_what_its_calls_measure():
     store = store_with(4)
     snapkv = make_policy("snapkv", observation_window=16).prepare(store)
     assert (snapkv.observation_window, snapkv.profile, snapkv.recall) == (16, False, False)
     arkv = make_policy("arkv").prepare(store)
     assert (arkv.observation_window, arkv.profile) == (0, True)
-    assert arkv.statistics == frozenset({"welford"})
+    assert arkv.statistics == (RelativeAttentionMoments(),)
     h2o = make_policy("h2o").prepare(store)
-    assert (h2o.observation_window, h2o.profile, h2o.reconstruct) == (0, False, False)
-    assert h2o.statistics == frozenset({"accumulated"})
+    assert (h2o.observation_window, h2o.profile, h2o.maxima_pass) == (0, False, False)
+    assert h2o.statistics == (AccumulatedMass(),)
+    assert snapkv.statistics == (ObservationMass(),)
+    assert make_policy("window").prepare(store).statistics == ()  # ranks by recency alone
 
 
 @pytest.mark.parametrize("query_len,window", [(100, 8), (100, 64), (40, 8), (6, 8)])
@@ -387,7 +405,8 @@ def test_the_attention_function_measures_the_observation_window(query_len, windo
     store = KVStore(1, 2, 16)
     random_tokens(store, 30)  # already cached
     keys, values = (torch.randn(1, 2, query_len, 16, generator=gen) for _ in range(2))
-    call = ForwardCall.open(store, range(1), query_len, CallPlan(observation_window=window))
+    plan = CallPlan(statistics=(ObservationMass(),), observation_window=window)
+    call = ForwardCall.open(store, range(1), query_len, plan)
     query = torch.randn(1, 6, query_len, 16, generator=gen)  # 3 query heads per KV head
     layer = torch.nn.Module()
     layer.layer_idx = 0

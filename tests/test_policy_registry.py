@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import kept_positions, recorded_call
 
 import agent_kv.kv.policies as policies
 from agent_kv.errors import ConfigError
@@ -15,6 +17,7 @@ from agent_kv.kv.policies import POLICIES, discover, make_policy
 from agent_kv.kv.policies.base import FixedBudgetPolicy
 from agent_kv.kv.policies.table import policy_table
 from agent_kv.kv.policy_names import check_policy_name, read_policies
+from agent_kv.kv.store import KVStore
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 TABLE_START = "<!-- policy-table:start -->\n"
@@ -42,6 +45,40 @@ class Oldest(FixedBudgetPolicy):
         return -view.positions.float()
 '''
 """A policy module as a contributor would write it: one class, nothing else edited."""
+
+NEW_STATISTIC_POLICY = '''"""Keep the tokens whose values are largest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent_kv.kv.policies.base import FixedBudgetPolicy
+from agent_kv.kv.token_statistics import Column, TokenStatistic
+
+
+@dataclass(frozen=True)
+class ValueSum(TokenStatistic):
+    """Each token's attention mass, summed over the calls, times two."""
+
+    columns = (Column("twice_mass"),)
+
+    def fold(self, measured, new):
+        added = 2 * measured.mass
+        return {"twice_mass": added if new else measured.stored["twice_mass"] + added}
+
+
+@dataclass
+class Twice(FixedBudgetPolicy):
+    """Keep the tokens with the most attention, counted twice."""
+
+    name = "twice"
+    summary = "the most attended tokens, counted twice"
+    statistics = (ValueSum(),)
+
+    def rank(self, store, view, candidates):
+        return store.joint("twice_mass", rows=view.rows).mean(dim=2)
+'''
+"""A policy with a statistic of its own, as a contributor would write it: one module."""
 
 
 @pytest.fixture
@@ -79,7 +116,7 @@ def test_the_table_has_a_row_per_policy_with_its_parameters():
 
 def test_the_listing_order_is_stable_and_unbudgeted_policies_follow_takes_budget():
     listed = (
-        "full", "window", "h2o", "snapkv", "random", "conf-kv", "conf-kv-l", "arkv",
+        "full", "window", "h2o", "snapkv", "knorm", "random", "conf-kv", "conf-kv-l", "arkv",
         "base-quant", "base-origin", "conf-kv+arkv", "kvzip",
     )  # fmt: skip
     assert [name for name in POLICIES if name in listed] == list(listed)
@@ -112,6 +149,21 @@ def test_a_policy_is_one_module_and_removing_it_leaves_no_trace(extra_directory,
         make_policy("oldest")
     assert "oldest" not in policy_table()
     assert "oldest" not in read_policies([*policies.__path__, str(extra_directory)])
+
+
+def test_a_policy_with_a_statistic_of_its_own_is_one_module(extra_directory):
+    (extra_directory / "twice.py").write_text(NEW_STATISTIC_POLICY, encoding="utf-8")
+    discover()
+    policy = make_policy("twice", budget=4, protect_recent=0, evict_slack=0)
+    store = KVStore(2, 1, 4)
+    plan = policy.prepare(store)
+    mass = torch.tensor([[[0.5, 0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4]]])
+    recorded_call(store, torch.randn(1, 1, 8, 4), masses=mass, plan=plan)
+    assert set(store.segments.columns) == {"twice_mass"}  # only what the plan named
+    torch.testing.assert_close(store.live_meta("twice_mass", 1)[0], 2 * mass[0, 0])
+    recorded_call(store, torch.randn(1, 1, 1, 4), masses=torch.full((1, 1, 9), 0.1), plan=plan)
+    policy.evict(store, None)
+    assert kept_positions(store) == [0, 2, 4, 6]  # the four most attended, both calls summed
 
 
 def test_a_taken_name_or_a_missing_summary_is_refused_where_the_class_is_defined(monkeypatch):

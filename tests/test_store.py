@@ -8,8 +8,14 @@ from helpers import append_tokens, kept_positions, recorded_call
 
 from agent_kv.errors import ConfigError, ContextOverflowError
 from agent_kv.kv.call_plan import CallPlan
-from agent_kv.kv.forward_call import NO_PLAN, ForwardCall, append_kv
+from agent_kv.kv.forward_call import ForwardCall, append_kv
+from agent_kv.kv.policies.conf_kv import AttentionEma
+from agent_kv.kv.policies.h2o import AccumulatedMass
 from agent_kv.kv.store import BLOCK_TOKENS, Int8Config, KVStore
+
+MASS_STATISTICS = (AttentionEma(), AccumulatedMass())
+"""CONF-KV's and H2O's statistics, both folded from every call's attention mass."""
+MASS_PLAN = CallPlan(statistics=MASS_STATISTICS)
 
 
 def filled_store(tokens: int, layers: int = 2, heads: int = 3, dim: int = 4) -> KVStore:
@@ -91,7 +97,11 @@ def test_a_bound_is_never_allocated_ahead_the_capacity_follows_the_live_tokens()
 
 
 def scored_call(
-    store: KVStore, n: int, masses: list[torch.Tensor], scored=None, plan: CallPlan = NO_PLAN
+    store: KVStore,
+    n: int,
+    masses: list[torch.Tensor],
+    scored=None,
+    plan: CallPlan = MASS_PLAN,
 ) -> None:
     """One forward call of `n` zero tokens on a one-layer store under `plan`, with the given
     attention masses (stored FP segment, then the new tokens) recorded."""
@@ -105,21 +115,23 @@ def scored_call(
 
 def test_scores_normalise_by_visible_queries():
     store = filled_store(2, layers=1, heads=1)
+    store.ensure_columns(MASS_STATISTICS)
     store.fp["scores"][0, 0, :, :2] = 1.0
     # a 2-query chunk (tokens 2, 3) on top of 2 old tokens, group of 1
     scored_call(store, 2, [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])])
-    decay = store.ema_decay
+    decay = AttentionEma().decay
     expected = [decay + (1 - decay) * 0.4, decay + (1 - decay) * 0.2, 0.6 / 2, 0.2 / 1]
     torch.testing.assert_close(store.live_meta("scores", 0)[0], torch.tensor(expected))
 
 
 def test_scores_from_a_sample_of_queries_normalise_by_the_queries_that_see_each_token():
     store = filled_store(2, layers=1, heads=1)
+    store.ensure_columns(MASS_STATISTICS)
     store.fp["scores"][0, 0, :, :2] = 1.0
     # a 4-query chunk (tokens 2..5) whose mass was measured over queries 1 and 3 of the call
     masses = [torch.tensor([[[0.6, 0.2]]]), torch.tensor([[[0.4, 0.2, 0.4, 0.2]]])]
     scored_call(store, 4, masses, scored=torch.tensor([1, 3]))
-    decay = store.ema_decay
+    decay = AttentionEma().decay
     old = [decay + (1 - decay) * 0.3, decay + (1 - decay) * 0.1]
     # tokens 2, 3 are seen by both scored queries, tokens 4, 5 by the last one only
     expected = [*old, 0.4 / 2, 0.2 / 2, 0.4 / 1, 0.2 / 1]
@@ -132,8 +144,19 @@ def test_scores_from_a_sample_of_queries_normalise_by_the_queries_that_see_each_
 def test_a_policy_that_ranks_by_nothing_records_nothing():
     store = filled_store(2, layers=1, heads=1)
     masses = [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])]
-    scored_call(store, 2, masses, plan=CallPlan(statistics=frozenset()))
+    scored_call(store, 2, masses, plan=CallPlan())
     assert not store.live_meta("scores", 0).any() and not store.live_meta("accumulated", 0).any()
+
+
+def test_a_store_holds_the_columns_of_the_statistics_its_calls_fold():
+    store = KVStore(1, 1, 4)
+    append_kv(store, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+    assert store.segments.columns == {}  # no statistic asked for: no column held
+    masses = [torch.tensor([[[0.8, 0.4]]]), torch.tensor([[[0.6, 0.2]]])]
+    scored_call(store, 2, masses)
+    assert set(store.segments.columns) == {"scores", "accumulated"}
+    assert store.fp["scores"].shape == store.fp["positions"].shape[:2] + (1, store.fp.capacity)
+    assert store.live_meta("scores", 0).shape == (1, 4)  # the 2 older tokens at 0, held since
 
 
 def test_pins_follow_positions_through_compaction():
@@ -154,8 +177,8 @@ def test_rejects_bad_rows_and_sizes():
         ForwardCall.open(store, range(1, 3), 1)
     with pytest.raises(ValueError, match="ascending range"):
         ForwardCall.open(store, range(2), 0)
-    with pytest.raises(ValueError, match="ema_decay"):
-        KVStore(1, 1, 1, ema_decay=1.0)
+    with pytest.raises(ValueError, match="decay must lie"):
+        AttentionEma(decay=1.0)
     with pytest.raises(ValueError, match="positive"):
         KVStore(0, 1, 1)
 

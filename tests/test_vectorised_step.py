@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from helpers import append_tokens
 
 from agent_kv.kv.policies import make_policy
-from agent_kv.kv.store import META_FIELDS, Int8Config, KVStore
+from agent_kv.kv.policies.arkv import RelativeAttentionMoments
+from agent_kv.kv.policies.conf_kv import AttentionEma
+from agent_kv.kv.policies.h2o import AccumulatedMass
+from agent_kv.kv.policies.snapkv import ObservationMass
+from agent_kv.kv.store import Int8Config, KVStore
+
+STATISTICS = (AttentionEma(), AccumulatedMass(), ObservationMass(), RelativeAttentionMoments())
+"""Every statistic the policies compared here rank by."""
 
 
 def random_store(int8: bool, seed: int) -> KVStore:
@@ -25,8 +32,9 @@ def random_store(int8: bool, seed: int) -> KVStore:
     store.pins.pin(10, 30, row=0)
     store.pins.pin(200, 205, row=1)
     store.pins.pin(330, 400, row=1)  # part of it ahead of the tokens seen
+    store.ensure_columns(STATISTICS)
     for table in (store.fp, store.q):
-        for name in (*META_FIELDS, "hits"):
+        for name in store.segments.columns:
             table[name].copy_(torch.rand_like(table[name]))
     store.precision.quantize_stale()
     store.observed_from = [250, 320]

@@ -134,8 +134,8 @@ def store_attention(
         raise _window_mismatch(layer, sliding_window, store.attention_windows[layer])
     extras = SoftmaxExtras(softcap, s_aux)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if call.plan.reconstruct:
-        return _reconstruction_attention(call, layer, query, key, value, scale, extras), None
+    if call.plan.maxima_pass:
+        return _maxima_attention(call, layer, query, key, value, scale, extras), None
     if call.plan.vote:
         call.vote(layer, query, scale)
         segments = [*call.segments(layer), call.new_segment(key, value, layer)]
@@ -205,7 +205,7 @@ def _recorded_attention(
     scale: float,
     extras: SoftmaxExtras,
 ) -> torch.Tensor:
-    """An ordinary call's attention (neither reconstruction nor vote): recall cold pages when
+    """An ordinary call's attention (neither a maxima nor a vote pass): recall cold pages when
     one is due, stage the new tokens, read the store and return the output `[R, q, Hq, D]`,
     handing the store the attention mass (every query's up to `SCORED_QUERIES`, a strided
     sample's beyond: `scored_offsets`) and, for a prefill call, what its plan asks
@@ -257,7 +257,7 @@ def _record_prefill_statistics(
         call.store.record_profile(layer, stats)
 
 
-def _reconstruction_attention(
+def _maxima_attention(
     call: ForwardCall,
     layer: int,
     query: torch.Tensor,
@@ -266,17 +266,17 @@ def _reconstruction_attention(
     scale: float,
     extras: SoftmaxExtras,
 ) -> torch.Tensor:
-    """A reconstruction call's attention (`CallPlan.reconstruct`, KVzip): the output, and
-    for the store every stored token's largest attention probability over all the call's
-    queries and query heads (`ForwardCall.record_reconstruction`); no other statistic, no
-    recall, and the call's own tokens are not kept."""
+    """A maxima pass's attention (`CallPlan.maxima_pass`): the output, and for the store
+    every stored token's largest attention probability over all the call's queries and query
+    heads (`ForwardCall.record_maxima`); no other measurement, no recall, and the call's own
+    tokens are not kept."""
     segments = [*call.segments(layer), call.new_segment(key, value, layer)]
     query_len = query.shape[2]
     whole = read_whole(segments, query_len, query.device)
     out = fused_attention(query, segments, scale, whole, extras)
     offsets = torch.arange(query_len, device=query.device)
     maxes = sampled_mass(query, offsets, segments, scale, whole, reduce="max", extras=extras)
-    call.record_reconstruction(layer, maxes)
+    call.record_maxima(layer, maxes)
     return out
 
 

@@ -9,8 +9,9 @@ call, lengths uploaded) -> the model, whose registered attention function
 the mass folded into the per-token statistics, with a handful of operations over
 `[layers, rows, ...]` tensors, then the store's host lengths moved on
 (`KVStore.note_appended`). What the call measures besides attention is its `CallPlan` (the
-policy's, `Policy.prepare`): the statistics it folds, a prefill profile, SnapKV's observation
-window, recall from the cold tier, or a reconstruction pass.
+policy's, `Policy.prepare`): the per-token statistics it folds (each policy's own
+`TokenStatistic`, handed what the call measured: `agent_kv.kv.token_statistics`), a prefill
+profile, an observation window, recall from the cold tier, or a maxima pass.
 
 In a sliding-window layer (`KVStore.attention_windows`) every segment also carries its window mask
 (`Segment.window`): query `i` of a row, at original position `origin + i`, sees the stored and
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.rope import Rotary
+from agent_kv.kv.token_statistics import Measured, TokenStatistic
 from kernels.torch_attention import Segment
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 SEGMENTS = ("q", "fp")
 """The stored segments, in reading order: quantized, then FP (`KVStore.q`, `KVStore.fp`)."""
 NO_PLAN = CallPlan()
-"""The plan of a call no policy prepared: every statistic folded, nothing else measured."""
+"""The plan of a call no policy prepared: no statistic folded, nothing else measured."""
 SHARED = "shared"
 """What a shared view's segment is called among a layer's reads: read before the stored ones
 (its tokens come first), it keeps no statistics (its tokens are pinned, never ranked)."""
@@ -141,7 +143,7 @@ class ForwardCall:
 
         Args:
             start: the first rotary position of the call for every row, instead of the
-                default (a reconstruction pass that must stay inside the trained context).
+                default (a maxima pass that must stay inside the trained context).
             static: read each segment at its fixed decode width (`KVStore.decode_widths`,
                 masked by the lengths), so the call's shapes depend on the capacities and
                 bounds alone (a compiled or captured decode step); otherwise each segment is
@@ -172,6 +174,7 @@ class ForwardCall:
         segments = store.segments
         store.recall.recalling = plan.recall
         store.figures.begin_call()
+        segments.ensure_columns(plan.statistics)
         if plan.keeps_tokens:
             segments.fit(n)
         store.figures.note_allocated(store.allocated_nbytes())
@@ -208,7 +211,7 @@ class ForwardCall:
     def close(self, folded: dict[str, torch.Tensor] | None = None) -> None:
         """End the call after the model ran: write its new tokens and statistics (`folded`,
         when a compiled step computed them, else `fold()`), then move the store's host
-        lengths on (`KVStore.note_appended`; a reconstruction or vote pass keeps nothing), and
+        lengths on (`KVStore.note_appended`; a maxima or vote pass keeps nothing), and
         forget the votes of the call's vote pass (`RecallTier.forget_votes`).
 
         Raises:
@@ -403,18 +406,18 @@ class ForwardCall:
         self._observations[layer] = self._by_segment(layer, masses)
         self._observed = observed
 
-    def record_reconstruction(self, layer: int, maxes: list[torch.Tensor]) -> None:
-        """Hold a reconstruction pass's attention maxima (KVzip, Kim et al. 2025, §3.2: the
-        largest probability any of the pass's queries and query heads gave each token), per
-        segment and then the new tokens, `[R, H, width]`."""
+    def record_maxima(self, layer: int, maxes: list[torch.Tensor]) -> None:
+        """Hold a maxima pass's attention maxima (the largest probability any of the pass's
+        queries and query heads gave each token), per segment and then the new tokens,
+        `[R, H, width]`."""
         self._maxes[layer] = self._by_segment(layer, maxes)
 
     # -- commit ------------------------------------------------------------------------------
 
     def fold(self) -> dict[str, torch.Tensor]:
         """What `close` writes (every layer's new tokens after its rows' FP slots, the call's
-        attention folded into the statistics; a reconstruction pass: only its maxima, none of
-        its tokens), computed without writing anything (so a compiled step can
+        measurements folded into the plan's statistics; a maxima pass: only its maxima, none
+        of its tokens), computed without writing anything (so a compiled step can
         return it: inductor copies a whole buffer it both reads and writes in place).
 
         Returns:
@@ -424,7 +427,7 @@ class ForwardCall:
             `[L, R, H, W]` (`[L, R, W]` for hits), to replace the first `W` slots of `rows`.
         """
         store = self.store
-        if self.plan.reconstruct:
+        if self.plan.maxima_pass:
             return self._maxima()
         if self.plan.vote:
             return {}
@@ -442,7 +445,7 @@ class ForwardCall:
             "new.values": values.to(store.dtype),
             "new.positions": positions.expand(store.num_layers, -1, -1),
         }
-        folded.update(self._statistics())
+        folded.update(self._statistics(keys))
         return folded
 
     def write(self, folded: dict[str, torch.Tensor]) -> None:
@@ -494,105 +497,95 @@ class ForwardCall:
         ]
         return torch.stack(padded)
 
-    def _statistics(self) -> dict[str, torch.Tensor]:
-        """The staged attention folded into each token's statistics (`CallPlan.statistics`),
-        as `fold` returns them:
-
-        - the step's mean attention per query `a_j = mass_j / (group * n_j)`, `n_j` the scored
-          queries that could see token j under the causal mask (docs/methods.md,
-          "Attention-mass statistics"): stored tokens update their EMA `s <- d*s + (1-d)*a`,
-          new tokens start at `a`;
-        - H2O's accumulated mass, scaled by `n / S` when `S` of the `n` queries were scored;
-        - ARKV's Welford statistics of the relative attention `x_j = a_j * L` (L the row's
-          live tokens after the call): `count += 1; d = x - mean; mean += d / count;
-          m2 += d * (x - mean)` (Welford, 1962); new tokens start at count 1, mean `x`;
-        - SnapKV's observation-window mass, when the call measured one.
-        Statistics the policy does not ask for are left as they are (new tokens: 0).
-        """
-        store = self.store
+    def _statistics(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The plan's statistics after the call, as `fold` returns them: each
+        `TokenStatistic` whose measurement the call took folds it, for each stored segment
+        the call read and for the new tokens (`keys`, `[L, R, H, n, D]`); every other column
+        of the new tokens starts at 0. The mean attention of the `"mass"` measurement divides
+        by the scored queries that could see each token (`Measured.mean_mass`), and a call
+        that scored `S` of its `n` queries weighs each by `n / S`."""
         n = self.n
         device = self.tensors.fp_lengths.device
-        stats = self.plan.statistics
         if self._scored is None:
             count = n
             seen_by = torch.arange(n, 0, -1, device=device)
         else:
             count = self._scored.numel()
             seen_by = count - torch.searchsorted(self._scored, torch.arange(n, device=device))
-        weight = n / count
         live = (self.tensors.q_lengths + self.tensors.fp_lengths + n).float()[:, :, None, None]
         lengths = {"q": self.tensors.q_lengths, "fp": self.tensors.fp_lengths}
         observing = self._observations[0] is not None
         attended = self._masses[0] is not None  # False: tokens appended without a model call
+        taken = {"mass": attended, "observation": observing, "keys": True}
+        folding = [stat for stat in self.plan.statistics if taken.get(stat.measurement)]
+        common = {"count": count, "weight": n / count, "group": self._group, "live": live}
+        common["observed"] = self._observed
         out = {}
         for name in SEGMENTS:
             observation = self._stacked(self._observations, name) if observing else None
-            if observation is not None:
-                out[f"{name}.observation_mass"] = observation
             mass = self._stacked(self._masses, name) if attended else None
-            if mass is None:  # [L, R, H, W], or nothing read
+            if mass is None and observation is None:  # the segment was not read
                 continue
-            out.update(self._folded(name, mass, count, weight, live, lengths[name]))
-        if attended:
-            new_mass = torch.stack([layer["new"] for layer in self._masses])  # [L, R, H, n]
-        else:
-            keys = self._new[0][0]
-            new_mass = keys.new_zeros(store.num_layers, *keys.shape[:3]).float()
-        step = new_mass / (seen_by * self._group)
-        zero = torch.zeros_like(step)
-        welford = "welford" in stats and attended
-        out["new.scores"] = step if "scores" in stats else zero
-        out["new.accumulated"] = new_mass * weight if "accumulated" in stats else zero
-        out["new.hit_mean"] = step * live if welford else zero
-        out["new.hit_m2"] = zero
-        out["new.reconstruction"] = zero
-        out["new.observation_mass"] = (
-            torch.stack([layer["new"] for layer in self._observations]) if observing else zero
-        )
-        out["new.hits"] = torch.full_like(step[:, :, 0], float(welford))  # observations
+            width = (mass if mass is not None else observation).shape[-1]
+            slots = torch.arange(width, device=device)
+            valid = (slots < lengths[name][..., None])[:, :, None]  # [L, R, 1, W]
+            for stat in folding:
+                if stat.measurement == "keys":
+                    continue  # the stored tokens' keys did not change
+                measured = Measured(
+                    mass=mass, observation=observation, maxima=None, keys=None,
+                    stored=self._stored(name, stat, width), valid=valid, seen_by=None,
+                    **common,
+                )  # fmt: skip
+                out.update({f"{name}.{c}": v for c, v in stat.fold(measured, False).items()})
+        new = {
+            "mass": torch.stack([layer["new"] for layer in self._masses]) if attended else None,
+            "observation": (
+                torch.stack([layer["new"] for layer in self._observations]) if observing else None
+            ),
+        }
+        valid = torch.ones(*keys.shape[:2], 1, n, dtype=torch.bool, device=device)
+        measured = Measured(
+            mass=new["mass"], observation=new["observation"], maxima=None, keys=keys, stored={},
+            valid=valid, seen_by=seen_by, **common,
+        )  # fmt: skip
+        for stat in folding:
+            out.update({f"new.{c}": v for c, v in stat.fold(measured, True).items()})
+        store = self.store
+        for column, spec in store.segments.columns.items():
+            if f"new.{column}" not in out:
+                shape = (store.num_layers, *keys.shape[1:2], *spec.lead, n)
+                out[f"new.{column}"] = keys.new_zeros(shape, dtype=torch.float32)
         return out
 
-    def _folded(self, name: str, mass, count: int, weight: float, live, lengths) -> dict:
-        """One stored segment's statistics after the call's mass `[L, R, H, W]` (see
-        `_statistics`), as `fold` returns them."""
-        store = self.store
-        rows = self._rows
-        stats = self.plan.statistics
-        table = getattr(store, name)
-        width = mass.shape[-1]
-        slots = torch.arange(width, device=mass.device)
-        valid = (slots < lengths[..., None])[:, :, None]  # [L, R, 1, W]
-        step = mass / (count * self._group)
-        decay = store.ema_decay
-        out = {}
-        if "scores" in stats:
-            scores = table["scores"][:, rows, :, :width]
-            out[f"{name}.scores"] = torch.where(valid, decay * scores + (1 - decay) * step, scores)
-        if "accumulated" in stats:
-            out[f"{name}.accumulated"] = table["accumulated"][:, rows, :, :width] + mass * weight
-        if "welford" in stats:
-            hits = table["hits"][:, rows, :width]
-            counted = hits + valid[:, :, 0].float()
-            mean = table["hit_mean"][:, rows, :, :width]
-            x = step * live
-            delta = x - mean
-            moved = mean + delta / counted[:, :, None].clamp_min(1.0)
-            m2 = table["hit_m2"][:, rows, :, :width]
-            out[f"{name}.hit_m2"] = torch.where(valid, m2 + delta * (x - moved), m2)
-            out[f"{name}.hit_mean"] = torch.where(valid, moved, mean)
-            out[f"{name}.hits"] = counted
-        return out
+    def _stored(self, name: str, stat: TokenStatistic, width: int) -> dict[str, torch.Tensor]:
+        """The columns of `stat` in segment `name` for the call's rows, first `width` slots."""
+        table = getattr(self.store, name)
+        return {
+            column.name: table[column.name][:, self._rows].narrow(-1, 0, width)
+            for column in stat.columns
+        }
 
     def _maxima(self) -> dict[str, torch.Tensor]:
-        """A reconstruction pass's `fold`: each stored token keeps the larger of its
-        `reconstruction` score and the pass's maximum."""
-        rows = self._rows
+        """A maxima pass's `fold`: each stored segment's slots handed the pass's maxima, for
+        the plan's statistics that fold them."""
         out = {}
+        folding = [stat for stat in self.plan.statistics if stat.measurement == "maxima"]
+        lengths = {"q": self.tensors.q_lengths, "fp": self.tensors.fp_lengths}
         for name in SEGMENTS:
             best = self._stacked(self._maxes, name)
-            if best is not None:
-                kept = getattr(self.store, name)["reconstruction"][:, rows, :, : best.shape[-1]]
-                out[f"{name}.reconstruction"] = torch.maximum(kept, best)
+            if best is None:
+                continue
+            width = best.shape[-1]
+            slots = torch.arange(width, device=best.device)
+            valid = (slots < lengths[name][..., None])[:, :, None]
+            for stat in folding:
+                measured = Measured(
+                    mass=None, observation=None, maxima=best, keys=None,
+                    stored=self._stored(name, stat, width), valid=valid, count=0, weight=0.0,
+                    group=self._group, seen_by=None, live=best.new_zeros(()), observed=0,
+                )  # fmt: skip
+                out.update({f"{name}.{c}": v for c, v in stat.fold(measured, False).items()})
         return out
 
 

@@ -57,6 +57,34 @@ from agent_kv.kv.policies.base import (
     row_confidences,
 )
 from agent_kv.kv.store import KVStore, kept_first
+from agent_kv.kv.token_statistics import Column, Measured, TokenStatistic
+
+
+@dataclass(frozen=True)
+class RelativeAttentionMoments(TokenStatistic):
+    """ARKV's per-token heavy-hitter statistics: the mean and the sum of squared deviations of
+    the relative attention `x = a * L` the token receives per call (`a` the call's mean
+    attention, `Measured.mean_mass`; `L` the row's live tokens after it), by Welford's update
+    (Welford, 1962): `count += 1; d = x - mean; mean += d / count; m2 += d * (x - mean)`; a
+    new token starts at count 1, mean `x`. `hits` counts the calls (one value per token)."""
+
+    columns = (Column("hit_mean"), Column("hit_m2"), Column("hits", per_head=False))
+
+    def fold(self, measured: Measured, new: bool) -> dict[str, torch.Tensor]:
+        x = measured.mean_mass() * measured.live
+        if new:
+            return {"hit_mean": x, "hits": torch.ones_like(x[:, :, 0])}
+        valid = measured.valid
+        counted = measured.stored["hits"] + valid[:, :, 0].float()
+        mean = measured.stored["hit_mean"]
+        delta = x - mean
+        moved = mean + delta / counted[:, :, None].clamp_min(1.0)
+        m2 = measured.stored["hit_m2"]
+        return {
+            "hit_m2": torch.where(valid, m2 + delta * (x - moved), m2),
+            "hit_mean": torch.where(valid, moved, mean),
+            "hits": counted,
+        }
 
 
 @dataclass(frozen=True)
@@ -110,7 +138,7 @@ class TriState(Policy):
     """
 
     manages_precision: ClassVar[bool] = True
-    statistics = frozenset({"welford"})
+    statistics = (RelativeAttentionMoments(),)
     protect_recent: int = 64
     gamma: float = 0.1
     oq_ratio: float = 0.85
@@ -189,6 +217,7 @@ class TriState(Policy):
     ) -> int:
         """The tri-state assignment in every layer of `rows`; returns the tokens evicted."""
         rows = range(store.batch) if rows is None else rows
+        store.ensure_columns(self.statistics)
         rho = self._quantized_cost(store)
         evicted = 0
         for row, row_confidence in row_confidences(store, confidence, rows):

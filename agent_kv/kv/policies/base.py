@@ -19,6 +19,7 @@ gpt-oss) keeps its window, which the store trims after every call
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.policies.registry import POLICIES
 from agent_kv.kv.policy_names import is_policy_class
 from agent_kv.kv.store import KVStore
+from agent_kv.kv.token_statistics import TokenStatistic
 from kernels.formats import QUANT_FORMATS
 
 HELD_RANK = torch.finfo(torch.float32).max
@@ -99,13 +101,11 @@ class Policy(ABC):
     manages_precision: ClassVar[bool] = False
     """The policy quantizes tokens itself (ARKV's tiers): it cannot share a store with
     age-based mixed precision (`Int8Config`)."""
-    reconstructs: ClassVar[bool] = False
-    """The engine runs a reconstruction pass after each prefill chunk, before the policy
-    evicts (KVzip, `agent_kv.kv.policies.kvzip`)."""
-    statistics: ClassVar[frozenset[str]] = frozenset()
-    """The per-token statistics (`agent_kv.kv.call_plan.STATISTICS`) the policy ranks by: forward
-    calls fold only these (a policy that keeps everything, or ranks by recency, asks for
-    none, and its calls pay for no bookkeeping)."""
+    statistics: ClassVar[tuple[TokenStatistic, ...]] = ()
+    """The per-token statistics the policy ranks by, each declared in the policy's own module
+    (`agent_kv.kv.token_statistics`): forward calls fold only these, into columns the store
+    adds for them (a policy that keeps everything, or ranks by recency, asks for none, and
+    its calls pay for no bookkeeping)."""
     protect_recent: int = 0
     sinks: int = 0
     evict_slack: int = 32
@@ -136,6 +136,14 @@ class Policy(ABC):
             raise ConfigError(f"{self.name}: sinks must be >= 0, got {self.sinks}")
         if self.evict_slack < 0:
             raise ConfigError(f"{self.name}: evict_slack must be >= 0, got {self.evict_slack}")
+
+    def maxima_pass_tokens(
+        self, chunk: list[int], encode: Callable[[str], list[int]]
+    ) -> list[int] | None:
+        """The tokens of a maxima pass (`CallPlan.maxima_pass`) the engine runs after a
+        forward call of `chunk` and before this policy evicts, or None for none (the default;
+        KVzip's reconstruction pass). `encode` tokenizes text with the engine's tokenizer."""
+        return None
 
     def prepare(self, store: KVStore) -> CallPlan:
         """Called before every forward call on `store`: what the call should measure (its
@@ -216,6 +224,7 @@ class Policy(ABC):
         docstring).
         """
         rows = range(store.batch) if rows is None else rows
+        store.ensure_columns(self.statistics)
         budgets = [
             self.layer_budgets(row_confidence, store.num_layers)
             for _, row_confidence in row_confidences(store, confidence, rows)

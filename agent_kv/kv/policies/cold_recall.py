@@ -20,6 +20,7 @@ cannot know what it will need, a recall made when it is asked can.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -78,7 +79,6 @@ class ColdRecall(Policy):
     evicts = _from_inner("evicts")
     statistics = _from_inner("statistics")
     manages_precision = _from_inner("manages_precision")
-    reconstructs = _from_inner("reconstructs")
     protect_recent = _from_inner("protect_recent")
     sinks = _from_inner("sinks")
     evict_slack = _from_inner("evict_slack")
@@ -93,6 +93,12 @@ class ColdRecall(Policy):
     def validate(self) -> None:
         self.inner.validate()
         self.config.validate()
+
+    def maxima_pass_tokens(
+        self, chunk: list[int], encode: Callable[[str], list[int]]
+    ) -> list[int] | None:
+        """The inner policy's maxima pass."""
+        return self.inner.maxima_pass_tokens(chunk, encode)
 
     def prepare(self, store: KVStore) -> CallPlan:
         """The inner policy's plan with recall on, the store's cold tier attached

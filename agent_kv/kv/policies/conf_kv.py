@@ -30,6 +30,36 @@ import torch
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies.base import Policy, SlotView, check_budget
 from agent_kv.kv.store import KVStore
+from agent_kv.kv.token_statistics import Column, Measured, TokenStatistic
+
+
+@dataclass(frozen=True)
+class AttentionEma(TokenStatistic):
+    """CONF-KV's per-token score `s`: the EMA of the mean attention the token receives per
+    forward call (docs/methods.md, "Attention-mass statistics"): a stored token
+    `s <- d * s + (1 - d) * a`, a new one starts at `a` (`Measured.mean_mass`).
+
+    Attributes:
+        decay: `d`, the old score's weight per forward call, in [0, 1).
+
+    Raises:
+        ValueError: `decay` outside [0, 1).
+    """
+
+    columns = (Column("scores"),)
+    decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"the EMA's decay must lie in [0, 1), got {self.decay}")
+
+    def fold(self, measured: Measured, new: bool) -> dict[str, torch.Tensor]:
+        step = measured.mean_mass()
+        if new:
+            return {"scores": step}
+        scores = measured.stored["scores"]
+        moved = self.decay * scores + (1 - self.decay) * step
+        return {"scores": torch.where(measured.valid, moved, scores)}
 
 
 @dataclass
@@ -100,7 +130,7 @@ class ConfKV(ConfidenceGate):
         "always kept"
     )
     paper = "CONF-KV §1-3"
-    statistics = frozenset({"scores"})
+    statistics = (AttentionEma(),)
     recency_weight: float = 0.3
 
     def validate(self) -> None:

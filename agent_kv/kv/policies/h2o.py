@@ -13,6 +13,20 @@ import torch
 
 from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
+from agent_kv.kv.token_statistics import Column, Measured, TokenStatistic
+
+
+@dataclass(frozen=True)
+class AccumulatedMass(TokenStatistic):
+    """H2O's per-token score (§3): the attention mass the token received, summed over every
+    query since it arrived; a call that scored `S` of its `n` queries weighs each by `n / S`
+    (`Measured.weight`)."""
+
+    columns = (Column("accumulated"),)
+
+    def fold(self, measured: Measured, new: bool) -> dict[str, torch.Tensor]:
+        added = measured.mass * measured.weight
+        return {"accumulated": added if new else measured.stored["accumulated"] + added}
 
 
 @dataclass
@@ -36,7 +50,7 @@ class H2O(FixedBudgetPolicy):
         "`protect_recent` is given"
     )
     paper = "H2O §3-4"
-    statistics = frozenset({"accumulated"})
+    statistics = (AccumulatedMass(),)
     protect_recent: int = 256
 
     @classmethod

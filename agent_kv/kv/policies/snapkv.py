@@ -35,6 +35,20 @@ from agent_kv.errors import ConfigError
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.policies.base import FixedBudgetPolicy, SlotView
 from agent_kv.kv.store import KVStore
+from agent_kv.kv.token_statistics import Column, Measured, TokenStatistic
+
+
+@dataclass(frozen=True)
+class ObservationMass(TokenStatistic):
+    """SnapKV's per-token score before pooling (§4.1): the attention the last observation
+    window's queries gave the token, summed over them and the query heads of its KV head;
+    each observing call replaces it (`w_i` in the module docstring)."""
+
+    columns = (Column("observation_mass"),)
+    measurement = "observation"
+
+    def fold(self, measured: Measured, new: bool) -> dict[str, torch.Tensor]:
+        return {"observation_mass": measured.observation}
 
 
 @dataclass
@@ -58,6 +72,7 @@ class SnapKV(FixedBudgetPolicy):
         " newest first"
     )
     paper = "SnapKV §4"
+    statistics = (ObservationMass(),)
     observation_window: int = 32
     kernel: int = 7
 

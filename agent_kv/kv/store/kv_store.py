@@ -46,6 +46,7 @@ from agent_kv.kv.store.precision import Int8Config, PrecisionTiers
 from agent_kv.kv.store.prefix_reads import PrefixReads
 from agent_kv.kv.store.recall import RecallTier
 from agent_kv.kv.store.segments import Segments
+from agent_kv.kv.token_statistics import TokenStatistic
 from kernels.int8 import SCALE_DTYPE
 
 KV_DTYPE_ATTRIBUTE = "agent_kv_kv_dtype"
@@ -68,7 +69,6 @@ class KVStore:
         head_dim: channels per head.
         dtype: storage dtype of the FP segment.
         device: where the buffers live.
-        ema_decay: weight of the old score in the attention-mass EMA, per forward call.
         batch: rows (independent sequences).
         int8: mixed-precision settings, or None to keep every token in `dtype`.
         rotary: the model's rotary embedding for `rerotate` positions, or None for original
@@ -89,8 +89,8 @@ class KVStore:
             window: tokens from there on have no `observation_mass` of their own.
 
     Raises:
-        ValueError: non-positive sizes, an `ema_decay` outside [0, 1), or `attention_windows`
-            without one positive window or None per layer.
+        ValueError: non-positive sizes, or `attention_windows` without one positive window or
+            None per layer.
         ConfigError: invalid `int8` settings.
     """
 
@@ -101,7 +101,6 @@ class KVStore:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        ema_decay: float = 0.9,
         batch: int = 1,
         int8: Int8Config | None = None,
         rotary: Rotary | None = None,
@@ -113,8 +112,6 @@ class KVStore:
         windows = (None,) * num_layers if attention_windows is None else tuple(attention_windows)
         if len(windows) != num_layers or any(w is not None and w < 1 for w in windows):
             raise ValueError(f"attention_windows must give {num_layers} positive windows or None")
-        if not 0.0 <= ema_decay < 1.0:
-            raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay}")
         if int8 is not None:
             int8.validate()
         device = torch.device(device)
@@ -124,7 +121,6 @@ class KVStore:
         self.dtype = dtype
         self.device = device
         self.batch = batch
-        self.ema_decay = ema_decay
         self.rotary = rotary
         self.max_positions = max_positions
         self.attention_windows = windows
@@ -236,6 +232,11 @@ class KVStore:
             positions = self.live_positions(layer, row)
             kept += int(((positions >= start) & (positions < end)).sum())
         return kept / ((end - start) * self.num_layers)
+
+    def ensure_columns(self, statistics: tuple[TokenStatistic, ...]) -> None:
+        """Hold the columns of `statistics` (`Segments.ensure_columns`): a policy reading its
+        statistic finds the column, zeros where nothing was folded yet."""
+        self.segments.ensure_columns(statistics)
 
     def live_meta(self, name: str, layer: int, row: int = 0) -> torch.Tensor:
         """A statistic over the row's live tokens in one layer, logical order
@@ -556,7 +557,6 @@ class KVStore:
             **seg.state(trim),
             "shape": [self.num_layers, self.kv_heads, self.head_dim],
             "batch": self.batch,
-            "ema_decay": self.ema_decay,
             "int8": None if self.int8 is None else [self.int8.fp_window, self.int8.group],
             "max_positions": self.max_positions,
             # the keys these had before `attention_windows` and `attention_window_slack` were
@@ -596,8 +596,8 @@ class KVStore:
         keys = state["fp"]["keys"]
         int8 = None if state["int8"] is None else Int8Config(*state["int8"])
         store = cls(
-            layers, heads, dim, keys.dtype, keys.device, state["ema_decay"], state["batch"],
-            int8, rotary, state["max_positions"], state.get("windows"),
+            layers, heads, dim, keys.dtype, keys.device, state["batch"], int8, rotary,
+            state["max_positions"], state.get("windows"),
         )  # fmt: skip
         store.segments.load(state)
         store.profile = state.get("profile")

@@ -6,10 +6,13 @@ Layout (docs/architecture.md, Decisions, "Layout"): two segments, each stacked o
 rows (`[L, B, ...]`), every per-token field aligned with its segment's slots:
 - the FP segment, capacity `C`: keys and values `[L, B, kv_heads, C, head_dim]` in the model's
   dtype (pinned tokens, the newest tokens, and without INT8 everything), their original
-  positions and statistics;
+  positions and the columns of the policies' per-token statistics;
 - the quantized segment, capacity `Cq`: codes in int8 or float8_e4m3fn (`kernels.formats`),
-  each slot's scale row (`group`), positions and statistics; and its scales `[L, B, kv_heads,
-  G, head_dim]` float16, one row per group of tokens quantized together (`kernels.int8`).
+  each slot's scale row (`group`), positions and the same statistics' columns; and its scales
+  `[L, B, kv_heads, G, head_dim]` float16, one row per group of tokens quantized together
+  (`kernels.int8`).
+A statistic's columns (`agent_kv.kv.token_statistics.Column`) are added to both segments when a
+call's plan first names the statistic (`ensure_columns`), zeros for the tokens already held.
 A row's live tokens are its first `q_len` quantized slots followed by its first `fp_len` FP
 slots: its *logical order*. The *joint slot space* of a layer's row is the quantized slots
 followed by the FP slots, `[Cq + C]`: the logical order is its live slots in order, and
@@ -31,13 +34,10 @@ from agent_kv.kv.store.capacity import (
 )
 from agent_kv.kv.store.figures import StoreFigures
 from agent_kv.kv.store.slot_table import FieldSpec, SlotTable
+from agent_kv.kv.token_statistics import Column, TokenStatistic
 from agent_kv.renamed_fields import RENAMED_STORE_FIELDS, current_names
 from kernels.int8 import SCALE_DTYPE, dequantize
 
-META_FIELDS = (
-    "scores", "accumulated", "hit_mean", "hit_m2", "observation_mass", "reconstruction",
-)  # fmt: skip
-"""Per-token float32 statistics of both segments, one value per KV head (`[L, B, H, S]`)."""
 ALLOCATED_FIELDS = {"fp": ("keys", "values"), "q": ("keys", "values"), "scales": ("keys", "values")}
 """The fields of each segment that hold keys, values and scales: what `allocated_nbytes`
 counts (positions, statistics and scale indices are bookkeeping, not KV)."""
@@ -46,14 +46,18 @@ TABLES = ("fp", "q", "scales")
 
 
 def segment_specs(heads: int, dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
-    """A token segment's fields: keys and values in `dtype`, positions, statistics."""
+    """A token segment's own fields: keys and values in `dtype`, and positions (statistics'
+    columns come with the statistics: `Segments.ensure_columns`)."""
     return {
         "keys": FieldSpec((heads,), (dim,), dtype),
         "values": FieldSpec((heads,), (dim,), dtype),
         "positions": FieldSpec((), (), torch.long),
-        "hits": FieldSpec((), (), torch.float32),
-        **{name: FieldSpec((heads,), (), torch.float32) for name in META_FIELDS},
     }
+
+
+def column_spec(column: Column, heads: int) -> FieldSpec:
+    """The field of a statistic's column: float32, one value per KV head or per token."""
+    return FieldSpec((heads,) if column.per_head else (), (), torch.float32)
 
 
 def kept_first(keep: torch.Tensor) -> torch.Tensor:
@@ -82,8 +86,9 @@ class Segments:
 
     Attributes:
         fp, q: the FP and quantized segments (`SlotTable`: fields `keys`, `values`,
-            `positions`, `hits` and `META_FIELDS`; the quantized one also `group`, each slot's
-            scale row); `fp.lengths` / `q.lengths` are the live slots `[L][B]`.
+            `positions` and the statistics' `columns`; the quantized one also `group`, each
+            slot's scale row); `fp.lengths` / `q.lengths` are the live slots `[L][B]`.
+        columns: the statistics' columns both segments hold, by name (their fields' specs).
         scales: the quantized segment's scales (`keys`, `values`: `[L, B, H, G, D]` float16);
             `scales.lengths` the rows in use.
         appended: tokens ever appended per row (the next original position).
@@ -117,6 +122,7 @@ class Segments:
         scale = FieldSpec((kv_heads,), (head_dim,), SCALE_DTYPE)
         self.scales = SlotTable({"keys": scale, "values": scale}, num_layers, batch, device)
         self.fp.resize(BLOCK_TOKENS)
+        self.columns: dict[str, FieldSpec] = {}
         self.appended = [0] * batch
         self.changed_at = [0] * batch
         self.bounds: tuple[int | None, int | None] = (None, None)
@@ -125,6 +131,25 @@ class Segments:
         self.decode_bounds: tuple[int | None, int | None] = (None, None)
         """Per segment (quantized, FP), the slots a static decode step reads at most, or
         None (its capacity)."""
+
+    def ensure_columns(self, statistics: tuple[TokenStatistic, ...]) -> None:
+        """Add to both segments the columns of `statistics` they lack (zeros for the tokens
+        already held: a statistic starts counting when a plan first names it).
+
+        Raises:
+            ValueError: a column of that name is held with another shape.
+        """
+        for stat in statistics:
+            for column in stat.columns:
+                spec = column_spec(column, self.kv_heads)
+                held = self.columns.get(column.name)
+                if held == spec:
+                    continue
+                if held is not None:
+                    raise ValueError(f"column {column.name!r} is held with another shape")
+                self.fp.add_field(column.name, spec)
+                self.q.add_field(column.name, spec)
+                self.columns[column.name] = spec
 
     # -- lengths and reads -------------------------------------------------------------------
 
@@ -299,9 +324,8 @@ class Segments:
         table["keys"][layer, row, :, fp : fp + m] = keys.to(self.dtype)
         table["values"][layer, row, :, fp : fp + m] = values.to(self.dtype)
         table["positions"][layer, row, fp : fp + m] = positions
-        table["hits"][layer, row, fp : fp + m] = 0.0
-        for name in META_FIELDS:
-            table[name][layer, row, :, fp : fp + m] = 0.0
+        for name in self.columns:
+            table[name][layer, row, ..., fp : fp + m] = 0.0
         order = torch.argsort(table["positions"][layer, row, : fp + m])
         table.lengths[layer][row] = fp + m
         table.gather(order.view(1, 1, -1), slice(layer, layer + 1), slice(row, row + 1))
@@ -375,6 +399,10 @@ class Segments:
             table = getattr(self, name)
             saved = current_names(state[name], RENAMED_STORE_FIELDS)
             for field, tensor in saved.items():
+                if field not in table.specs:  # a statistic's column: `[L, B, (H,) S]`
+                    per_head = tensor.dim() == 4
+                    table.specs[field] = column_spec(Column(field, per_head), self.kv_heads)
+                    self.columns[field] = table.specs[field]
                 spec = table.specs[field]
                 table.specs[field] = FieldSpec(spec.lead, spec.tail, tensor.dtype)
             table.fields = {field: tensor.clone() for field, tensor in saved.items()}

@@ -101,6 +101,19 @@ class SlotTable:
         self.capacity = capacity
         self._views.clear()
 
+    def add_field(self, name: str, spec: FieldSpec) -> None:
+        """Add field `name`, zeros at the table's capacity (a column a policy's statistic
+        keeps, added when a call's plan first names it).
+
+        Raises:
+            ValueError: the table has a field of that name already.
+        """
+        if name in self.specs:
+            raise ValueError(f"the table has a field {name!r} already")
+        self.specs[name] = spec
+        self.fields[name] = self._empty(spec, self.capacity)
+        self._views.clear()
+
     def retype(self, name: str, dtype: torch.dtype) -> None:
         """Give field `name` another element type (only while no row holds a slot)."""
         spec = self.specs[name]

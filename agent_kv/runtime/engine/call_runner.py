@@ -4,11 +4,11 @@
 One call, top to bottom (docs/architecture.md, "Data flow of one forward call"): the policy
 prepares the call and bounds the store's capacity; with `select="vote"` recall, a vote pass
 first; the model runs on the new token(s) (one graph per decode step with `compile`) -> the
-store appends their keys/values and the attention function folds the attention mass into the
-scores -> the last logits give the confidence `c` -> after a prefilled chunk, KVzip's
-reconstruction pass -> the policy evicts down to this call's budget and a `CallRecord` notes
-the call. A row's prompt is prefilled chunk by chunk through the same path; only its last
-chunk gates the budget with its confidence.
+store appends their keys/values and the call's measurements are folded into the policy's
+statistics -> the last logits give the confidence `c` -> after a prefilled chunk, the maxima
+pass the policy asks for (KVzip's reconstruction pass) -> the policy evicts down to this
+call's budget and a `CallRecord` notes the call. A row's prompt is prefilled chunk by chunk
+through the same path; only its last chunk gates the budget with its confidence.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
 from agent_kv.kv.policies import Policy
-from agent_kv.kv.policies.kvzip import REPEAT_PROMPT
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.engine.decode_graph import DecodeGraph
 from agent_kv.runtime.engine.model_call import run_call
 from agent_kv.runtime.engine.sequence import CallRecord
 
-RECONSTRUCTION = CallPlan(statistics=frozenset(), reconstruct=True)
-"""The plan of a KVzip reconstruction pass: its attention records the `reconstruction` maxima
-only (`ForwardCall.record_reconstruction`), and its tokens are not kept."""
-VOTE = CallPlan(statistics=frozenset(), recall=True, vote=True)
+VOTE = CallPlan(recall=True, vote=True)
 """The plan of a vote pass (`agent_kv.kv.cold_tier`, "Choosing pages across layers"): each
 layer's cold pages scored and voted for (`RecallTier.vote`), its tokens not kept."""
 
@@ -44,7 +40,7 @@ class CallRunner:
 
     Args:
         model: a transformers causal LM loaded with `attn_implementation="agent_kv"`.
-        tokenizer: its tokenizer (KVzip's repeat prompt is tokenized with it).
+        tokenizer: its tokenizer (a policy's maxima pass may tokenize text with it).
         policy: the KV policy applied after every forward call that names no other.
         prefill_chunk: tokens per prefill forward call.
         decode_graph: runs the decode steps it takes as one graph each, or None to run every
@@ -64,7 +60,7 @@ class CallRunner:
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.decode_graph = decode_graph
-        self._repeat_ids: list[int] | None = None  # KVzip's repeat prompt, tokenized once
+        self._encoded: dict[str, list[int]] = {}  # text a policy's maxima pass tokenized
 
     def _forward(
         self,
@@ -151,33 +147,38 @@ class CallRunner:
         last_chunk: bool,
         records: list[CallRecord],
     ) -> None:
-        """What follows a forward call of `chunk` on `row`: KVzip's reconstruction pass, then
-        `policy`'s eviction with the confidence of `logits` `[1, vocab]`. Inside a prompt the
+        """What follows a forward call of `chunk` on `row`: the maxima pass `policy` asks for
+        (`Policy.maxima_pass_tokens`), then its eviction with the confidence of `logits`
+        `[1, vocab]`. Inside a prompt the
         logits after a chunk boundary say nothing about the reply: only the last chunk's
         confidence gates the budget (`last_chunk`; otherwise the no-signal budget).
         """
-        if policy.reconstructs and len(chunk) > 1:  # a decoded token: none
-            self._reconstruct(cache.store, cache, row, chunk)
+        tokens = policy.maxima_pass_tokens(chunk, self._encode)
+        if tokens:
+            self._maxima_pass(policy, cache, row, tokens)
         self._apply_policy(
             cache.store, range(row, row + 1), logits, [last_chunk], [records], policy
         )
 
-    def _reconstruct(self, store: KVStore, cache: StoreCache, row: int, chunk: list[int]) -> None:
-        """KVzip's reconstruction pass over a prefilled chunk (`agent_kv.kv.policies.kvzip`):
-        the repeat prompt and the chunk fed once more, every stored token's largest attention
-        from them recorded (`ForwardCall.record_reconstruction`); the pass's own tokens are
-        never kept, so the cache is as before but for those scores. The pass's rotary
-        positions follow the row's, moved back as far as needed to stay inside the model's
-        trained context (only at its very end do they overlap the chunk's)."""
-        if self._repeat_ids is None:
-            self._repeat_ids = self.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
-        tokens = self._repeat_ids + chunk
+    def _encode(self, text: str) -> list[int]:
+        """`text`'s token ids (no special tokens), tokenized once per engine."""
+        if text not in self._encoded:
+            self._encoded[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._encoded[text]
+
+    def _maxima_pass(self, policy: Policy, cache: StoreCache, row: int, tokens: list[int]):
+        """A maxima pass of `tokens` over `row` (`CallPlan.maxima_pass`): every stored token's
+        largest attention from them folded into `policy`'s statistics that take maxima; the
+        pass's own tokens are never kept, so the cache is as before but for those columns. The
+        pass's rotary positions follow the row's, moved back as far as needed to stay inside
+        the model's trained context (only at its very end do they overlap the row's last
+        tokens)."""
+        store = cache.store
         start = store.seen(row) if store.rotary is None else max(store.lengths(row))
         if store.max_positions:
             start = max(min(start, store.max_positions - len(tokens)), 0)
-        call = ForwardCall.open(
-            store, range(row, row + 1), len(tokens), RECONSTRUCTION, start=start
-        )
+        plan = CallPlan(statistics=policy.statistics, maxima_pass=True)
+        call = ForwardCall.open(store, range(row, row + 1), len(tokens), plan, start=start)
         run_call(self.model, cache, call, torch.tensor([tokens], device=store.device))
 
     def _apply_policy(
