@@ -41,10 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 from agent_kv.errors import AgentKVError, ConfigError, ContextOverflowError
-from agent_kv.kv.attention_windows import attention_windows
 from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.kv.policies import Policy, check_policy_precision
-from agent_kv.kv.store import ATTENTION_WINDOW_SLACK
 from agent_kv.runtime.chat.history_sync import HistorySync, plan_history_sync
 from agent_kv.runtime.chat.layout import RenderedChat, placed_chat
 from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
@@ -226,10 +224,6 @@ class ChatService:
         self.queue_timeout_s = queue_timeout_s
         self.max_anonymous = max_anonymous
         self.scheduler = BatchScheduler(engine, max_batch)
-        self._attention_window_holds = [
-            None if window is None else window - 1 + ATTENTION_WINDOW_SLACK
-            for window in attention_windows(engine.model.config)
-        ]  # per layer, what a sliding-window layer can hold between calls
         self._count_lock = threading.Lock()
         self._waiting = 0
         self._anonymous_lock = threading.Lock()
@@ -445,40 +439,26 @@ class ChatService:
         outline: SequenceOutline,
     ) -> int:
         """The most allocated KV bytes the session `outline` describes can hold during one
-        turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`.
+        turn of `prompt_ids` (`pinned_tokens` of them pinned) and up to `max_new_tokens`, as
+        the engine's `KVMemory` bounds it (`KVMemory.allocated_bound`), and never less than
+        it holds now.
 
-        The turn appends what `prepare_history` leaves to prefill (the prompt past the history it
-        shares) and the reply, to layers cut back to the shared history when the client
+        The turn appends what `prepare_history` leaves to prefill (the prompt past the history
+        it shares) and the reply, to layers cut back to the shared history when the client
         changed it; a cache rebuilt from scratch starts as a new session's, after the old one
-        is let go (`SequenceState.restart`). Under a policy that bounds tokens
-        (`Policy.max_kept_tokens`, `B` per layer), a layer holding `L` tokens never holds more
-        than `max(L, pinned + B)` after a step, plus the one prefill chunk appended before the
-        next eviction (a sliding-window layer, whatever the policy: `max(L, window - 1 +
-        ATTENTION_WINDOW_SLACK)` plus the chunk, `agent_kv.kv.attention_windows`); the store's
-        growth rule then bounds its buffers (`StoreFootprint.allocation_bound`).
+        is let go (`SequenceState.restart`).
         """
         sync = plan_history_sync(
             outline.token_ids, prompt_ids, outline.changed_at, outline.intact_tokens
         )
-        appended = sync.prefilled_tokens + max_new_tokens
         footprint = outline.footprint
         if sync.rebuild == "scratch":
             footprint = self.sessions.fresh.footprint
-        budgets = policy.max_kept_tokens(len(footprint.lengths))
-        chunk = self.engine.prefill_chunk
-        most = []
-        for layer, held in enumerate(footprint.lengths):
-            if sync.rebuild == "truncated":
-                held = min(held, sync.reused_tokens)
-            grown = held + appended
-            hold = self._attention_window_holds[layer]
-            if hold is not None:  # a sliding-window layer: its window bounds it, not the policy
-                grown = min(grown, max(held, hold) + chunk)
-            elif budgets is not None:
-                grown = min(grown, max(held, pinned_tokens + budgets[layer]) + chunk)
-            most.append(grown)
-        quantizes = self.engine.store_options["int8"] is not None or policy.manages_precision
-        bound = footprint.allocation_bound(most, quantizes)
+        kept = sync.reused_tokens if sync.rebuild == "truncated" else None
+        appended = sync.prefilled_tokens + max_new_tokens
+        bound = self.engine.kv_memory.allocated_bound(
+            footprint, policy, appended, pinned_tokens, kept
+        )
         return max(bound, outline.footprint.allocated_bytes)
 
     def _anonymous_session(self, prompt_ids: list[int]) -> str:

@@ -23,6 +23,7 @@ from agent_kv.kv.cache import StoreCache
 from agent_kv.kv.call_plan import CallPlan
 from agent_kv.kv.confidence import confidence
 from agent_kv.kv.forward_call import ForwardCall
+from agent_kv.kv.kv_memory import KVMemory
 from agent_kv.kv.policies import Policy
 from agent_kv.kv.store import KVStore
 from agent_kv.runtime.engine.decode_graph import DecodeGraph
@@ -45,6 +46,11 @@ class CallRunner:
         prefill_chunk: tokens per prefill forward call.
         decode_graph: runs the decode steps it takes as one graph each, or None to run every
             call eagerly.
+        mixed_precision: the stores keep age-based mixed precision (`Int8Config`).
+
+    Attributes:
+        kv_memory: how far a sequence's KV may grow under a policy (`KVMemory`): each call's
+            store bound, and a turn's byte bound that the session store reserves.
     """
 
     def __init__(
@@ -54,12 +60,14 @@ class CallRunner:
         policy: Policy,
         prefill_chunk: int,
         decode_graph: DecodeGraph | None,
+        mixed_precision: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
         self.prefill_chunk = prefill_chunk
         self.decode_graph = decode_graph
+        self.kv_memory = KVMemory.for_model(model.config, prefill_chunk, mixed_precision)
         self._encoded: dict[str, list[int]] = {}  # text a policy's maxima pass tokenized
 
     def _forward(
@@ -110,9 +118,9 @@ class CallRunner:
 
     def _prepare(self, policy: Policy, store: KVStore) -> CallPlan:
         """Before a forward call: the policy's plan for it (`Policy.prepare`), and the store's
-        capacity bounded by the policy's bound (`KVStore.bound_capacity`)."""
+        capacity bounded by the policy's bound (`KVMemory.bound_store`)."""
         plan = policy.prepare(store)
-        store.bound_capacity(*policy.slot_bounds(store), self.prefill_chunk)
+        self.kv_memory.bound_store(store, policy)
         return plan
 
     def _prefill_row(

@@ -1,12 +1,17 @@
 """The inference engine: chunked prefill and decode over a policy-managed KV store.
 
-One decode step, top to bottom (docs/architecture.md, "Data flow of one forward call"):
-model forward on the new token(s) -> the store appends their keys/values and the attention
-function folds the attention mass into the scores -> the last logits give the confidence `c`
--> the policy evicts down to this call's budget -> the next token is sampled from the logits.
-Prefill runs the same path chunk by chunk, so eviction also happens between chunks and the
-store never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a
-prompt gates the budget with its confidence; earlier chunks get the policy's no-signal budget.
+A reply, top to bottom (`Engine.generate`): `feed` prefills the prompt chunk by chunk, then
+`decode_one_token` runs once per sampled token until the reply ends. One decode step
+(docs/architecture.md, "Data flow of one forward call"): model forward on the new token (one
+graph per step with `compile`: `DecodeGraph` wraps the same call) -> the store appends its
+keys/values and the call's measurements are folded into the policy's statistics -> the last
+logits give the confidence `c` -> the policy evicts down to this call's budget -> the next
+token is sampled from the logits. Prefill runs the same path chunk by chunk, so eviction also
+happens between chunks and the store never holds more than budget + one chunk + the pinned
+tokens. Only the last chunk of a prompt gates the budget with its confidence; earlier chunks
+get the policy's no-signal budget. `decode` is the same step for every row of a batched
+store; the batch scheduler packs the steps of many sequences into one call
+(`forward_packed`).
 
 The forward call and the policy's eviction after it are `agent_kv.runtime.engine.call_runner`
 (`CallRunner`, which `Engine` extends); prefix sharing is `agent_kv.runtime.engine.prefix_sharing`.
@@ -100,7 +105,7 @@ class Engine(CallRunner, ChatEngine):
         if reencode and share_prefixes:
             raise ConfigError("re-encoding starts a fresh cache that reads no shared prefix")
         graph = DecodeGraph(model) if compile else None
-        super().__init__(model, tokenizer, policy, prefill_chunk, graph)
+        super().__init__(model, tokenizer, policy, prefill_chunk, graph, int8 is not None)
         self.store_options = {"int8": int8, "rerotate": rerotate}
         self.prefix_cache = prefix_cache_for(model, rerotate) if share_prefixes else None
         """The shared prefix blocks of this engine's sequences (`share_prefixes`), or None."""
@@ -174,7 +179,7 @@ class Engine(CallRunner, ChatEngine):
             self.feed(sequence, [blocks] * (pinned + 8))  # no two openings alike
             self.publish_prefix(sequence)
             for _ in range(2):
-                self.feed(sequence, [0])
+                self.decode_one_token(sequence, 0)
 
     def new_sequence(self) -> SequenceState:
         """An empty sequence for this engine's model and store options."""
@@ -246,6 +251,29 @@ class Engine(CallRunner, ChatEngine):
 
         shared = self.share_prefix(sequence, token_ids)
         self._prefill_row(sequence.cache, 0, token_ids[shared:], sequence.steps, fed, cancel)
+        self.publish_prefix(sequence)
+        return sequence.last_logits
+
+    @torch.no_grad()
+    def decode_one_token(self, sequence: SequenceState, token: int) -> torch.Tensor:
+        """One decode step of one sequence: `token` through the model over its cache (the
+        compiled graph with `compile`), the policy's eviction after it with the step's
+        confidence and a `CallRecord` in `sequence.steps`; the same computation as feeding
+        the one token.
+
+        Returns:
+            `[vocab]` float32 logits after `token` (also kept as `sequence.last_logits`).
+
+        Raises:
+            ContextOverflowError: the token would pass the model's trained context.
+        """
+        store = sequence.store
+        if store.positions_mode == "original":
+            store.check_context(store.seen_tokens + 1)
+        logits = self._forward(sequence.cache, range(1), [[token]])
+        self._after_chunk(self.policy, sequence.cache, 0, [token], logits, True, sequence.steps)
+        sequence.token_ids.append(token)
+        sequence.last_logits = logits[0]
         self.publish_prefix(sequence)
         return sequence.last_logits
 
@@ -491,13 +519,12 @@ class Engine(CallRunner, ChatEngine):
             params, self.matcher(params), self.tokenizer, self.eos_ids, on_text,
             prompt_ids=[*sequence.token_ids, *prompt_ids],
         )  # fmt: skip
-        if prompt_ids:
-            self.feed(sequence, prompt_ids, cancel)
-        elif sequence.last_logits is None:
+        logits = self.feed(sequence, prompt_ids, cancel) if prompt_ids else sequence.last_logits
+        if logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
-        while (token := decoder.choose(sequence.last_logits)) is not None:
+        while (token := decoder.choose(logits)) is not None:
             check_cancel(cancel)
-            self.feed(sequence, [token])
+            logits = self.decode_one_token(sequence, token)
             decoder.fed()
         return decoder.generation(len(prompt_ids))
 
