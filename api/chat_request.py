@@ -1,11 +1,13 @@
-"""A chat request read as a turn takes it, each error an `APIError` naming the field: its
-sampling parameters, pin rules and policy override, the OpenAI fields this server refuses,
-its messages' names (rendered by the chat template, else refused), its image parts (refused,
-or dropped and counted), and the session id of its header."""
+"""A chat request read as a turn takes it (`read_turn`), each error an `APIError` naming the
+field: its sampling parameters, pin rules and policy override, the OpenAI fields this server
+refuses, its messages' names (rendered by the chat template, else refused), its image parts
+(refused, or dropped and counted), its tools and reply format (`api.tool_fields`), and the
+session id of its header."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies import Policy
@@ -14,6 +16,7 @@ from agent_kv.runtime.chat.pin_rules import PinRules
 from agent_kv.runtime.chat.rendering import template_takes_names
 from agent_kv.runtime.engine.policy_setup import policy_from_spec
 from agent_kv.runtime.replies.sampling import SamplingParams
+from agent_kv.runtime.replies.tool_calls import ReplySpec
 from agent_kv.serving.chat_service import ChatService
 from api.errors import APIError
 from api.metrics import ServerMetrics
@@ -24,9 +27,62 @@ from api.schemas import (
     NativeChatRequest,
     SamplingFields,
 )
+from api.tool_fields import check_tool_results, reply_spec
 
 DEFAULT_MAX_TOKENS = 256
 """The reply's token cap when a request sets none."""
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A chat request read as its turn takes it (`ChatService.run`'s arguments).
+
+    Attributes:
+        messages: the conversation, `{"role", "content"}` dicts.
+        params: the sampling parameters.
+        rules: the turn's pin rules, or None for the service's.
+        reply: the tools offered, the tool choice and the reply format.
+        images: image parts dropped (with `drop_image_parts`).
+        policy: the turn's policy (`/chat`'s override), or None for the engine's.
+    """
+
+    messages: list[dict]
+    params: SamplingParams
+    rules: PinRules | None
+    reply: ReplySpec
+    images: int
+    policy: Policy | None = None
+
+
+def read_turn(
+    request: ChatCompletionRequest | NativeChatRequest,
+    service: ChatService,
+    model_name: str,
+    drop_image_parts: bool,
+    metrics: ServerMetrics,
+    max_tokens: int | None = None,
+) -> TurnRequest:
+    """Read `request` as its turn takes it, field by field in this order: sampling
+    parameters (`max_tokens` overrides the request's), tool results, names, image parts, pin
+    rules, `/chat`'s policy override, tools and reply format (building the reply's grammar).
+    Run it off the event loop: the grammar and the names' template check take time.
+
+    Raises:
+        APIError: the first field that cannot be taken (400, or 422 for pin rules and a
+            policy that cannot be applied).
+    """
+    engine = service.engine
+    params = sampling_params(request, engine.model.config.vocab_size, max_tokens)
+    check_tool_results(request.messages)
+    check_names(request.messages, engine.tokenizer)
+    images = image_parts(request.messages, drop_image_parts, metrics)
+    messages = [message.as_dict() for message in request.messages]
+    rules = None if request.pin is None else pin_rules(request)
+    policy = None
+    if isinstance(request, NativeChatRequest) and request.policy is not None:
+        policy = policy_override(request, service)
+    reply = reply_spec(request, engine, model_name)
+    return TurnRequest(messages, params, rules, reply, images, policy)
 
 
 def refuse_unsupported(request: ChatCompletionRequest) -> None:

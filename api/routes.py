@@ -14,15 +14,7 @@ from agent_kv.errors import ConfigError, GrammarError
 from agent_kv.runtime.replies.tool_calls import ReplySpec
 from agent_kv.serving.chat_service import ChatService
 from agent_kv.serving.session_store import SessionBusyError
-from api.chat_request import (
-    check_names,
-    header_text,
-    image_parts,
-    pin_rules,
-    policy_override,
-    refuse_unsupported,
-    sampling_params,
-)
+from api.chat_request import check_names, header_text, read_turn, refuse_unsupported
 from api.errors import APIError
 from api.metrics import ServerMetrics
 from api.request_log import note_turn
@@ -46,7 +38,6 @@ from api.schemas import (
     TokenizeRequest,
 )
 from api.streaming import stream_reply
-from api.tool_fields import check_tool_results, reply_spec
 from api.turns import admit, run_watched
 
 
@@ -127,18 +118,15 @@ async def chat_completions(
 ) -> ChatCompletion:
     """OpenAI's chat completion, plain or streamed, with the cache's figures in `kv`."""
     service, metrics, model_name = server.service, server.metrics, server.model_name
-    engine = service.engine
     refuse_unsupported(request)
-    params = sampling_params(request, engine.model.config.vocab_size, request.max_completion_tokens)
-    check_tool_results(request.messages)
-    check_names(request.messages, engine.tokenizer)
-    images = image_parts(request.messages, server.drop_image_parts, metrics)
-    messages = [m.as_dict() for m in request.messages]
-    rules = None if request.pin is None else pin_rules(request)
-    reply = await run_in_threadpool(reply_spec, request, engine, model_name)
+    turn_request = await run_in_threadpool(
+        read_turn, request, service, model_name, server.drop_image_parts, metrics,
+        request.max_completion_tokens,
+    )  # fmt: skip
     session_id = header_text(x_session_id) or request.user
     admission = admit(service)
-    turn_args = {"session_id": session_id, "rules": rules, "reply": reply}
+    turn_args = {"session_id": session_id, "rules": turn_request.rules, "reply": turn_request.reply}
+    messages, params, images = turn_request.messages, turn_request.params, turn_request.images
     if request.stream:
         return await stream_reply(
             service, metrics, raw, admission, messages, params, turn_args, request,
@@ -153,22 +141,17 @@ async def chat_completions(
 async def chat(request: NativeChatRequest, raw: Request, server: Server) -> NativeChatResponse:
     """One turn with agent_kv's controls: session, pin rules and a policy for the turn."""
     service, metrics = server.service, server.metrics
-    engine = service.engine
-    params = sampling_params(request, engine.model.config.vocab_size)
-    check_tool_results(request.messages)
-    check_names(request.messages, engine.tokenizer)
-    images = image_parts(request.messages, server.drop_image_parts, metrics)
-    messages = [m.as_dict() for m in request.messages]
-    rules = None if request.pin is None else pin_rules(request)
-    policy = None if request.policy is None else policy_override(request, service)
-    reply = await run_in_threadpool(reply_spec, request, engine, server.model_name)
+    turn_request = await run_in_threadpool(
+        read_turn, request, service, server.model_name, server.drop_image_parts, metrics
+    )
     admission = admit(service)
     turn = await run_watched(
-        raw, admission, metrics, service, messages, params, session_id=request.session_id,
-        rules=rules, policy=policy, reply=reply,
+        raw, admission, metrics, service, turn_request.messages, turn_request.params,
+        session_id=request.session_id, rules=turn_request.rules, policy=turn_request.policy,
+        reply=turn_request.reply,
     )  # fmt: skip
     note_turn(raw, turn)
-    return native_reply(turn, images)
+    return native_reply(turn, turn_request.images)
 
 
 def _token_ids(service: ChatService, request: TokenizeRequest) -> list[int]:

@@ -1,4 +1,4 @@
-"""The recall suite's runner: scripted navigation, one free answer.
+"""The scripted-episode runner: scripted navigation through a task, one free answer.
 
 A recall task (`tasks/recall/`) names a fact on one page and then has the agent go on through
 `k = task.horizon` more pages before it answers. The runner replays the task's

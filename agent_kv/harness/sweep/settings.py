@@ -127,7 +127,7 @@ class BenchSettings:
             model's own action at each step of the reference trajectory, and each policy's
             are compared with full KV's (`agent_kv.harness.decisions`).
         mode: "free" (free navigation: the agent acts at every step, `run_episode`) or
-            "scripted" (scripted navigation, free answer: the recall suite's runner,
+            "scripted" (scripted navigation, free answer: the scripted-episode runner,
             `agent_kv.harness.scripted_episode`).
         positions: "original" or "rerotate" (`PolicySpec`), for every policy of the sweep.
         episodes_per_engine: episodes run at once on one runner, i.e. one model in memory

@@ -1,4 +1,4 @@
-"""What a chat needs of an engine: the interface `Conversation`, the web agent, the recall
+"""What a chat needs of an engine: the interface `Conversation`, the web agent, the scripted-episode
 runner and the agreement replay use, declared by both engines that offer it.
 
 `agent_kv.runtime.engine.engine.Engine` runs the model on the caller's thread;

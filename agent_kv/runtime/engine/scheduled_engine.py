@@ -6,7 +6,7 @@ it, and every prefill chunk, decode token and teacher-forced token it asks for b
 of the scheduler's next packed forward call, beside the other episodes' rows (continuous
 batching, `agent_kv.runtime.engine.batch_scheduler`). Only the scheduler's thread runs the model.
 
-It offers what `Conversation`, the web agent, the recall runner, the agreement replay and
+It offers what `Conversation`, the web agent, the scripted-episode runner, the agreement replay and
 the reference replay use of an `Engine`, the interface both declare (`ChatEngine`). The
 `Engine` methods that would run the model on the caller's thread (`decode`,
 `generate_batch`, `score`, `forward_packed`, `warm_up`) are not offered.
