@@ -28,7 +28,9 @@ if not isinstance(tl.zeros, InterpretedFunction):
     )
 
 from agent_kv.kv.attention import store_attention  # noqa: E402
-from agent_kv.kv.forward_call import ForwardCall, append_kv
+from agent_kv.kv.call_plan import CallPlan  # noqa: E402
+from agent_kv.kv.forward_call import ForwardCall, append_kv  # noqa: E402
+from agent_kv.kv.policies.conf_kv import AttentionEma  # noqa: E402
 from agent_kv.kv.store import Int8Config, KVStore  # noqa: E402
 from kernels import dispatch, fp8, int8, triton_attention, triton_store_ops  # noqa: E402
 from kernels.formats import QUANT_FORMATS  # noqa: E402
@@ -242,7 +244,7 @@ def test_store_attention_decode_branch_uses_the_switch(monkeypatch):
         store.precision.quantize_stale()
         assert store.q.lengths[0] == [32, 32]
         # the decode step's own token is the call's last, causal segment (committed after)
-        call = ForwardCall.open(store, range(2), 1)
+        call = ForwardCall.open(store, range(2), 1, CallPlan(statistics=(AttentionEma(),)))
         keys = torch.randn(2, 2, 1, 64, generator=torch.Generator().manual_seed(1))
         query = torch.randn(2, 8, 1, 64, generator=gen.manual_seed(11))
         out, _ = store_attention(layer, query, keys, keys.flip(-1), None, kv_call=call)
