@@ -20,9 +20,9 @@ The modules, one job each:
 
 - `settings`: jobs and their keys, the sweep's episode settings (`BenchSettings`), task
   selection, the results file's names and records;
-- `runner`: what runs the episodes (a `Runner` in this process, or `RayActors`), one job
+- `job_runs`: what runs the episodes (a `Runner` in this process, or `RayActors`), one job
   run into its record, and which job may start next;
-- `episodes`: the real runner (`EpisodeRunner`: model, sites, browsers) and the
+- `episode_runner`: the real runner (`EpisodeRunner`: model, sites, browsers) and the
   teacher-forced reference-action replay;
 - `ray_pool`: the Ray actors that run a sweep, and the Ray session they run in;
 - `schedule`: `run_bench`, the sweep's driver (resume, progress, records written as
@@ -30,7 +30,7 @@ The modules, one job each:
 - `aggregate`: one row per policy setting, compared with full KV;
 - `report`: the summary's tables and plots.
 
-Importing `settings`, `runner`, `aggregate` or `report` imports neither torch nor Ray, so the
-command line checks its options at once; `episodes` imports torch, `ray_pool` and
+Importing `settings`, `job_runs`, `aggregate` or `report` imports neither torch nor Ray, so
+the command line checks its options at once; `episode_runner` imports torch, `ray_pool` and
 `schedule` import Ray.
 """
