@@ -422,9 +422,11 @@ class ForwardCall:
 
         Returns:
             `"new.<field>"`: each field's values for the new tokens (`[L, R, H, n, D]` keys
-            and values, `[L, R, H, n]` statistics, `[L, R, n]` positions and hits);
-            `"<segment>.<field>"`: the updated statistics of the stored slots the call read,
-            `[L, R, H, W]` (`[L, R, W]` for hits), to replace the first `W` slots of `rows`.
+            and values, `[L, R, H, n]` statistics' columns, `[L, R, n]` positions and the
+            columns of one value per token);
+            `"<segment>.<field>"`: the updated columns of the stored slots the call read,
+            `[L, R, H, W]` (`[L, R, W]` for one value per token), to replace the first `W`
+            slots of `rows`.
         """
         store = self.store
         if self.plan.maxima_pass:

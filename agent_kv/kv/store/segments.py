@@ -188,8 +188,8 @@ class Segments:
         )
 
     def live_meta(self, name: str, layer: int, row: int = 0) -> torch.Tensor:
-        """A statistic over the row's live tokens in one layer, logical order: `[H, length]`
-        (`[length]` for `hits`)."""
+        """A statistic's column over the row's live tokens in one layer, logical order:
+        `[H, length]` (`[length]` for a column of one value per token)."""
         q_len, fp_len = self.q.lengths[layer][row], self.fp.lengths[layer][row]
         return torch.cat(
             [self.q[name][layer, row, ..., :q_len], self.fp[name][layer, row, ..., :fp_len]],
