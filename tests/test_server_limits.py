@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.kv.store.figures import StoreFigures
-from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.kv.store.pins import flag_runs
+from agent_kv.runtime.chat.pin_rules import ChatPins, PinRules, protected_spans
 from agent_kv.runtime.engine.engine import Engine
 from agent_kv.runtime.engine.sequence import SequenceOutline
 from agent_kv.runtime.replies.sampling import SamplingParams
@@ -133,6 +134,36 @@ def test_a_turn_never_allocates_more_than_its_bound(smollm, policy, int8, monkey
         kinds.append(reply.kv.rebuild)
         assert peak[0] <= bound, (turn, peak[0], bound)
     assert kinds[:3] == ["none"] * 3 and kinds[3] != "none"
+
+
+def test_a_turn_chooses_its_pins_once_and_pins_what_it_reserved_for(smollm, monkeypatch):
+    """A server turn chooses its pins once: the same choice sizes its KV reservation and is
+    what its session pins."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=64, sinks=4))
+    service = ChatService(engine, SessionStore(engine, max_kv_bytes=1 << 30))
+    rules = PinRules(roles=frozenset({"system"}), patterns=(r"item \d+",))
+    choices, reserved = [], []
+    choose, bound = ChatPins.choose.__func__, service.turn_kv_bound
+
+    def counted_choose(cls, *args):
+        choices.append(choose(cls, *args))
+        return choices[-1]
+
+    def counted_bound(policy, prompt_ids, pinned_tokens, *rest):
+        reserved.append(pinned_tokens)
+        return bound(policy, prompt_ids, pinned_tokens, *rest)
+
+    monkeypatch.setattr(ChatPins, "choose", classmethod(counted_choose))
+    monkeypatch.setattr(service, "turn_kv_bound", counted_bound)
+    history = [_story(1)[0], {"role": "user", "content": "Which shelf holds item 104?"}]
+    turn = service.run(history, SamplingParams(max_new_tokens=4), "s", rules)
+    assert len(choices) == 1
+    pinned = choices[0].merged()
+    assert reserved == [choices[0].pinned_tokens] and choices[0].pinned_tokens > 100
+    assert len(pinned) > 1  # the system message and the pattern match in the user's message
+    with service.sessions.use("s") as session:
+        held = flag_runs(session.store.pins.positions().tolist())
+    assert held == pinned, (held, pinned, turn.prompt_tokens)
 
 
 def test_a_grown_session_takes_a_new_conversation_within_the_cap(smollm):

@@ -45,7 +45,7 @@ from agent_kv.kv.kv_figures import KVFigures
 from agent_kv.kv.policies import Policy, check_policy_precision
 from agent_kv.runtime.chat.history_sync import HistorySync, plan_history_sync
 from agent_kv.runtime.chat.layout import RenderedChat, placed_chat
-from agent_kv.runtime.chat.pin_rules import PinRules, protected_spans
+from agent_kv.runtime.chat.pin_rules import ChatPins, PinRules
 from agent_kv.runtime.chat.rendering import render_chat
 from agent_kv.runtime.chat.session import ChatSession
 from agent_kv.runtime.engine.batch_scheduler import BatchScheduler
@@ -375,12 +375,9 @@ class ChatService:
         anonymous = session_id is None
         if anonymous:
             session_id = self._anonymous_session(prompt_ids)
+        pins = ChatPins.choose(chat, messages, rules)  # once: the reservation and the turn
         need = partial(
-            self.turn_kv_bound,
-            policy,
-            prompt_ids,
-            sum(end - start for start, end in protected_spans(chat, messages, rules)),
-            params.max_new_tokens,
+            self.turn_kv_bound, policy, prompt_ids, pins.pinned_tokens, params.max_new_tokens
         )
         joined, ran = [], False
         try:
@@ -394,7 +391,7 @@ class ChatService:
                 )
                 steps_before = len(session.steps)
                 session_chat = ChatSession(session, tools, rules)
-                prompt = session_chat.take_chat(chat, self.engine.new_sequence, messages)
+                prompt = session_chat.take_chat(chat, self.engine.new_sequence, messages, pins)
                 sync = prompt.sync
                 if sync.rebuild == "scratch":
                     evicted, quantized, steps_before = 0, 0, 0

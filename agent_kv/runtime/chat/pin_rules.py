@@ -19,13 +19,15 @@ rendered with the model's chat template. Rules pin, in token positions of that r
   lookaround); at most `MAX_PATTERNS` patterns of at most `MAX_PATTERN_CHARS` characters.
 `agent_kv.runtime.chat.session.ChatSession` applies them for every chat: turn by turn while a
 chat extends what its cache holds (pinning what is new, releasing a superseded observation),
-and from scratch when it does not. `protected_spans` gives the spans of a whole conversation at
-once (what bounds a server turn's pinned tokens). Messages are placed by
+and from scratch when it does not. `ChatPins.choose` makes the choice over a whole rendered
+conversation at once: a server turn chooses it once, sizes its KV reservation by it and hands
+it to its `ChatSession`; `protected_spans` gives its spans. Messages are placed by
 `agent_kv.runtime.chat.layout`, from one rendering of the chat.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -212,27 +214,80 @@ def compile_pattern(pattern: str):
         raise ConfigError(f"pin pattern {pattern!r} is not valid RE2 syntax: {reason}") from None
 
 
+@dataclass(frozen=True)
+class ChatPins:
+    """What the rules pin over a whole rendered chat, in its token positions.
+
+    Attributes:
+        message_spans: per message, its tokens `[start, end)`: those whose first character
+            lies in the message's characters.
+        messages: the messages pinned whole (`PinRules.pinned_messages`), ascending.
+        text: the tokens overlapping each pattern match and the pinned tools' description
+            (`PinRules.text_spans`).
+        observations: per latest observation, with `observation_patterns`, the tokens
+            overlapping each match inside it (`PinRules.observation_spans`).
+    """
+
+    message_spans: list[tuple[int, int]]
+    messages: tuple[int, ...]
+    text: list[tuple[int, int]]
+    observations: dict[int, list[tuple[int, int]]]
+
+    @classmethod
+    def choose(cls, chat: RenderedChat, messages: list[dict], rules: PinRules) -> ChatPins:
+        """The rules' choice over `chat`, the rendering of `messages` (`placed_chat`).
+
+        Raises:
+            ConfigError: invalid rules.
+        """
+        rules.validate()
+        starts = chat.token_starts
+        message_spans = [
+            (bisect.bisect_left(starts, start), bisect.bisect_left(starts, end))
+            for start, end in chat.message_chars
+        ]
+        text = [chat.token_span(*span) for span in rules.text_spans(chat.text, chat.preamble_chars)]
+        observations = {}
+        if rules.observation_patterns:
+            for i in rules.latest_observations_of(messages):
+                matches = rules.observation_spans(chat.text, chat.message_chars[i])
+                observations[i] = [chat.token_span(*span) for span in matches]
+        return cls(
+            message_spans,
+            tuple(rules.pinned_messages(messages)),
+            [span for span in text if span[1] > span[0]],
+            {i: [span for span in spans if span[1] > span[0]] for i, spans in observations.items()},
+        )
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Every pinned span, in the order chosen: whole messages, text, observations' parts."""
+        chosen = [self.message_spans[i] for i in self.messages] + self.text
+        return chosen + [span for spans in self.observations.values() for span in spans]
+
+    def merged(self) -> list[tuple[int, int]]:
+        """The pinned tokens as sorted, merged spans `[start, end)`."""
+        spans = self.spans()
+        pinned = [False] * max((end for _, end in spans), default=0)
+        for start, end in spans:
+            pinned[start:end] = [True] * max(end - start, 0)
+        return flag_runs(pinned)
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens pinned (each counted once)."""
+        return sum(end - start for start, end in self.merged())
+
+
 def protected_spans(
     chat: RenderedChat, messages: list[dict], rules: PinRules
 ) -> list[tuple[int, int]]:
-    """Token spans `[start, end)` of `chat` (the rendering of `messages`, `render_placed`)
-    that the rules pin, sorted and merged: the tokens overlapping the characters the rules
-    choose.
+    """Token spans `[start, end)` of `chat` (the rendering of `messages`, `placed_chat`)
+    that the rules pin, sorted and merged (`ChatPins.choose`).
 
     Raises:
         ConfigError: invalid rules.
     """
-    rules.validate()
-    chosen = [chat.message_chars[i] for i in rules.pinned_messages(messages)]
-    chosen += rules.text_spans(chat.text, chat.preamble_chars)
-    if rules.observation_patterns:
-        for i in rules.latest_observations_of(messages):
-            chosen += rules.observation_spans(chat.text, chat.message_chars[i])
-    pinned = [False] * len(chat.token_ids)
-    for start, end in chosen:
-        first, last = chat.token_span(start, end)
-        pinned[first:last] = [True] * max(last - first, 0)
-    return flag_runs(pinned)
+    return ChatPins.choose(chat, messages, rules).merged()
 
 
 def apply_pins(store: KVStore, spans: list[tuple[int, int]], row: int = 0) -> None:

@@ -31,7 +31,7 @@ from agent_kv.runtime.chat.layout import (
     placed_chat,
     preamble_chars,
 )
-from agent_kv.runtime.chat.pin_rules import PinRules, apply_pins
+from agent_kv.runtime.chat.pin_rules import ChatPins, PinRules, apply_pins
 from agent_kv.runtime.chat.rendering import render_chat
 from agent_kv.runtime.engine.sequence import SequenceState
 from agent_kv.runtime.replies.tool_calls import Tool
@@ -163,32 +163,31 @@ class ChatSession:
         chat: RenderedChat,
         fresh: Callable[[], SequenceState],
         messages: list[dict] | None = None,
+        pins: ChatPins | None = None,
     ) -> TurnPrompt:
         """The next turn's prompt from a chat already rendered and tokenized whole
-        (`render_placed`; a stateless client's whole conversation, `messages`, which replace
+        (`placed_chat`; a stateless client's whole conversation, `messages`, which replace
         the session's when given): its tokens are met with the history (`prepare_history`: the
         cache is cut back where they diverge, or rebuilt on `fresh()`), every message is
         placed and every pin chosen again (a pinned reply the chat still has is pinned again,
         its same characters: `add_reply`).
+
+        Args:
+            pins: the rules' choice over `chat`, when the caller already made it
+                (`ChatPins.choose`; a server turn sizes its KV reservation by it); None: chosen
+                here.
         """
         if messages is not None:
             self.messages = list(messages)
+        pins = pins or ChatPins.choose(chat, self.messages, self.rules)
         sync = prepare_history(self.sequence, chat.token_ids, fresh)
-        apply_pins(self.sequence.store, [])
-        self.spans, self._pinned, self._text_pins = [], set(), []
-        self._observation_pins = {}
+        self.spans = list(pins.message_spans)
+        self._pinned = set(pins.messages)
+        self._text_pins = list(pins.text)
+        self._observation_pins = {i: list(spans) for i, spans in pins.observations.items()}
         self._reply_pins = self._replies_pinned_in(chat)
-        self.rendered = ""
-        new = _NewText(
-            text=chat.text,
-            new_from=0,
-            ids=chat.token_ids,
-            starts=chat.token_starts,
-            ends=chat.token_ends,
-            base=0,
-            preamble_chars=chat.preamble_chars,
-        )
-        self._place(new, chat.message_chars)
+        self.rendered = chat.text
+        apply_pins(self.sequence.store, [*pins.spans(), *self._reply_pins])
         return TurnPrompt(chat.token_ids[sync.reused_tokens :], sync, len(chat.token_ids))
 
     def _replies_pinned_in(self, chat: RenderedChat) -> list[tuple[int, int]]:
@@ -224,7 +223,7 @@ class ChatSession:
 
     def _apply_rules(self, new: _NewText, placed: list[tuple[int, int]]) -> None:
         """Pin what the rules choose now and release the messages they no longer choose, as
-        `protected_spans` over the whole chat would; pattern matches (and the tools'
+        `ChatPins.choose` over the whole chat would; pattern matches (and the tools'
         description) in the new text are pinned for good; with `observation_patterns`, their
         matches in a latest observation (`placed`: each message's characters in `new.text`)
         are pinned while it is one of the latest."""
