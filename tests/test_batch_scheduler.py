@@ -2,7 +2,8 @@
 decoded together give the replies they get one at a time; a packed call equals its parts run
 alone; a lone turn is the serial path exactly; waiting turns time out or are cancelled without
 touching their sequence; a failed step fails its own turns only; prompts arriving together
-share a step up to the per-step budget of prefill tokens."""
+share a step up to the per-step budget of prefill tokens; with a KV cap, turns join only while
+their KV bounds fit under it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 
-from agent_kv.errors import QueueTimeoutError, TurnCancelled
+from agent_kv.errors import KVCapacityError, QueueTimeoutError, TurnCancelled
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.store import Int8Config
 from agent_kv.runtime.engine.batch_scheduler import BatchScheduler
@@ -263,3 +264,54 @@ def test_the_repetition_penalty_counts_the_whole_prompt_on_every_path(smollm, ti
         assert len(set(fresh)) == len(fresh) == 12 and not set(fresh) & set(history)
     (batched,) = engine.generate_batch([history], penalized).generations
     assert len(set(batched.token_ids)) == 12 and not set(batched.token_ids) & set(history)
+
+
+def test_turns_join_while_their_kv_bounds_fit_the_cap(smollm, monkeypatch):
+    """With a KV cap, a turn joins the batch only while its KV bound fits beside the running
+    turns': three turns that fit one at a time run one after another, the sequences of each
+    forward call never allocating past the cap, with the replies each gets alone; under a cap that holds
+    all three they run together; a turn over the cap alone is refused before anything is
+    fed."""
+    engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=64)
+    params = SamplingParams(max_new_tokens=8)
+    prompts = [list(range(100 + i, 300 + i)) for i in range(3)]
+    alone = [engine.generate(engine.new_sequence(), p, params).token_ids for p in prompts]
+    one = engine.kv_memory.turn_bound(engine.new_sequence().store, engine.policy, 208)
+    real = engine.forward_packed
+
+    def run_together(cap: int) -> tuple[int, int, list[list[int]]]:
+        scheduler = BatchScheduler(engine, max_batch=4, max_kv_bytes=cap)
+        sequences = [engine.new_sequence() for _ in prompts]
+        peak = {"running": 0, "allocated": 0}
+
+        def watched(parts):
+            results = real(parts)
+            peak["running"] = max(peak["running"], scheduler.running)
+            allocated = sum(part.sequence.store.allocated_nbytes() for part in parts)
+            peak["allocated"] = max(peak["allocated"], allocated)
+            return results
+
+        monkeypatch.setattr(engine, "forward_packed", watched)
+        replies: list[list[int]] = [[] for _ in prompts]
+
+        def turn(i: int) -> None:
+            replies[i] = scheduler.generate(sequences[i], prompts[i], params).token_ids
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        scheduler.close()
+        return peak["running"], peak["allocated"], replies
+
+    running, allocated, replies = run_together(one + one // 2)
+    assert running == 1 and allocated <= one + one // 2
+    assert replies == alone
+    running, allocated, replies = run_together(3 * one)
+    assert running == 3 and one < allocated <= 3 * one and replies == alone
+    scheduler = BatchScheduler(engine, max_kv_bytes=one)
+    big = engine.new_sequence()
+    with pytest.raises(KVCapacityError, match="over the batch's cap"):
+        scheduler.generate(big, list(range(100, 400)), params)
+    assert big.store.seen_tokens == 0 and scheduler.waiting == 0

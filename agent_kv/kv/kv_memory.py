@@ -1,12 +1,15 @@
 """How much KV memory a sequence may take under its policy: the one place that answers it.
 
-Two questions, asked of one `KVMemory` per engine (its model's sliding windows, its prefill
+Three questions, asked of one `KVMemory` per engine (its model's sliding windows, its prefill
 chunk, whether its stores keep mixed precision):
 - before every forward call, how far a store's segments may grow before the policy's next
   eviction (`bound_store`: the policy's slot bounds plus one chunk, `KVStore.bound_capacity`);
 - before a chat turn, the most allocated KV bytes a sequence can reach while `N` more tokens
   are fed under a policy (`allocated_bound`): the session store reserves that much under its
-  cap before the turn runs, so the cap holds while every running turn grows.
+  cap before the turn runs, so the cap holds while every running turn grows;
+- as a turn joins the batch, the most allocated KV bytes its sequence can reach while it runs
+  (`turn_bound`, the same bound read off the store itself): the batch scheduler admits turns
+  while their bounds fit its cap, so a batch never allocates past it.
 
 Under a policy that bounds tokens (`Policy.max_kept_tokens`, `B` per layer), a layer holding
 `L` tokens never holds more than `max(L, pinned + B)` after a step, plus the one prefill chunk
@@ -109,3 +112,12 @@ class KVMemory:
         most = self.layer_token_bounds(held, policy, appended, pinned)
         quantizes = self.mixed_precision or policy.manages_precision
         return footprint.allocation_bound(most, quantizes)
+
+    def turn_bound(self, store: KVStore, policy: Policy, appended: int) -> int:
+        """The most allocated KV bytes `store` (one sequence) can reach while `appended` more
+        tokens are fed under `policy` (`allocated_bound` of its footprint, its pinned tokens
+        those pinned now and those pinned ahead among the next `appended`), and never less
+        than it has allocated now."""
+        pinned = store.pins.tokens() + store.pins.counts(range(1), appended)[0]
+        bound = self.allocated_bound(store.footprint(), policy, appended, pinned)
+        return max(bound, store.allocated_nbytes())

@@ -26,7 +26,8 @@ checked. It then waits, at most `queue_timeout_s` seconds in all (then `QueueTim
 for its session (turns to one session run one after another), for room under the session
 store's KV cap (its session reserves the most KV it can hold during the turn,
 `turn_kv_bound`, so the cap holds while every running turn grows), and for a place in the
-batch (`max_batch`). A turn given a `cancel` event stops at the next wait slice, prefill chunk
+batch (`max_batch`, and the same cap over the running turns' KV bounds: the scheduler admits
+by bytes too). A turn given a `cancel` event stops at the next wait slice, prefill chunk
 or decode step once it is set (`TurnCancelled`).
 """
 
@@ -223,7 +224,7 @@ class ChatService:
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self.max_anonymous = max_anonymous
-        self.scheduler = BatchScheduler(engine, max_batch)
+        self.scheduler = BatchScheduler(engine, max_batch, max_kv_bytes=self.sessions.max_kv_bytes)
         self._count_lock = threading.Lock()
         self._waiting = 0
         self._anonymous_lock = threading.Lock()

@@ -10,7 +10,12 @@ engine's own `prefill_chunk` boundaries, so a sequence sees exactly the calls it
 alone. This is chunked prefill beside decodes as Sarathi-Serve and vLLM schedule it: the
 budget bounds how long one iteration, and so every running turn's next token, can take. Turns
 join the batch between iterations, in arrival order, while fewer than `max_batch` are running,
-and leave it when their reply ends. An iteration of one turn is the serial path itself
+and leave it when their reply ends. With a KV cap (`max_kv_bytes`) they join only while the
+running turns' KV bounds fit under it: each turn's bound is the most allocated KV bytes its
+sequence can reach while it runs (`KVMemory.turn_bound`: the prompt and `max_new_tokens`
+under its policy), so the batch never allocates past the cap; a turn whose bound alone is over
+it is refused at once (`KVCapacityError`), one that fits waits for running turns to end. An
+iteration of one turn is the serial path itself
 (`Engine.feed`, compiled with `compile`), so a lone turn runs as fast as it would without
 the scheduler.
 
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent_kv.errors import QueueTimeoutError, TurnCancelled
+from agent_kv.errors import KVCapacityError, QueueTimeoutError, TurnCancelled
 from agent_kv.kv.policies import Policy
 from agent_kv.runtime.engine.batched_calls import PackedPart
 from agent_kv.runtime.engine.engine import Engine
@@ -57,6 +62,7 @@ class _Turn:
     cancel: threading.Event | None
     on_join: Callable[[], None] | None
     deadline: float | None
+    kv_bound: int = 0
     next_token: int | None = None
     done: threading.Event = field(default_factory=threading.Event)
     result: Generation | torch.Tensor | None = None
@@ -100,20 +106,30 @@ class BatchScheduler:
         prefill_tokens: prefill tokens per iteration (None: the engine's `prefill_chunk`); chunks
             are packed while their tokens fit, and the first chunk of an iteration always runs
             (a chunk is at most `prefill_chunk` tokens). Each decoding turn adds one token.
+        max_kv_bytes: the most allocated KV bytes the running turns' sequences may reach
+            together (their `KVMemory.turn_bound`s), or None for no cap.
 
     Raises:
         ValueError: a limit below 1.
     """
 
-    def __init__(self, engine: Engine, max_batch: int = 16, prefill_tokens: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 16,
+        prefill_tokens: int | None = None,
+        max_kv_bytes: int | None = None,
+    ):
         prefill_tokens = engine.prefill_chunk if prefill_tokens is None else prefill_tokens
-        if max_batch < 1 or prefill_tokens < 1:
+        if max_batch < 1 or prefill_tokens < 1 or (max_kv_bytes is not None and max_kv_bytes < 1):
             raise ValueError(
-                f"max_batch and prefill_tokens must be >= 1, got {max_batch}, {prefill_tokens}"
+                f"max_batch, prefill_tokens and max_kv_bytes must be >= 1, got {max_batch}, "
+                f"{prefill_tokens}, {max_kv_bytes}"
             )
         self.engine = engine
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
+        self.max_kv_bytes = max_kv_bytes
         self.iterations = 0
         """Forward calls run so far."""
         self.rows = 0
@@ -133,6 +149,12 @@ class BatchScheduler:
     def waiting(self) -> int:
         """Turns waiting to join the batch."""
         return len(self._arrivals)
+
+    @property
+    def reserved_kv_bytes(self) -> int:
+        """The running turns' KV bounds together (`KVMemory.turn_bound`; 0 without a cap)."""
+        with self._lock:
+            return sum(turn.kv_bound for turn in self._running)
 
     def generate(
         self,
@@ -156,6 +178,8 @@ class BatchScheduler:
         Raises:
             ConfigError, GrammarError, ValueError, ContextOverflowError: as `Engine.generate`,
                 before the turn is queued (a rerotate overflow: when its chunk would run).
+            KVCapacityError: the turn's KV bound alone is over `max_kv_bytes` (before it is
+                queued).
             QueueTimeoutError: the deadline passed before the turn joined the batch.
             TurnCancelled: `cancel` was set (before it joined: nothing was fed).
             RuntimeError: the scheduler was closed.
@@ -175,7 +199,7 @@ class BatchScheduler:
             sequence, policy or engine.policy, list(prompt_ids), decoder, len(prompt_ids),
             cancel, on_join, deadline,
         )  # fmt: skip
-        return self._run(turn)
+        return self._run(turn, len(prompt_ids) + params.max_new_tokens)
 
     def feed(
         self,
@@ -206,6 +230,8 @@ class BatchScheduler:
             ContextOverflowError: as `Engine.feed` (original positions: before anything is
                 queued; rerotate: when the chunk that passes the context would run, the
                 chunks before it fed).
+            KVCapacityError: the turn's KV bound alone is over `max_kv_bytes` (before it is
+                queued).
             QueueTimeoutError: the deadline passed before the turn joined the batch.
             TurnCancelled: `cancel` was set; the sequence holds the chunks fed before it.
             RuntimeError: the scheduler was closed.
@@ -219,11 +245,21 @@ class BatchScheduler:
             sequence, policy or self.engine.policy, list(token_ids), _PrefillOnly(),
             len(token_ids), cancel, None, deadline,
         )  # fmt: skip
-        return self._run(turn)
+        return self._run(turn, len(token_ids))
 
-    def _run(self, turn: _Turn) -> Generation | torch.Tensor:
-        """Queue `turn` (starting the scheduler's thread when none runs) and block until it
-        ends; its result, or its error raised."""
+    def _run(self, turn: _Turn, appended: int) -> Generation | torch.Tensor:
+        """Queue `turn`, which feeds at most `appended` tokens (with a cap: refused when its KV
+        bound alone is over it), starting the scheduler's thread when none runs, and block
+        until it ends; its result, or its error raised."""
+        if self.max_kv_bytes is not None:
+            turn.kv_bound = self.engine.kv_memory.turn_bound(
+                turn.sequence.store, turn.policy, appended
+            )
+            if turn.kv_bound > self.max_kv_bytes:
+                raise KVCapacityError(
+                    f"the turn could hold {turn.kv_bound} bytes of KV, over the batch's cap "
+                    f"of {self.max_kv_bytes}"
+                )
         with self._lock:
             if self._closed:
                 raise RuntimeError("the batch scheduler is closed")
@@ -283,9 +319,10 @@ class BatchScheduler:
                 turn.finish(error)
 
     def _admit(self) -> None:
-        """Move arrivals into the batch, in order, while there is room (called holding
-        `_lock`)."""
-        while self._arrivals and len(self._running) < self.max_batch:
+        """Move arrivals into the batch, in order, while there is room: fewer than `max_batch`
+        running and, with a cap, the next one's KV bound fits beside the running turns' (called
+        holding `_lock`)."""
+        while self._arrivals and len(self._running) < self.max_batch and self._fits_kv():
             turn = self._arrivals.popleft()
             turn.decoder.started = time.perf_counter()  # its TTFT counts from here
             if turn.on_join is not None:
@@ -299,6 +336,14 @@ class BatchScheduler:
                     turn.finish(err)
             if not turn.done.is_set():
                 self._running.append(turn)
+
+    def _fits_kv(self) -> bool:
+        """Whether the next arrival's KV bound fits under the cap beside the running turns'
+        (called holding `_lock`)."""
+        if self.max_kv_bytes is None:
+            return True
+        running = sum(turn.kv_bound for turn in self._running)
+        return running + self._arrivals[0].kv_bound <= self.max_kv_bytes
 
     def _run_iteration(self) -> None:
         """One forward call over the running turns, then each turn moves on."""
