@@ -40,7 +40,7 @@ def prefill_s(loaded, ids: list[int], chunk: int, budget: int) -> float:
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("h2o", budget=budget), chunk)
     session = engine.new_sequence()
     started = time.perf_counter()
-    engine.feed(session, ids)
+    engine.prefill(session, ids)
     return time.perf_counter() - started
 
 
@@ -50,7 +50,7 @@ def kept_heavy_hitters(loaded, ids: list[int], chunk: int, budget: int) -> torch
     policy = make_policy("h2o", budget=budget)
     engine = Engine(loaded.model, loaded.tokenizer, policy, chunk)
     session = engine.new_sequence()
-    engine.feed(session, ids)
+    engine.prefill(session, ids)
     store = session.store
     positions = torch.cat([store.live_positions(layer) for layer in range(store.num_layers)])
     return positions[positions < len(ids) - policy.protect_recent]

@@ -144,7 +144,7 @@ def engine_settings(loaded, prompt: list[int], args) -> list[Setting]:
     for label, policy, int8 in variants:
         eager = Engine(loaded.model, loaded.tokenizer, policy, PREFILL_CHUNK, int8)
         prefilled = eager.new_sequence()
-        eager.feed(prefilled, prompt)
+        eager.prefill(prefilled, prompt)
         modes = [("eager", False)] + ([("compiled", True)] if args.compiled else [])
         for mode, compiled in modes:
             engine = Engine(
@@ -157,7 +157,7 @@ def engine_settings(loaded, prompt: list[int], args) -> list[Setting]:
 
 def _engine_setting(label: str, engine: Engine, sequence) -> Setting:
     def step(token: int) -> None:
-        engine.feed(sequence, [token])
+        engine.prefill(sequence, [token])
 
     def kv() -> str:
         store = sequence.store
@@ -230,12 +230,12 @@ def profile_step(loaded, args) -> None:
         PREFILL_CHUNK, compile=True,
     )  # fmt: skip
     sequence = engine.new_sequence()
-    engine.feed(sequence, prompt)
+    engine.prefill(sequence, prompt)
     for _ in range(3):
-        engine.feed(sequence, [5])
+        engine.prefill(sequence, [5])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
-            engine.feed(sequence, [5])
+            engine.prefill(sequence, [5])
     print(f"\nconf-kv compiled, {length} tokens: 5 decode steps, by self time")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 

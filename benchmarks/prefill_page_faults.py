@@ -34,9 +34,9 @@ def measure(model: str | None, tokens: int, chunk: int, defaults: bool) -> dict:
     loaded = model_loading.load_model(model)
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"), chunk)
     ids = [1000 + i % 5000 for i in range(tokens)]
-    engine.feed(engine.new_sequence(), ids[:chunk])
+    engine.prefill(engine.new_sequence(), ids[:chunk])
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    engine.feed(engine.new_sequence(), ids)
+    engine.prefill(engine.new_sequence(), ids)
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
     return {
         "heap": "glibc defaults" if defaults else "load_model's",

@@ -36,12 +36,12 @@ def run_once(loaded, policy: str, budget: int, recall, ids, question, decode) ->
     )
     session = engine.new_sequence()
     started = time.perf_counter()
-    engine.feed(session, ids)
+    engine.prefill(session, ids)
     context_s = time.perf_counter() - started
     cold = session.store.recall.tier
     context_recall = 0.0 if cold is None else cold.recall_s
     started = time.perf_counter()
-    engine.feed(session, question)
+    engine.prefill(session, question)
     turn_s = time.perf_counter() - started
     turn_recall = 0.0 if cold is None else cold.recall_s - context_recall
     reply = engine.generate(session, [], SamplingParams(max_new_tokens=decode))

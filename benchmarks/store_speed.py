@@ -52,12 +52,12 @@ def main() -> None:
                             prefill_chunk=args.chunk, compile=compiled)  # fmt: skip
             sequence = engine.new_sequence()
             started = time.perf_counter()
-            engine.feed(sequence, prompt)
+            engine.prefill(sequence, prompt)
             prefill_s = time.perf_counter() - started
             times = []
             for i, token in enumerate(tokens):
                 started = time.perf_counter()
-                engine.feed(sequence, [token])
+                engine.prefill(sequence, [token])
                 if i >= args.warm:
                     times.append(time.perf_counter() - started)
             print(json.dumps({

@@ -52,10 +52,10 @@ def worker(prefill: int, decode: int, model: str) -> None:
     def measure() -> dict:
         session = engine.new_sequence()
         started = time.perf_counter()
-        logits = engine.feed(session, ids)
+        logits = engine.prefill(session, ids)
         prefilled = time.perf_counter()
         for _ in range(decode):
-            logits = engine.feed(session, [int(logits.argmax())])
+            logits = engine.prefill(session, [int(logits.argmax())])
         done = time.perf_counter()
         return {"prefill_s": prefilled - started, "decode_ms": (done - prefilled) * 1e3 / decode}
 

@@ -64,7 +64,7 @@ def main() -> None:
     messages = [{"role": "user", "content": "What is the weather in Oslo for two days?"}]
     prompt = render_chat(loaded.tokenizer, messages, offered, generation_prompt=True)
     sequence = engine.new_sequence()
-    engine.feed(sequence, loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    engine.prefill(sequence, loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     logits = torch.randn(engine.grammars.vocab_size)
     seen = sequence.store.seen_tokens
     print(f"{args.tools} tools, a call of {len(tokens)} tokens, prompt {seen} tokens")
@@ -83,7 +83,7 @@ def main() -> None:
                 matcher.advance(token)
                 steps.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                engine.feed(sequence, [token])
+                engine.prefill(sequence, [token])
                 decodes.append(time.perf_counter() - start)
         token_ms = statistics.median(steps) * 1e3
         decode_ms = statistics.median(decodes) * 1e3

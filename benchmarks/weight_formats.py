@@ -161,8 +161,8 @@ def engine_setting(models: Models, label: str, budget: int, max_tokens: int) -> 
 
     return Setting(
         label,
-        lambda chunk: engine.feed(sequence, chunk),
-        lambda token: engine.feed(sequence, [token]),
+        lambda chunk: engine.prefill(sequence, chunk),
+        lambda token: engine.prefill(sequence, [token]),
         max_tokens,
         kv_mb,
     )

@@ -37,7 +37,7 @@ def measure(model: str, weights: str, context: int) -> dict:
     at_load = _resident_gb()
     engine = Engine(loaded.model, loaded.tokenizer, make_policy("full"))
     sequence = engine.new_sequence()
-    engine.feed(sequence, [1000 + i % 5000 for i in range(context)])
+    engine.prefill(sequence, [1000 + i % 5000 for i in range(context)])
     return {
         "weights": weights,
         "load_s": round(load_s, 1),

@@ -306,14 +306,14 @@ async def test_busy_model_gives_429_then_503(client, service, monkeypatch):
     one gives up after `queue_timeout_s`."""
     service.scheduler.max_batch = 1
     held, release = threading.Event(), threading.Event()
-    step = service.engine.forward_packed
+    step = service.engine.step
 
     def stuck(parts):
         held.set()
         release.wait(10)
         return step(parts)
 
-    monkeypatch.setattr(service.engine, "forward_packed", stuck)
+    monkeypatch.setattr(service.engine, "step", stuck)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     holder = threading.Thread(
         target=service.run, args=(body["messages"], SamplingParams(max_new_tokens=1))
@@ -332,5 +332,5 @@ async def test_busy_model_gives_429_then_503(client, service, monkeypatch):
     assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "timeout"
     release.set()
     holder.join()
-    monkeypatch.setattr(service.engine, "forward_packed", step)
+    monkeypatch.setattr(service.engine, "step", step)
     assert (await client.post("/chat", json=body)).status_code == 200

@@ -20,7 +20,7 @@ def test_arkv_plans_from_prefill_statistics_and_keeps_within_its_bytes(smollm):
     policy = make_policy("arkv", budget=192, protect_recent=32, evict_slack=0)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=128)
     session = engine.new_sequence()
-    engine.feed(session, licence_ids(smollm, 700))
+    engine.prefill(session, licence_ids(smollm, 700))
     store = session.store
     profile = store.profile_means()
     assert profile is not None and profile.shape == (30, 3)
@@ -45,12 +45,12 @@ def test_a_saved_arkv_session_resumes_with_identical_logits(smollm, tmp_path):
     policy = make_policy("arkv", budget=128, protect_recent=16, group=8)
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=64)
     session = engine.new_sequence()
-    engine.feed(session, ids[:400])
+    engine.prefill(session, ids[:400])
     assert session.store.figures.quantized_tokens > 0 and session.store.figures.evicted_tokens > 0
     session.save(tmp_path / "s.pt")
     restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
     assert torch.equal(restored.store.profile, session.store.profile)
     for token in ids[400:420]:
-        assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
+        assert torch.equal(engine.prefill(restored, [token]), engine.prefill(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
     assert restored.store.quantized_lengths() == session.store.quantized_lengths()

@@ -94,12 +94,12 @@ def test_packed_call_equals_its_parts_alone(smollm):
     for holder in (alone, packed):
         for prompt in prompts:
             sequence = engine.new_sequence()
-            engine.feed(sequence, prompt)
+            engine.prefill(sequence, prompt)
             holder.append(sequence)
     steps = [[7], list(range(400, 440))]
-    expected = [engine.feed(s, tokens).clone() for s, tokens in zip(alone, steps, strict=True)]
+    expected = [engine.prefill(s, tokens).clone() for s, tokens in zip(alone, steps, strict=True)]
     parts = [PackedPart(s, t, engine.policy, True) for s, t in zip(packed, steps, strict=True)]
-    got = engine.forward_packed(parts)
+    got = engine.step(parts)
     for want, have, a, b in zip(expected, got, alone, packed, strict=True):
         torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
         assert a.token_ids == b.token_ids and a.store.seen_tokens == b.store.seen_tokens
@@ -131,10 +131,10 @@ def test_lone_turn_is_the_serial_path(smollm):
 
 
 class _Blocked:
-    """Stands in for `Engine.forward_packed`: the first call waits for `release`."""
+    """Stands in for `Engine.step`: the first call waits for `release`."""
 
     def __init__(self, engine: Engine):
-        self.inner = engine.forward_packed
+        self.inner = engine.step
         self.entered, self.release = threading.Event(), threading.Event()
 
     def __call__(self, parts):
@@ -147,7 +147,7 @@ class _Blocked:
 def test_waiting_turns_time_out_or_are_cancelled_untouched(smollm, monkeypatch):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     blocked = _Blocked(engine)
-    monkeypatch.setattr(engine, "forward_packed", blocked)
+    monkeypatch.setattr(engine, "step", blocked)
     scheduler = BatchScheduler(engine, max_batch=1)
     params = SamplingParams(max_new_tokens=3)
     results = {}
@@ -176,7 +176,7 @@ def test_waiting_turns_time_out_or_are_cancelled_untouched(smollm, monkeypatch):
 def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeypatch):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     scheduler = BatchScheduler(engine)
-    real = engine.forward_packed
+    real = engine.step
     failures = iter([RuntimeError("device lost")])
 
     def flaky(parts):
@@ -185,7 +185,7 @@ def test_a_failed_step_fails_its_turns_and_the_scheduler_goes_on(smollm, monkeyp
             raise error
         return real(parts)
 
-    monkeypatch.setattr(engine, "forward_packed", flaky)
+    monkeypatch.setattr(engine, "step", flaky)
     params = SamplingParams(max_new_tokens=2)
     with pytest.raises(RuntimeError, match="device lost"):
         scheduler.generate(engine.new_sequence(), [5, 6], params)
@@ -207,7 +207,7 @@ def test_prefill_chunks_share_a_step_up_to_the_token_budget(smollm, monkeypatch)
         steps.append(sorted(len(part.tokens) for part in parts))
         return blocked(parts)
 
-    monkeypatch.setattr(engine, "forward_packed", recording)
+    monkeypatch.setattr(engine, "step", recording)
     scheduler = BatchScheduler(engine, max_batch=8, prefill_tokens=256)
     params = SamplingParams(max_new_tokens=2)
     prompts = [[5, 6], [7] * 100, [8] * 100, [9] * 300]
@@ -249,7 +249,7 @@ def test_the_repetition_penalty_counts_the_whole_prompt_on_every_path(smollm, ti
 
     def reply(params: SamplingParams, scheduled: bool) -> list[int]:
         sequence = engine.new_sequence()
-        engine.feed(sequence, history)
+        engine.prefill(sequence, history)
         if not scheduled:
             return engine.generate(sequence, [], params).token_ids
         scheduler = BatchScheduler(engine)
@@ -269,15 +269,15 @@ def test_the_repetition_penalty_counts_the_whole_prompt_on_every_path(smollm, ti
 def test_turns_join_while_their_kv_bounds_fit_the_cap(smollm, monkeypatch):
     """With a KV cap, a turn joins the batch only while its KV bound fits beside the running
     turns': three turns that fit one at a time run one after another, the sequences of each
-    forward call never allocating past the cap, with the replies each gets alone; under a cap that holds
-    all three they run together; a turn over the cap alone is refused before anything is
-    fed."""
+    forward call never allocating past the cap, with the replies each gets alone; under a cap
+    that holds all three they run together; a turn over the cap alone is refused before
+    anything is fed."""
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=64)
     params = SamplingParams(max_new_tokens=8)
     prompts = [list(range(100 + i, 300 + i)) for i in range(3)]
     alone = [engine.generate(engine.new_sequence(), p, params).token_ids for p in prompts]
     one = engine.kv_memory.turn_bound(engine.new_sequence().store, engine.policy, 208)
-    real = engine.forward_packed
+    real = engine.step
 
     def run_together(cap: int) -> tuple[int, int, list[list[int]]]:
         scheduler = BatchScheduler(engine, max_batch=4, max_kv_bytes=cap)
@@ -291,7 +291,7 @@ def test_turns_join_while_their_kv_bounds_fit_the_cap(smollm, monkeypatch):
             peak["allocated"] = max(peak["allocated"], allocated)
             return results
 
-        monkeypatch.setattr(engine, "forward_packed", watched)
+        monkeypatch.setattr(engine, "step", watched)
         replies: list[list[int]] = [[] for _ in prompts]
 
         def turn(i: int) -> None:

@@ -25,7 +25,7 @@ def test_a_changed_chat_is_met_with_the_history_and_pinned_again(smollm):
     chat.add({"role": "user", "content": "Where is order #52?"})
     first = chat.take_prompt(tokenizer, engine.new_sequence)
     assert first.sync.rebuild == "none" and first.sync.reused_tokens == 0
-    engine.feed(chat.sequence, first.token_ids)
+    engine.prefill(chat.sequence, first.token_ids)
     before = list(chat.sequence.token_ids)
 
     chat.messages[1] = {"role": "user", "content": "Where is order #77?"}
@@ -36,7 +36,7 @@ def test_a_changed_chat_is_met_with_the_history_and_pinned_again(smollm):
     assert second.sync.rebuild == "truncated"
     assert 0 < second.sync.reused_tokens == common_prefix(before, whole.token_ids)
     assert second.token_ids == whole.token_ids[second.sync.reused_tokens :]
-    logits = engine.feed(chat.sequence, second.token_ids)
+    logits = engine.prefill(chat.sequence, second.token_ids)
 
     assert chat.sequence.token_ids == whole.token_ids
     assert chat.rendered == whole.text
@@ -44,7 +44,7 @@ def test_a_changed_chat_is_met_with_the_history_and_pinned_again(smollm):
     assert flag_runs(chat.sequence.store.pins.positions().tolist()) == expected
     pinned = "".join(tokenizer.decode(whole.token_ids[a:b]) for a, b in expected)
     assert "#77" in pinned and "#52" not in pinned and "And #63?" in pinned
-    fresh = engine.feed(engine.new_sequence(), whole.token_ids)
+    fresh = engine.prefill(engine.new_sequence(), whole.token_ids)
     assert (logits - fresh).abs().max() < 1e-4
     assert chat.figures().tokens_seen == len(whole.token_ids)
 
@@ -61,7 +61,7 @@ def test_content_added_after_the_generation_prompt_is_tokenized_as_the_whole_cha
     logits = chat.prefill()
     whole = render_placed(smollm.tokenizer, chat.messages)
     assert chat.sequence.token_ids == whole.token_ids
-    fresh = engine.feed(engine.new_sequence(), whole.token_ids)
+    fresh = engine.prefill(engine.new_sequence(), whole.token_ids)
     assert (logits - fresh).abs().max() < 1e-4
 
 
@@ -118,11 +118,11 @@ def test_element_pins_keep_the_latest_pages_controls_turn_by_turn_as_on_the_whol
     chat = ChatSession(engine.new_sequence(), rules=rules)
     chat.add({"role": "system", "content": "You are a web agent."})
     chat.add({"role": "user", "content": PAGE})
-    engine.feed(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+    engine.prefill(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
     second = PAGE.replace("Blue road bike", "Red city bike").replace("[80] button", "[81] link")
     chat.add({"role": "assistant", "content": "click [15]"})
     chat.add({"role": "user", "content": second})
-    engine.feed(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+    engine.prefill(chat.sequence, chat.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
 
     whole = render_placed(qwen_tokenizer, chat.messages)
     expected = protected_spans(whole, chat.messages, rules)
@@ -144,7 +144,7 @@ def test_element_pins_keep_the_latest_pages_controls_turn_by_turn_as_on_the_whol
     twin = chat.fork()
     twin.add({"role": "assistant", "content": "click [81]"})
     twin.add({"role": "user", "content": "Tab 0 (current): Empty\n[2] StaticText 'Nothing'"})
-    engine.feed(twin.sequence, twin.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
+    engine.prefill(twin.sequence, twin.take_prompt(qwen_tokenizer, engine.new_sequence).token_ids)
     later = render_placed(qwen_tokenizer, twin.messages)
     assert flag_runs(twin.sequence.store.pins.positions().tolist()) == protected_spans(
         later, twin.messages, rules

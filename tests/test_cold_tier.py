@@ -309,10 +309,10 @@ def test_with_budgets_above_the_sequence_recall_changes_nothing(smollm, rerotate
     recall = Engine(smollm.model, smollm.tokenizer, wrapped, 64, rerotate=rerotate)
     full = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 64)
     sessions = [e.new_sequence() for e in (plain, recall, full)]
-    logits = [e.feed(s, ids) for e, s in zip((plain, recall, full), sessions, strict=True)]
+    logits = [e.prefill(s, ids) for e, s in zip((plain, recall, full), sessions, strict=True)]
     assert torch.allclose(logits[1], logits[2], atol=1e-4) and torch.equal(logits[0], logits[2])
     for token in ids[:10]:
-        step = [e.feed(s, [token]) for e, s in zip((recall, full), sessions[1:], strict=True)]
+        step = [e.prefill(s, [token]) for e, s in zip((recall, full), sessions[1:], strict=True)]
         assert torch.allclose(step[0], step[1], atol=1e-4)
     assert (
         sessions[1].store.recall.nbytes() == 0
@@ -329,7 +329,7 @@ def test_a_session_with_a_cold_tier_saves_restores_and_continues_identically(
     policy = ColdRecall(make_policy("h2o", budget=96), ColdConfig(page_tokens=16, pages=2))
     engine = Engine(smollm.model, smollm.tokenizer, policy, 64, rerotate=rerotate)
     session = engine.new_sequence()
-    engine.feed(session, ids[:300])
+    engine.prefill(session, ids[:300])
     cold = session.store.recall.tier
     assert cold.recalled_tokens > 0 and session.store.recall.nbytes() > 0
     session.save(tmp_path / "s.pt")
@@ -337,9 +337,11 @@ def test_a_session_with_a_cold_tier_saves_restores_and_continues_identically(
     assert restored.store.recall.nbytes() == session.store.recall.nbytes()
     assert isinstance(restored.store.recall.tier, ColdTier)
     more = ids[300:364]
-    assert torch.equal(engine.feed(restored, more), engine.feed(session, more))  # recalls again
+    assert torch.equal(
+        engine.prefill(restored, more), engine.prefill(session, more)
+    )  # recalls again
     for token in ids[364:370]:
-        assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
+        assert torch.equal(engine.prefill(restored, [token]), engine.prefill(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
     assert restored.store.recall.tier.recalled_tokens == session.store.recall.tier.recalled_tokens
 
@@ -380,7 +382,7 @@ def test_with_votes_every_layer_recalls_the_positions_the_layers_chose_together(
             smollm.model, smollm.tokenizer, ColdRecall(make_policy("h2o", budget=96), config), 64
         )
         session = engine.new_sequence()
-        engine.feed(session, ids)
+        engine.prefill(session, ids)
         assert session.store.seen_tokens == len(ids) == len(session.token_ids)  # passes kept none
         tier = session.store.recall.tier
         assert tier.recalled_tokens > 0 and tier.votes == [None]

@@ -54,11 +54,11 @@ def test_the_compiled_step_equals_the_eager_one(tiny_model, name, params, int8):
     runs = [(engine, engine.new_sequence()) for engine in (eager, compiled)]
     prompt = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     for engine, sequence in runs:
-        engine.feed(sequence, prompt)
+        engine.prefill(sequence, prompt)
     for _ in range(40):  # several evictions and INT8 groups
         token = int(runs[0][1].last_logits.argmax())
         for engine, sequence in runs:
-            engine.feed(sequence, [token])
+            engine.prefill(sequence, [token])
         torch.testing.assert_close(
             runs[1][1].last_logits, runs[0][1].last_logits, atol=1e-4, rtol=0
         )
@@ -84,7 +84,7 @@ def test_full_kv_decodes_eagerly(tiny_model):
     takes = []
     for engine in (full, budgeted):
         sequence = engine.new_sequence()
-        engine.feed(sequence, list(range(100)))
+        engine.prefill(sequence, list(range(100)))
         plan = engine.policy.prepare(sequence.store)
         takes.append(DecodeGraph.takes(sequence.store, range(1), 1, plan))
     assert takes == [False, True]
@@ -93,19 +93,19 @@ def test_full_kv_decodes_eagerly(tiny_model):
 def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     _, engine = _engines(tiny_model, "conf-kv", {"budget": 96, "protect_recent": 16}, None)
     sequence = engine.new_sequence()
-    engine.feed(sequence, [t % 128 for t in range(200)])
+    engine.prefill(sequence, [t % 128 for t in range(200)])
     store = sequence.store
     call = ForwardCall.open(store, range(1), 1, static=True)
     explained = torch._dynamo.explain(decode_logits)(
         tiny_model, sequence.cache, torch.tensor([[5]]), call.tensors, call.plan
     )
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    engine.feed(sequence, [5])  # compiles
+    engine.prefill(sequence, [5])  # compiles
     first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     capacity = (store.fp.capacity, store.q.capacity)
     capacities = set()
     for token in range(60):  # evictions every evict_slack + 1 tokens: the capacity follows
-        engine.feed(sequence, [token % 128])
+        engine.prefill(sequence, [token % 128])
         capacities.add(store.fp.capacity)
     assert store.figures.evicted_tokens > 0 and len(capacities) <= 2
     # the first change of capacity compiles once more, with symbolic sizes; never again
@@ -115,9 +115,9 @@ def test_the_step_traces_into_one_graph_and_compiles_once(tiny_model):
     for turn in range(3):  # each turn pins more: a larger bound, capacity and read width
         seen = store.seen_tokens
         store.pins.pin(seen, seen + 40 * (turn + 1))
-        engine.feed(sequence, [t % 128 for t in range(50 * (turn + 1))])
+        engine.prefill(sequence, [t % 128 for t in range(50 * (turn + 1))])
         for token in range(3):
-            engine.feed(sequence, [token])
+            engine.prefill(sequence, [token])
         widths.add(store.decode_widths()["fp"])
     assert len(widths) == 3 and store.fp.capacity > capacity[0]
     # the capacities and widths are symbolic sizes in the graph: still the one graph
@@ -147,7 +147,7 @@ def test_a_step_over_shared_prefix_blocks_compiles_to_the_eager_one(tiny_model):
     for first in (5, 9):  # the second session reads the first one's blocks
         sequence = eager.new_sequence()
         sequence.store.pins.pin(0, len(system))
-        eager.feed(sequence, system + [first] * 120)
+        eager.prefill(sequence, system + [first] * 120)
         sessions.append(sequence)
     sequence = sessions[1]
     assert sequence.store.prefix.tokens == 96 and sequence.steps[0].seen_tokens > 96
@@ -156,10 +156,10 @@ def test_a_step_over_shared_prefix_blocks_compiles_to_the_eager_one(tiny_model):
         token = int(sequence.last_logits.argmax())
         twin = copy.deepcopy(sequence)
         assert twin.store.prefix.views()[0].run is sequence.store.prefix.views()[0].run
-        eager.feed(sequence, [token])
+        eager.prefill(sequence, [token])
         plan = compiled.policy.prepare(twin.store)
         compiled_steps += DecodeGraph.takes(twin.store, range(1), 1, plan)
-        compiled.feed(twin, [token])
+        compiled.prefill(twin, [token])
         torch.testing.assert_close(twin.last_logits, sequence.last_logits, atol=1e-4, rtol=0)
         assert twin.store.lengths() == sequence.store.lengths()
     assert compiled_steps == 40 and sequence.store.figures.evicted_tokens > 0
@@ -184,8 +184,8 @@ def test_warm_up_compiles_what_later_sessions_need(tiny_model):
         for first in (5, 9):  # the second session reads the first one's blocks
             sequence = engine.new_sequence()
             sequence.store.pins.pin(0, len(system))
-            engine.feed(sequence, system + [first] * 40)
+            engine.prefill(sequence, system + [first] * 40)
             for token in range(3):
-                engine.feed(sequence, [token])
+                engine.prefill(sequence, [token])
         assert sequence.store.prefix.tokens == system_tokens // 32 * 32
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == warmed

@@ -49,11 +49,11 @@ def run_engine(smollm, policy: Policy, prompt_ids, chunk: int = 128, check=None)
     """Teacher-free greedy run; returns the logits before each sampled token and the tokens."""
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=chunk)
     session = engine.new_sequence()
-    logits, tokens = [engine.feed(session, prompt_ids)], []
+    logits, tokens = [engine.prefill(session, prompt_ids)], []
     for _ in range(DECODE_STEPS):
         tokens.append(int(logits[-1].argmax()))
         if len(tokens) < DECODE_STEPS:
-            logits.append(engine.feed(session, [tokens[-1]]))
+            logits.append(engine.prefill(session, [tokens[-1]]))
     return torch.stack(logits), tokens, session
 
 
@@ -138,7 +138,7 @@ def test_attention_mass_reaches_the_store(smollm, prompt_ids):
     policy = make_policy("conf-kv", n_high=1024, n_low=2048)
     engine = Engine(smollm.model, smollm.tokenizer, policy)
     session = engine.new_sequence()
-    engine.feed(session, prompt_ids[:64])
+    engine.prefill(session, prompt_ids[:64])
     store = session.store
     for idx in range(store.num_layers):
         scores = store.live_meta("scores", idx)
@@ -155,11 +155,11 @@ def test_decoding_after_eviction_matches_a_masked_full_forward(
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     session = engine.new_sequence()
     n = 200
-    engine.feed(session, prompt_ids[:n])
+    engine.prefill(session, prompt_ids[:n])
     keep = torch.tensor([p for p in range(n) if p % 3 == 0 or p >= 150])
     for idx in range(session.store.num_layers):
         session.store.compact(idx, keep)
-    logits = engine.feed(session, [prompt_ids[n]])
+    logits = engine.prefill(session, [prompt_ids[n]])
 
     reference = AutoModelForCausalLM.from_pretrained(
         smollm_directory, attn_implementation="sdpa"
@@ -179,7 +179,7 @@ def test_conf_kv_keeps_old_heavy_hitters_that_a_window_drops(smollm, prompt_ids)
     def kept_after(policy):
         engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=100)
         session = engine.new_sequence()
-        engine.feed(session, prompt_ids)
+        engine.prefill(session, prompt_ids)
         return set(kept_positions(session.store, 15))
 
     window = kept_after(make_policy("window", budget=128, evict_slack=0))
@@ -199,7 +199,7 @@ def test_snapkv_generates_within_its_budget_after_compressing_the_prompt(smollm,
     policy = make_policy("snapkv", budget=96)  # observation window 32, evict_slack 32
     engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=128)
     session = engine.new_sequence()
-    engine.feed(session, prompt_ids)
+    engine.prefill(session, prompt_ids)
     store = session.store
     assert store.observed_from == [300 - 32]  # the last chunk's last 32 queries
     with_sink = 0
@@ -257,10 +257,10 @@ def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(
         policy = make_policy("window", budget=40, evict_slack=0)
         engine = Engine(smollm.model, smollm.tokenizer, policy, 64, reencode=reencode)
         session = engine.new_sequence()
-        engine.feed(session, prompt_ids[:200])
+        engine.prefill(session, prompt_ids[:200])
         kept = session.store.live_positions(0).tolist()
         before = (session.store.figures.evicted_tokens, session.store.figures.peak_allocated_bytes)
-        logits = engine.feed(session, prompt_ids[200:203])
+        logits = engine.prefill(session, prompt_ids[200:203])
         return kept, before, logits, session
 
     kept, (evicted, peak), logits, session = run(reencode=True)
@@ -289,7 +289,7 @@ def test_reencode_encodes_the_kept_tokens_again_without_the_evicted_history(
     calls = []
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), reencode=True)
     engine.reencode = lambda sequence: calls.append(sequence)
-    engine.feed(engine.new_sequence(), prompt_ids[:50])
+    engine.prefill(engine.new_sequence(), prompt_ids[:50])
     assert calls == []  # full KV never evicts: never due
     with pytest.raises(ConfigError, match="shared prefix"):
         window = make_policy("window", budget=40)

@@ -77,7 +77,7 @@ def test_forked_eviction_path_matches_full_path(smollm):
     ids = smollm.tokenizer(licence_text()[:4000], add_special_tokens=False)["input_ids"][:301]
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     session = engine.new_sequence()
-    engine.feed(session, ids[:300])
+    engine.prefill(session, ids[:300])
     rules = {
         "none": mech.no_eviction_rule,
         "recent": mech.recent_span_rule(keep_newest=16, span=64),

@@ -49,7 +49,7 @@ def test_the_reconstruction_pass_leaves_the_cache_as_it_found_it(smollm):
     kvzip = Engine(smollm.model, smollm.tokenizer, make_policy("kvzip", budget=4096), 64)
     full = Engine(smollm.model, smollm.tokenizer, make_policy("full"), 64)
     sessions = [kvzip.new_sequence(), full.new_sequence()]
-    logits = [e.feed(s, ids) for e, s in zip((kvzip, full), sessions, strict=True)]
+    logits = [e.prefill(s, ids) for e, s in zip((kvzip, full), sessions, strict=True)]
     assert torch.equal(logits[0], logits[1])
     zipped, plain = (s.store for s in sessions)
     assert zipped.seen_tokens == plain.seen_tokens == len(ids)
@@ -60,5 +60,5 @@ def test_the_reconstruction_pass_leaves_the_cache_as_it_found_it(smollm):
             zipped.fp["keys"][layer, 0, :, : len(ids)], plain.fp["keys"][layer, 0, :, : len(ids)]
         )
         assert (zipped.live_meta("reconstruction", layer) > 0).all()  # every token was scored
-    step = [e.feed(s, ids[:1]) for e, s in zip((kvzip, full), sessions, strict=True)]
+    step = [e.prefill(s, ids[:1]) for e, s in zip((kvzip, full), sessions, strict=True)]
     assert torch.equal(step[0], step[1])

@@ -160,14 +160,14 @@ def test_full_kv_matches_transformers_with_its_own_cache(name):
     engine = Engine(ours, _Tokenizer(), make_policy("full"), prefill_chunk=CHUNK)
     sequence = engine.new_sequence()
     prompt = _tokens(PROMPT)
-    got = engine.feed(sequence, prompt)  # 3 chunks, past the window
+    got = engine.prefill(sequence, prompt)  # 3 chunks, past the window
     cache = DynamicCache(config=reference.config)
     with torch.no_grad():
         want = reference(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     for _ in range(DECODE):
         token = int(want.argmax())
-        got = engine.feed(sequence, [token])
+        got = engine.prefill(sequence, [token])
         with torch.no_grad():
             want = reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
@@ -221,11 +221,11 @@ def test_a_budget_on_the_global_layers_matches_an_explicit_mask(name, budget):
     with torch.no_grad():
         want = reference(torch.tensor([tokens]), attention_mask=mask).logits[0]
     for start in range(0, PROMPT, CHUNK):
-        got = engine.feed(sequence, tokens[start : min(start + CHUNK, PROMPT)])
+        got = engine.prefill(sequence, tokens[start : min(start + CHUNK, PROMPT)])
         _check_windows(sequence.store, budget)
     torch.testing.assert_close(got, want[PROMPT - 1], atol=ATOL, rtol=0)
     for position in range(PROMPT, total):
-        got = engine.feed(sequence, [tokens[position]])
+        got = engine.prefill(sequence, [tokens[position]])
         torch.testing.assert_close(got, want[position], atol=ATOL, rtol=0)
         _check_windows(sequence.store, budget)
     evicts = any(w is None for w in windows) and budget < total
@@ -239,9 +239,9 @@ def test_pins_stay_in_global_layers_and_leave_sliding_ones_with_the_window(name)
     engine = Engine(ours, _Tokenizer(), make_policy("window", budget=16, sinks=0), CHUNK)
     sequence = engine.new_sequence()
     sequence.store.pins.pin(0, 4)
-    engine.feed(sequence, _tokens(PROMPT))
+    engine.prefill(sequence, _tokens(PROMPT))
     for token in _tokens(10, seed=3):
-        engine.feed(sequence, [token])
+        engine.prefill(sequence, [token])
     store = sequence.store
     for layer, window in enumerate(store.attention_windows):
         positions = set(store.live_positions(layer).tolist())
@@ -257,9 +257,9 @@ def test_rerotate_positions_match_transformers_under_full_kv(name):
     sequence = engine.new_sequence()
     sequence.store.attention_window_slack = 0
     tokens = _tokens(PROMPT + 10, seed=4)
-    engine.feed(sequence, tokens[:PROMPT])
+    engine.prefill(sequence, tokens[:PROMPT])
     for token in tokens[PROMPT:]:
-        got = engine.feed(sequence, [token])
+        got = engine.prefill(sequence, [token])
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0, -1]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
@@ -309,9 +309,9 @@ def test_int8_mixed_precision_trims_quantized_window_tokens():
     engine = Engine(ours, _Tokenizer(), make_policy("window", budget=24, sinks=4), CHUNK, int8)
     sequence = engine.new_sequence()
     sequence.store.attention_window_slack = 0
-    engine.feed(sequence, _tokens(PROMPT))
+    engine.prefill(sequence, _tokens(PROMPT))
     for token in _tokens(DECODE, seed=5):
-        logits = engine.feed(sequence, [token])
+        logits = engine.prefill(sequence, [token])
         _check_windows(sequence.store)
     assert torch.isfinite(logits).all()
     assert sequence.store.figures.quantized_tokens > 0
@@ -341,7 +341,7 @@ def test_the_decode_step_with_windows_softcap_and_sinks_traces_into_one_graph(na
     _, ours = _models(name)
     engine = Engine(ours, _Tokenizer(), make_policy("window", budget=24, sinks=4), CHUNK)
     sequence = engine.new_sequence()
-    engine.feed(sequence, _tokens(PROMPT))
+    engine.prefill(sequence, _tokens(PROMPT))
     store = sequence.store
     call = ForwardCall.open(store, range(1), 1, static=True)
     explained = torch._dynamo.explain(decode_logits)(
@@ -448,9 +448,9 @@ def test_the_compiled_decode_step_equals_the_eager_one_with_windows_and_softcap(
     ]
     runs = [(engine, engine.new_sequence()) for engine in engines]
     for engine, sequence in runs:
-        engine.feed(sequence, _tokens(PROMPT))
+        engine.prefill(sequence, _tokens(PROMPT))
     for token in _tokens(45, seed=6):  # past several window trims (slack 32) and evictions
-        eager, compiled = (engine.feed(sequence, [token]) for engine, sequence in runs)
+        eager, compiled = (engine.prefill(sequence, [token]) for engine, sequence in runs)
         torch.testing.assert_close(compiled, eager, atol=ATOL, rtol=0)
     (_, eager_run), (_, compiled_run) = runs
     assert compiled_run.store.lengths() == eager_run.store.lengths()

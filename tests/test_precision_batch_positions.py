@@ -33,8 +33,8 @@ def test_int8_storage_changes_little_and_holds_fewer_bytes(smollm, steps):
             smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=384), 128, int8
         )
         session = engine.new_sequence()
-        engine.feed(session, ids[:400])
-        logits = [engine.feed(session, [t]) for t in ids[400:]]
+        engine.prefill(session, ids[:400])
+        logits = [engine.prefill(session, [t]) for t in ids[400:]]
         runs[label] = (torch.stack(logits), session.store)
     (fp_logits, fp_store), (q_logits, q_store) = runs["fp"], runs["int8"]
     assert q_store.lengths() == fp_store.lengths()  # same tokens kept, other precision
@@ -85,7 +85,10 @@ def test_rerotate_without_eviction_matches_original_positions(smollm, steps):
         session = engine.new_sequence()
         logits.append(
             torch.stack(
-                [engine.feed(session, ids[:300]), *[engine.feed(session, [t]) for t in ids[300:]]]
+                [
+                    engine.prefill(session, ids[:300]),
+                    *[engine.prefill(session, [t]) for t in ids[300:]],
+                ]
             )
         )
     assert (logits[0] - logits[1]).abs().max() < 1e-3
@@ -125,7 +128,7 @@ def test_rerotate_runs_past_the_trained_context_and_keeps_a_pinned_fact(
     session.store.pins.pin(0, len(head))
     stream = head + filler[: stream_tokens - len(head)]
     assert len(stream) == stream_tokens > smollm.model.config.max_position_embeddings
-    engine.feed(session, stream)
+    engine.prefill(session, stream)
     assert torch.isfinite(session.last_logits).all()
     assert max(session.store.lengths()) <= budget + chunk + len(head)
     reply = engine.generate(session, question, SamplingParams(max_new_tokens=6))
@@ -155,5 +158,5 @@ def test_original_positions_refuse_to_pass_the_context_before_any_compute(smollm
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=256))
     session = engine.new_sequence()
     with pytest.raises(ContextOverflowError, match="8192-token context.*rerotate"):
-        engine.feed(session, [5] * 8193)
+        engine.prefill(session, [5] * 8193)
     assert session.token_ids == [] and session.store.seen_tokens == 0

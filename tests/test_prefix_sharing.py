@@ -153,9 +153,9 @@ def test_a_session_that_rewrites_its_shared_history_copies_the_block_it_cuts(eng
     assert store.prefix.tokens == whole - BLOCK_TOKENS
     assert store.live_positions(0).tolist() == list(range(whole - BLOCK_TOKENS, end))
     more = smollm.tokenizer("Then search for laptops.", add_special_tokens=False)["input_ids"]
-    logits = shared.feed(sequence, more)
+    logits = shared.prefill(sequence, more)
     reference = alone.new_sequence()
-    expected = alone.feed(reference, sequence.token_ids[:end] + more)
+    expected = alone.prefill(reference, sequence.token_ids[:end] + more)
     assert torch.allclose(logits, expected, atol=2e-3)
 
 

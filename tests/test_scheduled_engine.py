@@ -1,7 +1,7 @@
 """Episodes sharing one model through a `BatchScheduler` (`ScheduledEngine`): three
 conversations under three policies and store options, run at once in threads, give the
 replies, fed logits and caches of plain `Engine`s run one after another, and the model runs
-only on the scheduler's thread; `BatchScheduler.feed` refuses what `Engine.feed` refuses."""
+only on the scheduler's thread; `BatchScheduler.prefill` refuses what `Engine.prefill` refuses."""
 
 from __future__ import annotations
 
@@ -113,20 +113,20 @@ def test_scheduler_feed_refuses_as_engine_feed_and_stops_when_cancelled(smollm):
     assert isinstance(view, ChatEngine) and isinstance(base, ChatEngine)  # both declare it
     sequence = view.new_sequence()
     with pytest.raises(ValueError, match="at least one token"):
-        view.feed(sequence, [])
+        view.prefill(sequence, [])
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(TurnCancelled):
-        view.feed(sequence, list(range(100, 140)), cancel)
+        view.prefill(sequence, list(range(100, 140)), cancel)
     assert sequence.token_ids == [] and sequence.store.seen_tokens == 0
-    logits = view.feed(sequence, list(range(100, 140)))
+    logits = view.prefill(sequence, list(range(100, 140)))
     assert logits.shape == (smollm.model.config.vocab_size,) and logits.dtype == torch.float32
     assert sequence.token_ids == list(range(100, 140)) and len(sequence.steps) == 2  # 2 chunks
     with pytest.raises(ConfigError, match="plain engine"):
         ScheduledEngine.from_spec(PolicySpec.parse("window+reencode", 64, None), scheduler)
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
-        view.feed(sequence, [5])
+        view.prefill(sequence, [5])
 
 
 def test_episodes_on_one_scheduler_read_their_common_system_turn_once(smollm):

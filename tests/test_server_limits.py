@@ -235,7 +235,7 @@ def test_saved_sessions_are_known_after_a_restart(smollm, tmp_path):
     first = SessionStore(engine, max_kv_bytes=one, spill_dir=tmp_path)
     for sid in ("old", "new"):
         with first.use(sid, policy="full") as session:
-            engine.feed(session, list(range(10, 60)))
+            engine.prefill(session, list(range(10, 60)))
     assert first.in_memory() == ["new"]  # "old" was saved to make room
     expected = first.describe()[0]
     old_file = next(tmp_path.glob("*.pt"))
@@ -328,8 +328,8 @@ def test_a_session_that_cannot_be_saved_is_dropped_and_counted(smollm, tmp_path)
     sessions = SessionStore(engine, max_kv_bytes=64 * 46_080, spill_dir=spill)  # one session
     assert sessions.ids() == []
     with sessions.use("a") as session:
-        engine.feed(session, list(range(10, 60)))
+        engine.prefill(session, list(range(10, 60)))
     shutil.rmtree(spill)  # the disk is gone: "a" cannot be saved when "b" needs the room
     with sessions.use("b") as session:
-        engine.feed(session, list(range(10, 60)))
+        engine.prefill(session, list(range(10, 60)))
     assert sessions.ids() == ["b"] and sessions.spill_failures == 1 and sessions.dropped == 1

@@ -33,7 +33,7 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     )
     session = engine.new_sequence()
     session.store.pins.pin(0, 10)
-    engine.feed(session, ids[:300])
+    engine.prefill(session, ids[:300])
     assert session.store.figures.evicted_tokens > 0 and session.store.figures.quantized_tokens > 0
     session.save(tmp_path / "s.pt")
     restored = SequenceState.load(tmp_path / "s.pt", smollm.model)
@@ -41,7 +41,7 @@ def test_saved_session_resumes_with_identical_logits(smollm, tmp_path, rerotate)
     assert torch.equal(restored.last_logits, session.last_logits)
     assert restored.store.nbytes() == session.store.nbytes()
     for token in ids[300:320]:
-        assert torch.equal(engine.feed(restored, [token]), engine.feed(session, [token]))
+        assert torch.equal(engine.prefill(restored, [token]), engine.prefill(session, [token]))
     assert restored.store.lengths() == session.store.lengths()
     assert restored.store.pins.mask(3).sum() == 10
 
@@ -52,7 +52,7 @@ def test_a_saved_file_holds_live_bytes_and_says_what_loading_allocates(smollm, t
         64, Int8Config(fp_window=16, group=8),
     )  # fmt: skip
     session = engine.new_sequence()
-    engine.feed(session, smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:300])
+    engine.prefill(session, smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:300])
     session.save(tmp_path / "s.pt", {"session_id": "x"})
     live, allocated = session.store.nbytes(), session.store.allocated_nbytes()
     size = (tmp_path / "s.pt").stat().st_size
@@ -80,13 +80,13 @@ def test_truncate_returns_the_cache_to_an_earlier_point_exactly(smollm):
     ids = smollm.tokenizer(TEXT, add_special_tokens=False)["input_ids"][:120]
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"), prefill_chunk=32)
     reference = engine.new_sequence()
-    expected = [engine.feed(reference, ids[:80])]
-    expected += [engine.feed(reference, [t]) for t in ids[80:90]]
+    expected = [engine.prefill(reference, ids[:80])]
+    expected += [engine.prefill(reference, [t]) for t in ids[80:90]]
     session = engine.new_sequence()
-    engine.feed(session, ids)  # a longer history, then the client rewrites from token 80
+    engine.prefill(session, ids)  # a longer history, then the client rewrites from token 80
     session.store.truncate(80)
     assert session.store.lengths() == [80] * 30 and session.store.seen_tokens == 80
-    got = [engine.feed(session, [t]) for t in ids[80:90]]
+    got = [engine.prefill(session, [t]) for t in ids[80:90]]
     for a, b in zip(got, expected[1:], strict=True):
         assert (a - b).abs().max() < 1e-4
 
@@ -108,7 +108,7 @@ def test_truncate_refuses_past_an_eviction():
 def test_a_damaged_or_malformed_file_is_refused_whole(smollm, tmp_path):
     engine = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
     sequence = engine.new_sequence()
-    engine.feed(sequence, list(range(10, 60)))
+    engine.prefill(sequence, list(range(10, 60)))
     path = tmp_path / "s.pt"
     sequence.save(path)
     data = bytearray(path.read_bytes())

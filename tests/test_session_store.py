@@ -36,9 +36,9 @@ def engine(smollm):
     return Engine(smollm.model, smollm.tokenizer, make_policy("full"))
 
 
-def feed(store: SessionStore, sid: str, tokens: list[int]) -> torch.Tensor:
+def prefill(store: SessionStore, sid: str, tokens: list[int]) -> torch.Tensor:
     with store.use(sid) as session:
-        return store.engine.feed(session, tokens).clone()
+        return store.engine.prefill(session, tokens).clone()
 
 
 def test_least_recently_used_idle_session_leaves_memory_first(engine):
@@ -46,7 +46,7 @@ def test_least_recently_used_idle_session_leaves_memory_first(engine):
     store = SessionStore(engine, max_kv_bytes=2 * SESSION_BYTES + 1, clock=clock)
     for t, sid in enumerate(["a", "b", "c"]):
         clock.now = float(t)
-        feed(store, sid, list(range(10, 110)))  # 100 tokens each
+        prefill(store, sid, list(range(10, 110)))  # 100 tokens each
     assert store.in_memory() == ["b", "c"] and store.dropped == 1
     assert store.live_bytes() == 200 * BYTES_PER_TOKEN
     assert store.allocated_bytes() == 2 * SESSION_BYTES
@@ -56,30 +56,30 @@ def test_least_recently_used_idle_session_leaves_memory_first(engine):
     assert [s.kv_allocated_bytes for s in listed] == [SESSION_BYTES] * 2
     assert all(s.kv_bytes == s.kv_live_bytes for s in listed)  # the deprecated alias
     clock.now = 3.0
-    feed(store, "b", [5])  # b is now the most recent: c goes next
+    prefill(store, "b", [5])  # b is now the most recent: c goes next
     clock.now = 4.0
-    feed(store, "d", list(range(10, 60)))
+    prefill(store, "d", list(range(10, 60)))
     assert store.in_memory() == ["b", "d"]
 
 
 def test_spilled_session_comes_back_with_identical_logits(engine, tmp_path):
     clock = FakeClock()
     store = SessionStore(engine, max_kv_bytes=SESSION_BYTES, spill_dir=tmp_path, clock=clock)
-    feed(store, "a", list(range(10, 110)))
+    prefill(store, "a", list(range(10, 110)))
     clock.now = 1.0
-    feed(store, "b", list(range(20, 120)))  # over the cap: a is saved to disk
+    prefill(store, "b", list(range(20, 120)))  # over the cap: a is saved to disk
     assert store.in_memory() == ["b"] and store.ids() == ["a", "b"] and store.spilled == 1
     assert len(list(tmp_path.iterdir())) == 1
     reference = engine.new_sequence()
-    engine.feed(reference, list(range(10, 110)))
+    engine.prefill(reference, list(range(10, 110)))
     clock.now = 2.0
-    resumed = feed(store, "a", [7])
-    assert torch.equal(resumed, engine.feed(reference, [7]))
+    resumed = prefill(store, "a", [7])
+    assert torch.equal(resumed, engine.prefill(reference, [7]))
 
 
 def test_a_session_saved_with_the_old_step_record_names_loads(engine, tmp_path):
     sequence = engine.new_sequence()
-    engine.feed(sequence, list(range(10, 60)))
+    engine.prefill(sequence, list(range(10, 60)))
     path = tmp_path / "old.pt"
     sequence.save(path)
     data = torch.load(path, weights_only=True)
@@ -100,14 +100,14 @@ def test_idle_sessions_expire_and_in_flight_ones_never_leave(engine):
     clock = FakeClock()
     store = SessionStore(engine, max_kv_bytes=SESSION_BYTES, idle_ttl_s=10, clock=clock)
     with store.use("busy") as busy:
-        engine.feed(busy, list(range(10, 310)))  # outgrows the cap, but in flight
+        engine.prefill(busy, list(range(10, 310)))  # outgrows the cap, but in flight
         with pytest.raises(KVCapacityError, match="held by requests in flight"):
-            feed(store, "other", list(range(10, 20)))  # no room beside it: refused
+            prefill(store, "other", list(range(10, 20)))  # no room beside it: refused
         assert "busy" in store.in_memory() and "other" not in store.ids()
         with pytest.raises(SessionBusyError):
             store.drop("busy")
     assert store.ids() == []  # once idle, busy is over the cap by itself
-    feed(store, "x", [1, 2, 3])
+    prefill(store, "x", [1, 2, 3])
     clock.now = 11.0
     store.sweep()
     assert store.ids() == [] and store.drop("x") is False
@@ -146,12 +146,12 @@ def sync_history(engine, session, ids):
     prefilled."""
     sync = prepare_history(session, ids, engine.new_sequence)
     if sync.prefilled_tokens:
-        engine.feed(session, ids[sync.reused_tokens :])
+        engine.prefill(session, ids[sync.reused_tokens :])
     return sync
 
 
 def fresh_logits(engine, ids):
-    return engine.feed(engine.new_sequence(), ids)
+    return engine.prefill(engine.new_sequence(), ids)
 
 
 def test_history_is_matched_token_by_token(engine):
@@ -192,17 +192,17 @@ def test_a_changed_history_keeps_its_intact_prefix_after_eviction(smollm, sinks)
     pins = [(0, 30)]
     session = engine.new_sequence()
     apply_pins(session.store, pins)
-    engine.feed(session, system + b)  # 90 tokens under a 40-token window: evictions
+    engine.prefill(session, system + b)  # 90 tokens under a 40-token window: evictions
     assert session.store.figures.evicted_tokens > 0
     assert session.store.segments.changed_at[0] > 30
     assert session.store.intact_tokens() == 30
     sync = prepare_history(session, system + c, engine.new_sequence)
     apply_pins(session.store, pins)
     assert sync == HistorySync(30, 60, "truncated")
-    engine.feed(session, c)
+    engine.prefill(session, c)
     fresh = engine.new_sequence()
     apply_pins(fresh.store, pins)
-    engine.feed(fresh, system + c)
+    engine.prefill(fresh, system + c)
     assert (session.last_logits - fresh.last_logits).abs().max() < 1e-4
     assert kept_positions(session.store) == kept_positions(fresh.store)
     assert fresh.store.figures.evicted_tokens > 0
@@ -245,19 +245,19 @@ def test_a_shared_spill_saves_each_session_after_its_request_and_another_replica
     engine, tmp_path
 ):
     first = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
-    feed(first, "a", list(range(10, 110)))
+    prefill(first, "a", list(range(10, 110)))
     assert first.checkpoints.flush(timeout_s=30)
     assert first.checkpoints.written == 1 and first.in_memory() == ["a"]
     assert len(list(tmp_path.glob("*.pt"))) == 1  # kept in memory and on disk
-    feed(first, "a", list(range(110, 130)))  # its save is queued again...
+    prefill(first, "a", list(range(110, 130)))  # its save is queued again...
     second = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
     assert second.ids() == []  # ...nothing is adopted at start
     assert first.checkpoints.flush(timeout_s=30) and first.checkpoints.written == 2
     reference = engine.new_sequence()
-    engine.feed(reference, list(range(10, 110)))
-    engine.feed(reference, list(range(110, 130)))
-    resumed = feed(second, "a", [7])  # the replica holding it died: another takes it over
-    assert torch.equal(resumed, engine.feed(reference, [7]))
+    engine.prefill(reference, list(range(10, 110)))
+    engine.prefill(reference, list(range(110, 130)))
+    resumed = prefill(second, "a", [7])  # the replica holding it died: another takes it over
+    assert torch.equal(resumed, engine.prefill(reference, [7]))
     with second.use("a") as session:
         assert len(session.token_ids) == 121
     assert second.taken_over == 1 and first.taken_over == 0
@@ -280,9 +280,9 @@ def test_a_request_writes_its_sessions_queued_save_before_it_runs(engine, tmp_pa
         return store.checkpoint(session_id)
 
     store.checkpoints._save = slow_checkpoint
-    feed(store, "blocker", [1, 2, 3])  # the writer holds this one back
+    prefill(store, "blocker", [1, 2, 3])  # the writer holds this one back
     assert started.wait(30)
-    feed(store, "a", list(range(10, 40)))  # queued behind it
+    prefill(store, "a", list(range(10, 40)))  # queued behind it
     with store.use("a") as session:  # the next request writes it first
         saved = SequenceState.load(store._path("a"), engine.model)
         assert saved.token_ids == session.token_ids == list(range(10, 40))
@@ -295,7 +295,7 @@ def test_a_request_writes_its_sessions_queued_save_before_it_runs(engine, tmp_pa
 def test_a_save_that_fails_after_a_request_is_counted_and_the_request_stands(engine, tmp_path):
     store = SessionStore(engine, spill_dir=tmp_path, shared_spill=True)
     store._path("a").mkdir()  # the file cannot be written: a directory holds its name
-    logits = feed(store, "a", list(range(10, 40)))
+    logits = prefill(store, "a", list(range(10, 40)))
     assert store.checkpoints.flush(timeout_s=30)
     assert store.checkpoints.failed == 1 and store.checkpoints.written == 0
     assert logits.shape[-1] == engine.model.config.vocab_size

@@ -57,9 +57,9 @@ def run_logits(model: torch.nn.Module, policy: str) -> tuple[torch.Tensor, torch
     built = make_policy(policy, **params)
     engine = Engine(model, _Tokenizer(), built, prefill_chunk=64)
     sequence = engine.new_sequence()
-    engine.feed(sequence, PROMPT)
+    engine.prefill(sequence, PROMPT)
     for token in range(20, 28):
-        logits = engine.feed(sequence, [token])
+        logits = engine.prefill(sequence, [token])
     return logits, sequence.store.dtype
 
 
@@ -164,8 +164,8 @@ def test_decode_graph_equals_eager_step(weights):
         policy = make_policy("conf-kv", budget=48, protect_recent=8)
         engine = Engine(model, _Tokenizer(), policy, prefill_chunk=64, compile=compile)
         sequence = engine.new_sequence()
-        engine.feed(sequence, PROMPT)
-        results.append(torch.stack([engine.feed(sequence, [t]) for t in range(20, 26)]))
+        engine.prefill(sequence, PROMPT)
+        results.append(torch.stack([engine.prefill(sequence, [t]) for t in range(20, 26)]))
     torch.testing.assert_close(results[1], results[0], atol=1e-3, rtol=1e-3)
 
 

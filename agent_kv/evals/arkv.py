@@ -131,7 +131,7 @@ class Tally:
 def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
     """Prefill `context`, then ask every fact's question in turn, adding to `tally`."""
     session = engine.new_sequence()
-    engine.feed(session, context)
+    engine.prefill(session, context)
     params = SamplingParams(max_new_tokens=ANSWER_TOKENS)
     for name, code in facts:
         ids = engine.tokenizer(f"\nThe code of the {name} is", add_special_tokens=False)

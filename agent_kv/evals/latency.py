@@ -129,7 +129,7 @@ class Timed:
 def decode_step(engine: Engine, session: SequenceState) -> float:
     """Seconds for one greedy decode step (argmax of the last logits + forward + policy)."""
     start = time.perf_counter()
-    engine.feed(session, [int(session.last_logits.argmax())])
+    engine.prefill(session, [int(session.last_logits.argmax())])
     return time.perf_counter() - start
 
 
@@ -289,7 +289,7 @@ def _warm_up(engines: dict[str, Engine], text_ids: list[int]) -> None:
     """Run each engine once on a throwaway session (first-call allocations, lazy init)."""
     for engine in engines.values():
         session = engine.new_sequence()
-        engine.feed(session, text_ids[:WARMUP_TOKENS])
+        engine.prefill(session, text_ids[:WARMUP_TOKENS])
         decode_step(engine, session)
         decode_step(engine, session)
 
@@ -305,7 +305,7 @@ def _batch1(engines: dict[str, Engine], ctx: EvalContext, context: int, steps: i
         session = engine.new_sequence()
         timers[label] = Timed()
         start = time.perf_counter()
-        engine.feed(session, prompt)
+        engine.prefill(session, prompt)
         prefill_s[label] = time.perf_counter() - start
         runs[label] = (engine, session)
     originals = {label: engine.policy.evict for label, engine in engines.items()}

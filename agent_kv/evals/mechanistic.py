@@ -181,10 +181,10 @@ def eviction_kl(
         per rule name, `KL(p_full || p_evicted)` in nats and the tokens evicted per layer.
     """
     forks = {name: fork_evicted(session, rule) for name, rule in rules.items()}
-    full_logits = engine.feed(session, [token])
+    full_logits = engine.prefill(session, [token])
     kl, evicted = {}, {}
     for name, (fork, count) in forks.items():
-        kl[name] = kl_divergence(full_logits, engine.feed(fork, [token]))
+        kl[name] = kl_divergence(full_logits, engine.prefill(fork, [token]))
         evicted[name] = count
     return full_logits, kl, evicted
 
@@ -259,7 +259,7 @@ def walk_slice(
     fed = 0
     records = []
     for t in positions:
-        engine.feed(session, ids[fed:t])
+        engine.prefill(session, ids[fed:t])
         logits, kl, evicted = eviction_kl(engine, session, ids[t], rules)
         fed = t + 1
         record = {"t": t, "c": float(confidence(logits))}

@@ -165,10 +165,8 @@ class ForwardCall:
             raise ValueError(f"rows must be a non-empty ascending range within {store.batch}")
         if start is not None:
             starts = [start] * len(rows)
-        elif store.rotary is None:
-            starts = [store.seen(r) for r in rows]
         else:
-            starts = [max(store.lengths(r)) for r in rows]
+            starts = [store.next_position(r) for r in rows]
         starts = [s + ahead for s in starts]
         store.check_context(max(starts) + n)
         segments = store.segments

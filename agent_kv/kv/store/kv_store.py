@@ -194,6 +194,12 @@ class KVStore:
         """Tokens appended to a row so far (its next original position)."""
         return self.segments.seen(row)
 
+    def next_position(self, row: int) -> int:
+        """The rotary position a row's next token takes: its tokens seen (original
+        positions), or its longest layer's live tokens (rerotate: kept tokens renumbered in
+        order)."""
+        return self.seen(row) if self.rotary is None else max(self.lengths(row))
+
     def length(self, layer: int, row: int = 0) -> int:
         """Live tokens of a row in one layer (quantized + FP)."""
         return self.segments.length(layer, row)

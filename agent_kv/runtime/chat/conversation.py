@@ -115,7 +115,7 @@ class Conversation:
         returns the logits for the reply's first token, `[vocab]` float32. A `reply`,
         `force_reply` or `fork` after it starts from there."""
         prompt = self._take_prompt()
-        return self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
+        return self.engine.prefill(self.sequence, prompt) if prompt else self.sequence.last_logits
 
     def fork(self) -> Conversation:
         """An independent copy of this conversation: the sequence (store, pins, logits) is
@@ -185,7 +185,7 @@ class Conversation:
         pinned = len(tokens) if pin is True else min(int(pin), len(tokens))
         if pinned:
             self.chat.pin_reply(reply_start, reply_start + pinned)
-        logits = self.engine.feed(self.sequence, prompt) if prompt else self.sequence.last_logits
+        logits = self.engine.prefill(self.sequence, prompt) if prompt else self.sequence.last_logits
         forced = ForcedReply([], [])
         distributions = []
         for token in tokens:
@@ -194,7 +194,7 @@ class Conversation:
             forced.logprobs.append(float(log_probs[token]))
             if keep_distributions:
                 distributions.append(log_probs)
-            logits = self.engine.feed(self.sequence, [token])
+            logits = self.engine.prefill(self.sequence, [token])
         if keep_distributions:
             forced.distributions = torch.stack(distributions)
         self.chat.add_reply(self.engine.tokenizer, text, reply_start, pinned)

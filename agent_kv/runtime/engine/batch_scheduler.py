@@ -1,7 +1,7 @@
 """Continuous batching: the turns of many sequences decoded as rows of one forward call per
 scheduler iteration, each with its own store, policy, budget, pins and sampling.
 
-One thread owns the model. Each iteration it runs, in one packed call (`Engine.forward_packed`), the
+One thread owns the model. Each iteration it runs, in one engine step (`Engine.step`), the
 next decode token of every running turn and the next prefill chunks of turns still
 prefilling, under a per-iteration budget of prefill tokens (`prefill_tokens`, by default the
 engine's `prefill_chunk`): chunks are taken in turn, round robin, so a new short prompt is not
@@ -16,15 +16,15 @@ sequence can reach while it runs (`KVMemory.turn_bound`: the prompt and `max_new
 under its policy), so the batch never allocates past the cap; a turn whose bound alone is over
 it is refused at once (`KVCapacityError`), one that fits waits for running turns to end. An
 iteration of one turn is the serial path itself
-(`Engine.feed`, compiled with `compile`), so a lone turn runs as fast as it would without
+(`Engine.prefill`, compiled with `compile`), so a lone turn runs as fast as it would without
 the scheduler.
 
 Callers block in `generate`, which has `Engine.generate`'s contract: the same reply (greedy
 replies are token-for-token those of serving the turns one at a time, up to the float
 rounding that batched products may differ in), streamed through `on_text` from the
 scheduler's thread, and `TurnCancelled` once `cancel` is set (the sequence keeps what was
-fed). A sequence must not run two turns at once (the caller serialises them). `feed` is
-`Engine.feed`'s counterpart: a turn that ends after its prompt, through the same chunks.
+fed). A sequence must not run two turns at once (the caller serialises them). `prefill` is
+`Engine.prefill`'s counterpart: a turn that ends after its prompt, through the same chunks.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class _Turn:
 
 
 class _PrefillOnly:
-    """The decoder of a turn that only prefills (`BatchScheduler.feed`): it chooses no token,
+    """The decoder of a turn that only prefills (`BatchScheduler.prefill`): it chooses no token,
     so the turn ends after its prompt's last chunk, and its result is that chunk's logits."""
 
     def __init__(self):
@@ -201,7 +201,7 @@ class BatchScheduler:
         )  # fmt: skip
         return self._run(turn, len(prompt_ids) + params.max_new_tokens)
 
-    def feed(
+    def prefill(
         self,
         sequence: SequenceState,
         token_ids: list[int],
@@ -210,9 +210,9 @@ class BatchScheduler:
         deadline: float | None = None,
     ) -> torch.Tensor:
         """Run `token_ids` through the model into `sequence` as a row of the batch, with no
-        reply: `Engine.feed` through the scheduler. The tokens go in the engine's
+        reply: `Engine.prefill` through the scheduler. The tokens go in the engine's
         `prefill_chunk` chunks, each followed by `policy`'s eviction (only the last chunk gated
-        by its confidence), exactly as `Engine.feed` feeds them; blocks until the last chunk
+        by its confidence), exactly as `Engine.prefill` feeds them; blocks until the last chunk
         ran. One token (a teacher-forced reply token) is one chunk: a decode-sized call.
 
         Args:
@@ -227,7 +227,7 @@ class BatchScheduler:
 
         Raises:
             ValueError: `token_ids` is empty.
-            ContextOverflowError: as `Engine.feed` (original positions: before anything is
+            ContextOverflowError: as `Engine.prefill` (original positions: before anything is
                 queued; rerotate: when the chunk that passes the context would run, the
                 chunks before it fed).
             KVCapacityError: the turn's KV bound alone is over `max_kv_bytes` (before it is
@@ -237,7 +237,7 @@ class BatchScheduler:
             RuntimeError: the scheduler was closed.
         """
         if not token_ids:
-            raise ValueError("feed needs at least one token")
+            raise ValueError("prefill needs at least one token")
         store = sequence.store
         if store.positions_mode == "original":
             store.check_context(store.seen_tokens + len(token_ids))
@@ -367,7 +367,7 @@ class BatchScheduler:
         ]
         turns = decoding + prefilling
         try:
-            results = self.engine.forward_packed(parts)
+            results = self.engine.step(parts)
         except Exception as err:  # the model call failed: every turn in it fails
             for turn in turns:
                 self._running.remove(turn)

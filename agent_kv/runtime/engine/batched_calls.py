@@ -1,5 +1,5 @@
 """What the engine's calls over several sequences or rows take and give: `PackedPart`, one
-sequence's share of a packed forward call (`Engine.forward_packed`, continuous batching), and
+sequence's share of a packed forward call (`Engine.step`, continuous batching), and
 `BatchGeneration`, the replies of a batch of prompts decoded together
 (`Engine.generate_batch`)."""
 
@@ -15,7 +15,7 @@ from agent_kv.runtime.replies.decoding import Generation
 
 @dataclass
 class PackedPart:
-    """One sequence's share of a packed forward call (`Engine.forward_packed`).
+    """One sequence's share of a packed forward call (`Engine.step`).
 
     Attributes:
         sequence: the sequence (its store has one row).

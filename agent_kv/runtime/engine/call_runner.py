@@ -1,5 +1,5 @@
 """Forward calls over policy-managed KV stores, each followed by the policy's eviction: the part of
-`Engine` every one of its operations (feed, decode, batches, packed calls, scoring) runs on.
+`Engine` every one of its operations (prefill, decode, batches, packed calls, scoring) runs on.
 
 One call, top to bottom (docs/architecture.md, "Data flow of one forward call"): the policy
 prepares the call and bounds the store's capacity; with `select="vote"` recall, a vote pass
@@ -182,7 +182,7 @@ class CallRunner:
         the model's trained context (only at its very end do they overlap the row's last
         tokens)."""
         store = cache.store
-        start = store.seen(row) if store.rotary is None else max(store.lengths(row))
+        start = store.next_position(row)
         if store.max_positions:
             start = max(min(start, store.max_positions - len(tokens)), 0)
         plan = CallPlan(statistics=policy.statistics, maxima_pass=True)

@@ -56,7 +56,7 @@ class ChatEngine(Protocol):
         """An empty sequence for the model with the engine's store options."""
         ...
 
-    def feed(
+    def prefill(
         self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """Feed `token_ids` to `sequence` under the policy; returns the `[vocab]` float32

@@ -1,17 +1,18 @@
 """The inference engine: chunked prefill and decode over a policy-managed KV store.
 
-A reply, top to bottom (`Engine.generate`): `feed` prefills the prompt chunk by chunk, then
-`decode_one_token` runs once per sampled token until the reply ends. One decode step
-(docs/architecture.md, "Data flow of one forward call"): model forward on the new token (one
-graph per step with `compile`: `DecodeGraph` wraps the same call) -> the store appends its
-keys/values and the call's measurements are folded into the policy's statistics -> the last
-logits give the confidence `c` -> the policy evicts down to this call's budget -> the next
-token is sampled from the logits. Prefill runs the same path chunk by chunk, so eviction also
-happens between chunks and the store never holds more than budget + one chunk + the pinned
-tokens. Only the last chunk of a prompt gates the budget with its confidence; earlier chunks
-get the policy's no-signal budget. `decode` is the same step for every row of a batched
-store; the batch scheduler packs the steps of many sequences into one call
-(`forward_packed`).
+A reply, top to bottom (`Engine.generate`): `prefill` runs the prompt chunk by chunk, then
+`decode_one_token` runs once per sampled token until the reply ends. Both are `step`, the one
+forward step of the engine, over one sequence: a prefill chunk or a decode token through the
+model (one graph per decode step with `compile`: `DecodeGraph` wraps the same call) -> the
+store appends its keys/values and the call's measurements are folded into the policy's
+statistics -> the last logits give the confidence `c` -> the policy evicts down to this
+call's budget (docs/architecture.md, "Data flow of one forward call"); `generate` then samples
+the next token from the logits. Eviction happens between prefill chunks too, so the store
+never holds more than budget + one chunk + the pinned tokens. Only the last chunk of a prompt
+gates the budget with its confidence; earlier chunks get the policy's no-signal budget. The
+batch scheduler's iteration is the same `step` over many sequences, their tokens packed into
+one call. (`decode` and `generate_batch` are the older path over the rows of one batched
+store.)
 
 The forward call and the policy's eviction after it are `agent_kv.runtime.engine.call_runner`
 (`CallRunner`, which `Engine` extends); prefix sharing is `agent_kv.runtime.engine.prefix_sharing`.
@@ -176,7 +177,7 @@ class Engine(CallRunner, ChatEngine):
             pinned = blocks * BLOCK_TOKENS
             sequence = self.new_sequence()
             sequence.store.pins.pin(0, pinned)
-            self.feed(sequence, [blocks] * (pinned + 8))  # no two openings alike
+            self.prefill(sequence, [blocks] * (pinned + 8))  # no two openings alike
             self.publish_prefix(sequence)
             for _ in range(2):
                 self.decode_one_token(sequence, 0)
@@ -189,7 +190,7 @@ class Engine(CallRunner, ChatEngine):
         """Before `token_ids` are fed to a sequence that holds no token of its own yet: read
         the longest run of their leading whole blocks that is pinned and that the prefix cache
         holds from its shared blocks instead of computing it (never the last token, whose
-        logits the feed needs). The sequence moves past the tokens read. Returns how many.
+        logits the prefill needs). The sequence moves past the tokens read. Returns how many.
         0 without `share_prefixes`, for a store of several rows or one with tokens of its
         own."""
         return read_shared(self.prefix_cache, sequence, token_ids)
@@ -204,7 +205,7 @@ class Engine(CallRunner, ChatEngine):
         """With `share_prefixes`: the prompts' longest common prefix, in whole blocks and
         before every prompt's last token (whose logits each row needs), computed once on a
         one-row sequence that pins it and publishes it to the prefix cache (or found there,
-        `feed`), then read by every row of the batch's empty `store` as shared blocks. Returns
+        `prefill`), then read by every row of the batch's empty `store` as shared blocks. Returns
         the tokens each row reads shared (0 without `share_prefixes`, with rerotate, or
         without one whole common block)."""
         count = common_blocks(self.prefix_cache, store, prompts)
@@ -212,11 +213,11 @@ class Engine(CallRunner, ChatEngine):
             return 0
         prefix = self.new_sequence()
         prefix.store.pins.pin(0, count)
-        self.feed(prefix, prompts[0][:count])
+        self.prefill(prefix, prompts[0][:count])
         return share_computed(self.prefix_cache, store, prefix.store, count)
 
     @torch.no_grad()
-    def feed(
+    def prefill(
         self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
         """Run `token_ids` through the model in chunks, applying the policy after each chunk.
@@ -236,30 +237,35 @@ class Engine(CallRunner, ChatEngine):
                 before it.
         """
         if not token_ids:
-            raise ValueError("feed needs at least one token")
+            raise ValueError("prefill needs at least one token")
         if self.reencodes and len(token_ids) > 1 and _reencode_due(sequence):
             self.reencode(sequence)
         store = sequence.store
         if store.positions_mode == "original":
             store.check_context(store.seen_tokens + len(token_ids))
-
-        def fed(chunk: list[int], logits: torch.Tensor) -> None:
-            # the sequence follows the store chunk by chunk, so a failure midway (a rerotate
-            # context overflow) leaves them consistent
-            sequence.token_ids.extend(chunk)
-            sequence.last_logits = logits
-
         shared = self.share_prefix(sequence, token_ids)
-        self._prefill_row(sequence.cache, 0, token_ids[shared:], sequence.steps, fed, cancel)
+        self._prefill_steps(sequence, token_ids[shared:], cancel)
         self.publish_prefix(sequence)
         return sequence.last_logits
 
+    def _prefill_steps(
+        self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
+    ) -> None:
+        """`token_ids` through `step`, `prefill_chunk` tokens a step, under the engine's
+        policy, only the last chunk gated by its confidence. Raises `TurnCancelled` when
+        `cancel` is set before a chunk, and a chunk's `ContextOverflowError` (the chunks
+        before it fed)."""
+        chunk = self.prefill_chunk
+        for start in range(0, len(token_ids), chunk):
+            check_cancel(cancel)
+            piece, last = token_ids[start : start + chunk], start + chunk >= len(token_ids)
+            self._step_one(PackedPart(sequence, piece, self.policy, last))
+
     @torch.no_grad()
     def decode_one_token(self, sequence: SequenceState, token: int) -> torch.Tensor:
-        """One decode step of one sequence: `token` through the model over its cache (the
-        compiled graph with `compile`), the policy's eviction after it with the step's
-        confidence and a `CallRecord` in `sequence.steps`; the same computation as feeding
-        the one token.
+        """One decode step of one sequence: `step` on `token` (the compiled graph with
+        `compile`), the policy's eviction gated by its confidence, a `CallRecord` in
+        `sequence.steps`.
 
         Returns:
             `[vocab]` float32 logits after `token` (also kept as `sequence.last_logits`).
@@ -267,15 +273,16 @@ class Engine(CallRunner, ChatEngine):
         Raises:
             ContextOverflowError: the token would pass the model's trained context.
         """
-        store = sequence.store
-        if store.positions_mode == "original":
-            store.check_context(store.seen_tokens + 1)
-        logits = self._forward(sequence.cache, range(1), [[token]])
-        self._after_chunk(self.policy, sequence.cache, 0, [token], logits, True, sequence.steps)
-        sequence.token_ids.append(token)
-        sequence.last_logits = logits[0]
+        logits = self._step_one(PackedPart(sequence, [token], self.policy, True))
         self.publish_prefix(sequence)
-        return sequence.last_logits
+        return logits
+
+    def _step_one(self, part: PackedPart) -> torch.Tensor:
+        """`step` over one sequence; its logits, or its error raised."""
+        (result,) = self.step([part])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @torch.no_grad()
     def reencode(self, sequence: SequenceState) -> int:
@@ -315,9 +322,7 @@ class Engine(CallRunner, ChatEngine):
         sequence.steps = steps
         for start, end in flag_runs(kept.tolist()):
             store.skip(start - store.seen_tokens)
-            sequence.last_logits = self._prefill_row(
-                sequence.cache, 0, token_ids[start:end], sequence.steps
-            )
+            self._prefill_steps(sequence, token_ids[start:end])
         store.skip(seen - store.seen_tokens)
         sequence.token_ids = token_ids
         sequence.evicted_at_reencode = store.figures.evicted_tokens
@@ -435,14 +440,14 @@ class Engine(CallRunner, ChatEngine):
         return torch.cat(log_probs)[:-1].gather(1, targets[:, None]).squeeze(1)
 
     @torch.no_grad()
-    def forward_packed(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
-        """One forward call over several sequences (continuous batching): each part's tokens
-        (a decode token, or a prefill chunk of at most `prefill_chunk` tokens) packed into one
-        row (`agent_kv.kv.packed_call`), each sequence read and written through its own store;
-        then each part's policy evicts in its store, gated as `PackedPart.gated` says, and the
-        sequence moves on as `feed` moves it (`token_ids`, `last_logits`, a `CallRecord`).
-        A single part runs as `feed` runs it (the decode graph with `compile`), so a batch of
-        one is exactly the serial path.
+    def step(self, parts: list[PackedPart]) -> list[torch.Tensor | AgentKVError]:
+        """The engine's one forward step, over one sequence or several (continuous batching):
+        each part's tokens (a decode token, or a prefill chunk of at most `prefill_chunk`
+        tokens) through the model, then each part's policy evicts in its store, gated as
+        `PackedPart.gated` says, and the sequence moves on (`token_ids`, `last_logits`, a
+        `CallRecord`). One part runs alone (the decode graph with `compile`): `prefill` and
+        `decode_one_token` are this step; several are packed into one row
+        (`agent_kv.kv.packed_call`), each sequence read and written through its own store.
 
         Returns:
             per part, float32 logits `[vocab]` after its last token; or, for a part whose
@@ -453,13 +458,13 @@ class Engine(CallRunner, ChatEngine):
         calls, running = [], []
         for i, part in enumerate(parts):
             store = part.sequence.store
-            plan = self._prepare(part.policy, store)
             try:
                 if len(parts) > 1:
+                    plan = self._prepare(part.policy, store)
                     self._vote(part.sequence.cache, range(1), [part.tokens], plan)
                     calls.append(ForwardCall.open(store, range(1), len(part.tokens), plan))
                 else:
-                    store.check_context(store.seen(0) + len(part.tokens))
+                    store.check_context(store.next_position(0) + len(part.tokens))
             except ContextOverflowError as err:
                 results[i] = err
                 continue
@@ -519,7 +524,7 @@ class Engine(CallRunner, ChatEngine):
             params, self.matcher(params), self.tokenizer, self.eos_ids, on_text,
             prompt_ids=[*sequence.token_ids, *prompt_ids],
         )  # fmt: skip
-        logits = self.feed(sequence, prompt_ids, cancel) if prompt_ids else sequence.last_logits
+        logits = self.prefill(sequence, prompt_ids, cancel) if prompt_ids else sequence.last_logits
         if logits is None:
             raise ValueError("nothing to generate from: the session is empty and the prompt too")
         while (token := decoder.choose(logits)) is not None:

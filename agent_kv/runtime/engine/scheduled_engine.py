@@ -9,7 +9,7 @@ batching, `agent_kv.runtime.engine.batch_scheduler`). Only the scheduler's threa
 It offers what `Conversation`, the web agent, the scripted-episode runner, the agreement replay and
 the reference replay use of an `Engine`, the interface both declare (`ChatEngine`). The
 `Engine` methods that would run the model on the caller's thread (`decode`,
-`generate_batch`, `score`, `forward_packed`, `warm_up`) are not offered.
+`generate_batch`, `score`, `step`, `warm_up`) are not offered.
 
 Greedy replies and fed logits are those of a plain `Engine` with the same policy (the same
 chunk boundaries and policy evictions), up to the float rounding that batched products may
@@ -123,11 +123,11 @@ class ScheduledEngine(ChatEngine):
         """An empty sequence for the shared model with this view's store options."""
         return SequenceState.for_model(self.model, **self.store_options)
 
-    def feed(
+    def prefill(
         self, sequence: SequenceState, token_ids: list[int], cancel: threading.Event | None = None
     ) -> torch.Tensor:
-        """`Engine.feed` through the scheduler, under this view's policy
-        (`BatchScheduler.feed`); blocks until the tokens are in.
+        """`Engine.prefill` through the scheduler, under this view's policy
+        (`BatchScheduler.prefill`); blocks until the tokens are in.
 
         Returns:
             `[vocab]` float32 logits after the last token (also `sequence.last_logits`).
@@ -139,7 +139,7 @@ class ScheduledEngine(ChatEngine):
                 chunks fed before it.
             RuntimeError: the scheduler was closed.
         """
-        return self.scheduler.feed(sequence, token_ids, self.policy, cancel)
+        return self.scheduler.prefill(sequence, token_ids, self.policy, cancel)
 
     def generate(
         self,
