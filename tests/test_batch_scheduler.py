@@ -315,3 +315,18 @@ def test_turns_join_while_their_kv_bounds_fit_the_cap(smollm, monkeypatch):
     with pytest.raises(KVCapacityError, match="over the batch's cap"):
         scheduler.generate(big, list(range(100, 400)), params)
     assert big.store.seen_tokens == 0 and scheduler.waiting == 0
+
+
+def test_a_lone_rerotate_turn_runs_past_the_context_in_tokens_seen(smollm):
+    """With rerotate positions the context bounds the tokens a row holds, not the tokens it
+    has seen: a turn alone in the batch (one sequence's `step`) runs on past it."""
+    policy = make_policy("window", budget=64, sinks=4)
+    engine = Engine(smollm.model, smollm.tokenizer, policy, prefill_chunk=32, rerotate=True)
+    scheduler = BatchScheduler(engine)
+    sequence = engine.new_sequence()
+    sequence.store.max_positions = 200
+    scheduler.prefill(sequence, list(range(100, 500)))
+    assert sequence.store.seen_tokens == 400 and max(sequence.store.lengths()) < 200
+    reply = scheduler.generate(sequence, [7, 8], SamplingParams(max_new_tokens=3))
+    assert len(reply.token_ids) == 3 and sequence.store.seen_tokens >= 404
+    scheduler.close()
