@@ -4,7 +4,8 @@ A scripted episode's trace (`recall.json`, written by `bench --mode scripted`) i
 the token sequence the scripted runner fed (system turn and examples, each page as an
 observation turn, each reply as the assistant's turn, the assistant header, `stop [` and the
 task's answer prefix) and run on Hugging Face's own model (the default model's converted
-directory, float32) in one of three ways, each ending in a greedy answer:
+directory, float32, `model_loading.transformers_directory`) in one of five ways, each ending
+in a greedy answer:
 
 - `subset`: only some tokens, encoded without the rest of the history, at their original
   positions (or renumbered from 0 with `--renumber`): the system turn and examples, the latest
@@ -18,6 +19,8 @@ directory, float32) in one of three ways, each ending in a greedy answer:
   notes) and the newest `--budget` other tokens: the window policy with `--pin-replies notes`;
 - `posthoc`: every token fed with nothing evicted, then the same eviction once, just before
   the question;
+- `full`: every token fed in the runner's order, nothing evicted: full KV on transformers'
+  own path, the reference for the harness's full-KV answer;
 - `reencode`: as `incremental`, then the tokens the window kept are encoded again, alone, at
   their original positions, in a fresh cache before the question (what a policy that
   re-encodes its kept tokens would read).
@@ -43,6 +46,7 @@ from agent_kv.harness.action_formats import TEXT_ACTIONS
 from agent_kv.harness.agent import OBSERVATION_TEMPLATE
 from agent_kv.harness.scripted_episode import DEFAULT_FORMAT, NOTE, STOP_PREFIX
 from agent_kv.runtime.chat.rendering import render_chat
+from agent_kv.runtime.models.model_loading import transformers_directory
 from envs.tasks import load_task
 from scripts.long_tasks.build import default_tokenizer
 
@@ -117,7 +121,7 @@ class Probe:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.model = AutoModelForCausalLM.from_pretrained(
-            tokenizer.name_or_path, dtype=torch.float32, attn_implementation="sdpa"
+            transformers_directory(), dtype=torch.float32, attn_implementation="sdpa"
         ).eval()
         self.cache = DynamicCache()
         self.live = torch.zeros(0, dtype=torch.long)  # original positions of the cached tokens
@@ -180,16 +184,17 @@ def subset(probe: Probe, parts: list[Part], keep: set[str], renumber: bool) -> i
 
 
 def evicting(
-    probe: Probe, parts: list[Part], budget: int, once: bool, reencode: bool = False
+    probe: Probe, parts: list[Part], budget: int | None, once: bool, reencode: bool = False
 ) -> int:
     """Feed every token in the runner's order, evicting after each call (`incremental`) or
-    once before the question (`posthoc`), and with `reencode` encode the kept tokens again
-    in a fresh cache; returns the next position."""
+    once before the question (`posthoc`), or never (`budget` None: `full`), and with
+    `reencode` encode the kept tokens again in a fresh cache; returns the next position."""
     pinned: set[int] = set()
     latest: range | None = None
     for part in parts:
         if part.kind == "question":
-            probe.evict(pinned, budget)
+            if budget is not None:
+                probe.evict(pinned, budget)
             if reencode:
                 kept = probe.live.tolist()
                 ids = [token for part in parts for token in part.ids]
@@ -209,7 +214,7 @@ def evicting(
         for offset in range(0, len(part.ids), step):
             piece = part.ids[offset : offset + step]
             probe.feed(piece, list(range(part.start + offset, part.start + offset + len(piece))))
-            if not once:
+            if budget is not None and not once:
                 probe.evict(pinned, budget)
     raise ValueError("the rebuilt sequence has no question")
 
@@ -218,7 +223,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path, help="a scripted episode's recall.json")
     parser.add_argument(
-        "--mode", choices=("subset", "incremental", "posthoc", "reencode"), required=True
+        "--mode", choices=("subset", "incremental", "posthoc", "reencode", "full"), required=True
     )
     parser.add_argument(
         "--keep", default="", help="subset: note,note-tokens,replies,fact-page,recent"
@@ -239,14 +244,17 @@ def main() -> None:
         following = subset(probe, parts, keep, args.renumber)
     else:
         once, reencode = args.mode == "posthoc", args.mode == "reencode"
-        following = evicting(probe, parts, args.budget, once, reencode)
+        budget = None if args.mode == "full" else args.budget
+        following = evicting(probe, parts, budget, once, reencode)
     answer = task.answer_prefix + probe.answer(following)
     print(
         json.dumps(
             {
                 "task": task.task_id,
                 "mode": args.mode,
-                "keep": args.keep if args.mode == "subset" else f"window {args.budget} + notes",
+                "keep": {"subset": args.keep, "full": "everything"}.get(
+                    args.mode, f"window {args.budget} + notes"
+                ),
                 "renumber": args.renumber,
                 "live_tokens": int(probe.live.numel()),
                 "history_tokens": parts[-1].positions.stop,
