@@ -141,6 +141,12 @@ def overlapping_tokens(starts: list[int], ends: list[int], start: int, end: int)
     return bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)
 
 
+def starting_tokens(starts: list[int], start: int, end: int) -> tuple[int, int]:
+    """The tokens `[first, last)` whose first character lies in characters `[start, end)`, of
+    tokens starting at characters `starts` in order: how a message's tokens are counted."""
+    return bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+
+
 _FRAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {tools: frame}
 _FRAMES_LOCK = threading.Lock()
 

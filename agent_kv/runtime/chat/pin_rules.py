@@ -27,7 +27,6 @@ it to its `ChatSession`; `protected_spans` gives its spans. Messages are placed 
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -36,7 +35,7 @@ import re2
 from agent_kv.errors import ConfigError
 from agent_kv.kv.store import KVStore
 from agent_kv.kv.store.pins import flag_runs
-from agent_kv.runtime.chat.layout import RenderedChat
+from agent_kv.runtime.chat.layout import RenderedChat, starting_tokens
 from agent_kv.runtime.replies.tool_calls import TOOL_NAME_PATTERN
 from agent_kv.valid_text import check_unicode
 
@@ -241,10 +240,8 @@ class ChatPins:
             ConfigError: invalid rules.
         """
         rules.validate()
-        starts = chat.token_starts
         message_spans = [
-            (bisect.bisect_left(starts, start), bisect.bisect_left(starts, end))
-            for start, end in chat.message_chars
+            starting_tokens(chat.token_starts, start, end) for start, end in chat.message_chars
         ]
         text = [chat.token_span(*span) for span in rules.text_spans(chat.text, chat.preamble_chars)]
         observations = {}

@@ -30,6 +30,7 @@ from agent_kv.runtime.chat.layout import (
     place_messages,
     placed_chat,
     preamble_chars,
+    starting_tokens,
 )
 from agent_kv.runtime.chat.pin_rules import ChatPins, PinRules, apply_pins
 from agent_kv.runtime.chat.rendering import render_chat
@@ -212,12 +213,8 @@ class ChatSession:
             footer_end = new.base + bisect.bisect_left(new.starts, placed[len(self.spans) - 1][1])
             self.spans[-1] = (start, max(end, footer_end))
         for start, end in placed[len(self.spans) :]:
-            self.spans.append(
-                (
-                    new.base + bisect.bisect_left(new.starts, max(start, new.new_from)),
-                    new.base + bisect.bisect_left(new.starts, end),
-                )
-            )
+            first, last = starting_tokens(new.starts, max(start, new.new_from), end)
+            self.spans.append((new.base + first, new.base + last))
         self._apply_rules(new, placed)
         self.rendered = new.text
 
