@@ -554,6 +554,48 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
     assert (tmp_path / "agreement_vs_memory.png").stat().st_size > 0
 
 
+def test_full_kv_under_a_reference_sweep_repeats_its_run(tmp_path: Path, smollm, monkeypatch):
+    """Full KV run again with `reference` reads the reference run's pages and replies (its
+    own browser session shows other element ids) and repeats its answer, history and KV
+    figures token for token; a reference sweep without the task's run is an error record."""
+    monkeypatch.setattr(episode_runner, "load_model", lambda model=None, weights=None: smollm)
+    task = load_task(413)
+    jobs = make_jobs([task], ["full"], [])
+    first, again = tmp_path / "first", tmp_path / "again"
+    for out, reference in ((first, None), (again, str(first))):
+        settings = BenchSettings(mode="scripted", reference_accuracy=False, reference=reference)
+        runner = EpisodeRunner(settings)
+        try:
+            run_bench([task], jobs, out, runner, settings, progress=False)
+        finally:
+            runner.close()
+    (ran,), (repeated,) = (read_results(out / "results.jsonl") for out in (first, again))
+    assert ran["end_reason"] == repeated["end_reason"] == "stop"
+    for field in ("reply", "history_tokens", "peak_kv_allocated_bytes", "peak_kv_live_bytes"):
+        assert repeated[field] == ran[field], field
+    recalls = [
+        json.loads((out / "traces" / jobs[0].name / "recall.json").read_text())
+        for out in (first, again)
+    ]
+    shown = [[page["observation"] for page in recall["pages"]] for recall in recalls]
+    assert shown[1] == shown[0] and len(shown[0]) == 2
+    # each step's decision, but the scripted action as this session's browser names it
+    decided = [
+        [{k: v for k, v in step.items() if k != "scripted"} for step in read_decisions(path)]
+        for path in (Path(ran["trace_dir"]), Path(repeated["trace_dir"]))
+    ]
+    assert decided[1] == decided[0] and len(decided[0]) == 1
+    empty = tmp_path / "empty"
+    (empty / "traces").mkdir(parents=True)
+    settings = BenchSettings(mode="scripted", reference_accuracy=False, reference=str(empty))
+    runner = EpisodeRunner(settings)
+    try:
+        (failed,) = run_bench([task], jobs, tmp_path / "none", runner, settings, progress=False)
+    finally:
+        runner.close()
+    assert failed["end_reason"] == "error" and "recall.json" in failed["error"]
+
+
 class RecordingBar:
     """A tqdm stand-in that keeps every update and postfix."""
 

@@ -113,7 +113,8 @@ ReferenceSweepOption = Annotated[
     typer.Option(
         "--reference",
         help="In scripted mode, a sweep directory whose full-KV runs (same tasks, same "
-        "settings but the pins) the decisions are compared with, instead of --out's own.",
+        "settings but the pins) the decisions are compared with, instead of --out's own; "
+        "full KV run here reads their pages and replies, repeating them.",
     ),
 ]
 RetryErrorsOption = Annotated[

@@ -368,7 +368,14 @@ class EpisodeRunner:
         under `config`, an `AgentConfig`), recording the model's own action at each step when
         the sweep compares decisions (a policy's against the full-KV run of the task beside
         `trace_dir`, whose pages and replies it then reads word for word: `run_recall_task`'s
-        `reference`; none found leaves the comparison to report it)."""
+        `reference`; none found leaves the comparison to report it). A full-KV run reads the
+        pages and replies of the reference sweep's full-KV run of the task when the sweep
+        names one (`BenchSettings.reference`): it then repeats that run token for token on
+        unchanged code, where its own browser session would show other element ids and ports.
+
+        Raises:
+            FileNotFoundError: a full-KV run under a reference sweep without that task's run.
+        """
         steps = self.settings.max_steps
 
         def on_page(number: int, pages: int) -> None:
@@ -376,10 +383,12 @@ class EpisodeRunner:
 
         env = browser.open(self._servers, self._observation)
         decisions, pages = None, None
+        full_dir = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
+        if job.policy == "full" and self.settings.reference is not None:
+            pages = json.loads((full_dir / TRACE_JSON).read_text())["pages"]
         if self.settings.agreement:
             reference = None
             if job.policy != "full":
-                full_dir = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
                 with contextlib.suppress(FileNotFoundError):
                     reference = read_decisions(full_dir)
                     pages = json.loads((full_dir / TRACE_JSON).read_text())["pages"]

@@ -141,7 +141,8 @@ class BenchSettings:
         page_pins: how much of the latest page to pin (`AgentConfig.page_pins`).
         pin_examples: pin the example turns (`AgentConfig.pin_examples`).
         reference: scripted mode: the sweep directory whose full-KV runs the decisions are
-            compared with (None: this sweep's own).
+            compared with (None: this sweep's own); this sweep's full-KV runs then read
+            those runs' pages and replies, repeating them.
     """
 
     max_steps: int = 6
