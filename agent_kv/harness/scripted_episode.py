@@ -396,6 +396,16 @@ def run_recall_task(
     return record
 
 
+def read_trace_pages(trace_dir: Path) -> list[dict[str, Any]]:
+    """The pages of the scripted run traced in `trace_dir`, as shown (`scripted_episode`'s
+    `reference` for a run that reads them).
+
+    Raises:
+        FileNotFoundError: `trace_dir` holds no scripted run's trace.
+    """
+    return json.loads((trace_dir / TRACE_JSON).read_text())["pages"]
+
+
 @dataclass
 class _Replay:
     """A recall task's replay so far (what a context overflow leaves is kept too).

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import queue
 import threading
@@ -49,7 +48,7 @@ from agent_kv.harness.agent import (
 from agent_kv.harness.agreement import agreement_summary, read_trajectory, replay_agreement
 from agent_kv.harness.decisions import DecisionRecorder, compare_decisions, read_decisions
 from agent_kv.harness.reply_pins import reply_pin
-from agent_kv.harness.scripted_episode import TRACE_JSON, scripted_episode
+from agent_kv.harness.scripted_episode import read_trace_pages, scripted_episode
 from agent_kv.harness.sweep.settings import BenchSettings, Job, full_job
 from agent_kv.kv.policies import make_policy
 from agent_kv.kv.policy_spec import PolicySpec
@@ -385,13 +384,13 @@ class EpisodeRunner:
         decisions, pages = None, None
         full_dir = self._full_traces(trace_dir) / full_job(task.task_id, config.agent).name
         if job.policy == "full" and self.settings.reference is not None:
-            pages = json.loads((full_dir / TRACE_JSON).read_text())["pages"]
+            pages = read_trace_pages(full_dir)
         if self.settings.agreement:
             reference = None
             if job.policy != "full":
                 with contextlib.suppress(FileNotFoundError):
                     reference = read_decisions(full_dir)
-                    pages = json.loads((full_dir / TRACE_JSON).read_text())["pages"]
+                    pages = read_trace_pages(full_dir)
                 reference = reference or []
             fact_page = task.facts[0].page if task.facts else None
             decisions = DecisionRecorder(config, fact_page, reference)
