@@ -48,10 +48,21 @@ def tiny_llama(smollm):
     """A 2-layer Llama with random weights (seed 0), SmolLM2's vocabulary, special tokens and
     8192-token context, attention through the KV store: behind SmolLM2's tokenizer it serves
     the same API as SmolLM2 at a fraction of its compute (the shape of requests and replies,
-    not what the model writes)."""
+    not what the model writes). Its replies run to `max_tokens`."""
     import transformers
 
     return _tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, smollm.model.config)
+
+
+@pytest.fixture(scope="session")
+def brief_tiny_llama(smollm):
+    """`tiny_llama`'s network with an output layer that ends strings, numbers and turns early
+    (`_ending_bias`), as `tiny_qwen` does: for tool calls and structured output behind
+    SmolLM2's tokenizer."""
+    import transformers
+
+    model = _tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, smollm.model.config)
+    return _ending_bias(model, smollm.tokenizer)
 
 
 def _tiny(config_class, model_class, cfg):
@@ -91,25 +102,32 @@ def tiny_qwen(qwen_tokenizer):
     """A 2-layer Qwen2 with random weights (seed 0) on the default model's vocabulary, special
     tokens and context, attention through the KV store: behind `qwen_tokenizer` it serves
     requests in the default model's tokens and template at a fraction of its compute (the
-    shape of requests and replies, not what the model writes). Its output layer has a bias
-    toward the tokens that end a JSON string (`"`, +15), a number (`}` and `,`, +12) and a turn
-    (`<|im_end|>`, +20), so that, sampled or greedy, its replies and call arguments end within
-    a few tokens, as a trained model's do (without it, a string under a grammar runs to
-    `max_tokens`)."""
-    import torch
+    shape of requests and replies, not what the model writes). Its output layer ends strings,
+    numbers and turns early (`_ending_bias`)."""
     import transformers
 
     from agent_kv.runtime.models.model_loading import model_config
 
     model = _tiny(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, model_config())
+    return _ending_bias(model, qwen_tokenizer)
+
+
+def _ending_bias(model, tokenizer):
+    """`model` (a `_tiny` one) with an output layer tied to its embeddings and a bias toward
+    the tokens of `tokenizer` that end a JSON string (`"`, +15), a number (`}` and `,`, +12)
+    and a turn (`<|im_end|>`, +20): sampled or greedy, its replies and call arguments end
+    within a few tokens, as a trained model's do (without it, a string under a grammar runs to
+    `max_tokens`)."""
+    import torch
+
     config = model.config
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
     head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         head.bias.zero_()
-        head.bias[qwen_tokenizer.convert_tokens_to_ids('"')] = 15.0
-        head.bias[qwen_tokenizer.convert_tokens_to_ids(["}", ","])] = 12.0
-        head.bias[qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")] = 20.0
+        head.bias[tokenizer.convert_tokens_to_ids('"')] = 15.0
+        head.bias[tokenizer.convert_tokens_to_ids(["}", ","])] = 12.0
+        head.bias[tokenizer.convert_tokens_to_ids("<|im_end|>")] = 20.0
     model.lm_head = head
     return model
 

@@ -194,8 +194,13 @@ class ListingPages:
 
 
 @pytest.mark.model
-def test_a_tool_agent_acts_on_its_page_and_reads_results_as_tool_turns(smollm, tmp_path):
-    engine = Engine(smollm.model, smollm.tokenizer, make_policy("conf-kv", budget=512))
+def test_a_tool_agent_acts_on_its_page_and_reads_results_as_tool_turns(
+    tiny_llama, smollm, tmp_path
+):
+    """The tool agent on SmolLM2's tokenizer and template, whose calls are in the generic
+    format (a random-weight model: the actions' validity comes from the grammar, not the
+    model)."""
+    engine = Engine(tiny_llama, smollm.tokenizer, make_policy("conf-kv", budget=512))
     env = ListingPages(steps=3)
     config = AgentConfig(max_steps=3, agent="tools")
     result = run_episode(load_task(1), engine, env, tmp_path, "smollm", config)

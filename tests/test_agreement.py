@@ -32,8 +32,10 @@ def full(smollm) -> Engine:
     return Engine(smollm.model, smollm.tokenizer, make_policy("full"))
 
 
-def test_full_kv_agrees_with_itself_exactly(smollm, full):
-    own = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+def test_full_kv_agrees_with_itself_exactly(tiny_llama, smollm):
+    """Two full-KV engines agree at every step with no divergence (a random-weight model
+    behind SmolLM2's tokenizer: the identity is the replay's, not the model's)."""
+    own, full = (Engine(tiny_llama, smollm.tokenizer, make_policy("full")) for _ in range(2))
     steps = replay_agreement(INTENT, TRAJECTORY, own, full)
     assert [s.step for s in steps] == [1, 2]
     assert all(s.kl < 1e-6 for s in steps)
@@ -63,12 +65,14 @@ def test_constrained_own_actions_are_valid_on_their_page(smollm, full):
         assert step.action.split(" ")[0] in ("click", "stop", "scroll", "type", "hover", "go_back")
 
 
-def test_a_tool_agent_trajectory_replays_in_its_own_format(smollm, full):
+def test_a_tool_agent_trajectory_replays_in_its_own_format(tiny_llama, smollm):
+    """A trajectory of tool calls replays as calls (a random-weight model behind SmolLM2's
+    tokenizer and its generic tool format: its replies are calls by the call grammar)."""
     calls = [
         ReferenceStep(s.observation, s.tabs, TOOL_ACTIONS.reply(s.action, smollm.tokenizer))
         for s in TRAJECTORY
     ]
-    own = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    own, full = (Engine(tiny_llama, smollm.tokenizer, make_policy("full")) for _ in range(2))
     steps = replay_agreement(INTENT, calls, own, full, AgentConfig(agent="tools"))
     assert [s.reference for s in steps] == ["click [17]", "stop [$149]"]  # the calls' actions
     assert all(s.kl < 1e-6 for s in steps)

@@ -1,5 +1,5 @@
-"""Tool calls and structured output through `/v1/chat/completions` and `/chat`, on SmolLM2
-(the generic tool format) and on the default model's tokenizer and template."""
+"""Tool calls and structured output through `/v1/chat/completions` and `/chat`, on SmolLM2's
+tokenizer and template (the generic tool format) and on the default model's."""
 
 from __future__ import annotations
 
@@ -48,14 +48,15 @@ ASK = [
 
 @pytest.fixture(params=["smollm2", "qwen", pytest.param("default", marks=pytest.mark.slow)])
 async def client(request):
-    """A client of the API on SmolLM2 (the generic tool format), on a tiny random Qwen2
-    behind the default model's tokenizer and template (its `<tool_call>` added tokens), or
-    (`slow`) on the real default model."""
-    if request.param in ("smollm2", "default"):
-        loaded = request.getfixturevalue(
-            "smollm" if request.param == "smollm2" else "default_model"
-        )
+    """A client of the API on a tiny random-weight model behind SmolLM2's tokenizer and
+    template (the generic tool format) or behind the default model's (its `<tool_call>` added
+    tokens), or (`slow`) on the real default model."""
+    if request.param == "default":
+        loaded = request.getfixturevalue("default_model")
         network, tokenizer = loaded.model, loaded.tokenizer
+    elif request.param == "smollm2":
+        network = request.getfixturevalue("brief_tiny_llama")
+        tokenizer = request.getfixturevalue("smollm").tokenizer
     else:
         network = request.getfixturevalue("tiny_qwen")
         tokenizer = request.getfixturevalue("qwen_tokenizer")

@@ -554,11 +554,16 @@ def test_real_scripted_sweep_records_evictions_and_reductions(tmp_path: Path, lo
     assert (tmp_path / "agreement_vs_memory.png").stat().st_size > 0
 
 
-def test_full_kv_under_a_reference_sweep_repeats_its_run(tmp_path: Path, smollm, monkeypatch):
+def test_full_kv_under_a_reference_sweep_repeats_its_run(
+    tmp_path: Path, smollm, tiny_llama, monkeypatch
+):
     """Full KV run again with `reference` reads the reference run's pages and replies (its
     own browser session shows other element ids) and repeats its answer, history and KV
-    figures token for token; a reference sweep without the task's run is an error record."""
-    monkeypatch.setattr(episode_runner, "load_model", lambda model=None, weights=None: smollm)
+    figures token for token; a reference sweep without the task's run is an error record.
+    Repeating is the harness's doing, not the model's: a random-weight model behind SmolLM2's
+    tokenizer."""
+    tiny = dataclasses.replace(smollm, model=tiny_llama)
+    monkeypatch.setattr(episode_runner, "load_model", lambda model=None, weights=None: tiny)
     task = load_task(413)
     jobs = make_jobs([task], ["full"], [])
     first, again = tmp_path / "first", tmp_path / "again"

@@ -2,7 +2,8 @@
 main-content observation, and the scripted-navigation runner on the bundled model.
 
 Every recall task's trajectory also replays to score 1.0 and a wrong answer to 0.0 in
-tests/test_tasks.py, which replays every bundled suite.
+tests/test_tasks.py, which replays every bundled suite (a sample of each by default, all of
+them under `slow`).
 """
 
 import json
@@ -178,15 +179,16 @@ def test_the_answer_prefix_is_forced_after_stop_and_begins_the_answer(smollm):
 @pytest.mark.model
 @pytest.mark.browser
 def test_the_trace_says_how_much_of_each_note_the_layers_kept_and_pinned_notes_stay(
-    smollm, env, tmp_path
+    tiny_llama, smollm, env, tmp_path
 ):
     """Task 401 (k = 1): its note, forced at step 1, against an 8-token window (4 sinks, 4
     recent tokens) that evicts it as the action after it is forced, unless the notes are
     pinned (whole replies pinned: `test_chat_and_agent.py`); the trace has the share after
-    each page."""
+    each page. What is kept is the cache's doing, not the model's: a random-weight model
+    behind SmolLM2's tokenizer."""
     kept, reply_kept = {}, {}
     for pin in ("none", "notes"):
-        engine = Engine(smollm.model, smollm.tokenizer, make_policy("window", budget=8), 64)
+        engine = Engine(tiny_llama, smollm.tokenizer, make_policy("window", budget=8), 64)
         record = run_recall_task(
             load_task(401), engine, env, tmp_path / pin, "smollm", pin_replies=pin
         )
@@ -223,24 +225,25 @@ def test_a_task_that_does_not_replay_names_its_step(smollm, env, tmp_path):
     ids=["task401-2816-context", "task429"],
 )
 def test_past_the_context_full_kv_errs_and_a_rerotated_window_answers(
-    smollm, env, tmp_path, monkeypatch, task_id, context, window, fed, history
+    tiny_llama, smollm, env, tmp_path, monkeypatch, task_id, context, window, fed, history
 ):
     """Task 429 (k = 8, ~12K tokens of forum pages) cannot run at original positions in the
     model's 8192-token context; a 1024-token window with rerotate positions runs it to an
     answer (its note is long gone). The default run: task 401 (~3.1K tokens) with the model's
     config declaring a 2816-token context, and a 512-token window. Full KV stops before the
     page that would pass the context (`fed` tokens or more in its cache); the window's history
-    passes `history` tokens."""
+    passes `history` tokens. Positions and the context are the cache's and the config's doing:
+    a random-weight model with SmolLM2's 8192-token context, behind its tokenizer."""
     if context is not None:
-        monkeypatch.setattr(smollm.model.config, "max_position_embeddings", context)
-    limit = smollm.model.config.max_position_embeddings
+        monkeypatch.setattr(tiny_llama.config, "max_position_embeddings", context)
+    limit = tiny_llama.config.max_position_embeddings
     task = load_task(task_id)
-    full = Engine(smollm.model, smollm.tokenizer, make_policy("full"))
+    full = Engine(tiny_llama, smollm.tokenizer, make_policy("full"))
     (overflow,) = run_recall([task], full, env, tmp_path / "full", "smollm")
     assert not overflow.success and f"{limit}-token context" in overflow.error
     assert overflow.answer is None and fed < overflow.history_tokens <= limit
     spec = PolicySpec.parse("window", window, None, positions="rerotate")
-    rerotated = Engine.from_spec(spec, smollm.model, smollm.tokenizer)
+    rerotated = Engine.from_spec(spec, tiny_llama, smollm.tokenizer)
     (record,) = run_recall([task], rerotated, env, tmp_path / "window", "smollm")
     assert record.error is None and record.positions == "rerotate"
     assert record.history_tokens > history > limit

@@ -18,10 +18,28 @@ from scripts.long_tasks.kinds import KINDS, shown
 WRONG_ANSWERS = ["N/A", "$999 in Nowhere"]
 BUNDLED = [(suite, task) for suite in suite_names() for task in load_suite(suite)]
 """(suite, task) of every bundled task, replayed below."""
+RECALL_QUICK = {401, 412, 413, 423, 424, 429, 430, 436}
+"""The recall tasks the default run replays: on each site and across sites, the note one page
+back and the one farthest back."""
 LONG_QUICK = {531, 546, 575}
-"""The long-horizon tasks the default run replays (one comparing facts across two sites, one
-carrying a fact through comments on another site with distractors, one without); the others,
-15-60 actions each, replay under `slow`."""
+"""The long-horizon tasks the default run replays: one comparing facts across two sites, one
+carrying a fact through comments on another site with distractors, one without."""
+
+
+def quick_replays() -> set[int]:
+    """The tasks the default run replays: the recall and long-horizon samples above and, of
+    every other suite, the first task of each kind of check (its eval types) on each site or
+    pair of sites. The rest (the long ones 15-60 actions each) replay under `slow`; the tasks
+    the default run's episodes use are replayed by those episodes too."""
+    first: dict[tuple, int] = {}
+    for suite, task in BUNDLED:
+        if suite not in ("recall", "long"):
+            key = (suite, tuple(task.eval.eval_types), tuple(task.sites))
+            first.setdefault(key, task.task_id)
+    return set(first.values()) | RECALL_QUICK | LONG_QUICK
+
+
+QUICK_REPLAYS = quick_replays()
 CARRIED = range(541, 601)
 """The long-horizon tasks that carry one fact through pages that never show it again, fitted
 to the default model (`scripts/long_tasks/carry.py`, 541-560, and `carry_more.py`,
@@ -29,9 +47,8 @@ to the default model (`scripts/long_tasks/carry.py`, 541-560, and `carry_more.py
 
 
 def replayed(suite: str, task):
-    """`task` as a parameter of the replay test: long-horizon tasks outside `LONG_QUICK` are
-    `slow`."""
-    slow = suite == "long" and task.task_id not in LONG_QUICK
+    """`task` as a parameter of the replay test: tasks outside `QUICK_REPLAYS` are `slow`."""
+    slow = task.task_id not in QUICK_REPLAYS
     return pytest.param(
         task, marks=[pytest.mark.slow] if slow else [], id=f"{suite}-task{task.task_id}"
     )
