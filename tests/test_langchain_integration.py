@@ -1,5 +1,6 @@
 """LangChain's standard integration tests for `ChatAgentKV` against a live `agent-kv serve` on
-the default model (`serve`'s defaults: conf-kv at its default budget, greedy decoding).
+SmolLM2-135M (`--model smollm2-135m`; otherwise `serve`'s defaults: conf-kv at its default
+budget, greedy decoding).
 
 The tests marked xfail cannot pass on a 135M-parameter model: each reason says what the model
 does instead. They are strict, so one that starts passing fails here and its mark is removed.
@@ -27,7 +28,7 @@ LOOPS = (
 def model_limited(
     reason: str, raises: type[Exception] | tuple[type[Exception], ...] = AssertionError
 ):
-    """An xfail for a test the default model's size makes impossible, failing as `raises`."""
+    """An xfail for a test the served model's size makes impossible, failing as `raises`."""
     return pytest.mark.xfail(reason=reason, raises=raises, strict=True)
 
 
