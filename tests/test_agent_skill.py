@@ -149,3 +149,20 @@ def test_make_run_episode_evicts_holds_less_than_full_kv_and_answers(default_mod
         < summary["full_kv_allocated_bytes"]
     )
     assert summary["peak_kv_live_bytes"] <= summary["peak_kv_allocated_bytes"]
+
+
+@pytest.mark.slow
+def test_the_floor_answers_from_its_pinned_note(default_model, env, tmp_path):
+    """Pins only with re-encoding, the agent's notes pinned, on `make run`'s task: the
+    answer's key, the question and the decoded tokens stay among the newest 64, so it answers
+    from the pinned note of a page long evicted (keeping no unpinned token at all, it stopped
+    right after `pixel_pilot karma:`)."""
+    spec = PolicySpec.parse("pins-only+reencode", None, None)
+    engine = Engine.from_spec(spec, default_model.model, default_model.tokenizer, 128, False)
+    task = load_task(make_run_settings()["task"])
+    config = AgentConfig(pin_replies="notes")
+    summary = scripted_episode(task, engine, env, tmp_path, default_model.name, config)
+    assert summary["answer"] == "pixel_pilot karma: 417" and summary["success"]
+    assert summary["policy_params"]["protect_recent"] == 64
+    assert summary["notes_kept"] == {"1": 1.0}
+    assert summary["evicted_tokens"] > 24 * 1000

@@ -134,7 +134,7 @@ def test_pins_only_keeps_the_pinned_tokens_and_nothing_else():
     store = store_with(100)
     store.pins.pin(0, 10)
     store.pins.pin(60, 65)
-    policy = make_policy("pins-only")
+    policy = make_policy("pins-only", protect_recent=0)
     assert (policy.budget(0.1), policy.budget(None), policy.takes_budget, policy.evicts) == (
         0,
         0,
@@ -146,10 +146,24 @@ def test_pins_only_keeps_the_pinned_tokens_and_nothing_else():
     random_tokens(store, 3)  # a new call's tokens go after it has run
     assert policy.evict(store, 0.5) == 2 * 3
     assert store.lengths() == [15, 15]
-    with pytest.raises(ConfigError, match="keeps pinned tokens only"):
+    with pytest.raises(ConfigError, match="keeps pinned and recent tokens only"):
         make_policy("pins-only", sinks=4)
     with pytest.raises(ConfigError, match="takes no budget"):
         make_policy("pins-only", budget=64)
+
+
+def test_pins_only_keeps_conf_kvs_recent_window_by_default():
+    """The floor keeps the newest tokens CONF-KV protects (64), so a decoded answer reads the
+    question and its own tokens; the older unpinned ones all go."""
+    assert make_policy("pins-only").protect_recent == make_policy("conf-kv").protect_recent == 64
+    store = store_with(200)
+    store.pins.pin(0, 10)
+    policy = make_policy("pins-only")
+    assert policy.evict(store, None) == 2 * (190 - 64)
+    assert kept_positions(store) == list(range(10)) + list(range(136, 200))
+    random_tokens(store, 5)
+    assert policy.evict(store, 0.9) == 2 * 5
+    assert kept_positions(store) == list(range(10)) + list(range(141, 205))
 
 
 def test_pins_never_crowd_out_the_newest_tokens():

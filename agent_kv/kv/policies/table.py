@@ -59,7 +59,7 @@ def _own_fields(cls: type[Policy]) -> list[dataclasses.Field]:
     shared = _defaults(Policy)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     own = [f for f in fields if f.name not in shared]
-    if cls.takes_budget:
+    if cls.evicts:
         own += [f for f in fields if f.name in shared and f.default != shared[f.name]]
     if parent is None:
         return own
