@@ -153,7 +153,7 @@ def ask_all(engine: Engine, context: list[int], facts, tally: Tally) -> None:
 def labels(sizes: Sizes) -> dict[str, tuple[str, int | None]]:
     """Row label -> (policy, budget), the policies that evict nothing first. An unbudgeted
     policy that evicts (`pins-only`, the floor of pinned runs) is left out: this context has no
-    pinned span, so it would hold nothing."""
+    pinned span, so it would hold its newest 64 tokens only."""
     rows = {
         name: (name, None)
         for name, cls in POLICIES.items()
