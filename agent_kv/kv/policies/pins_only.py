@@ -12,8 +12,9 @@ The newest tokens stay because without them the floor cannot answer at all: with
 unpinned kept, each decoded token was evicted once its call had run, and the question's
 tokens before the answer's last prefill chunk were gone too. On the recall task 424 and the
 carry tasks 541-544 it then stopped right after the forced answer key (`pixel_pilot karma:`),
-its pinned note of the fact intact. 64 is CONF-KV's own recent window (`conf_kv.py`), so
-the two differ only in the tokens CONF-KV chooses beyond it.
+its pinned note of the fact intact. The default is CONF-KV's own recent window
+(`ConfidenceGate.protect_recent`, 64), so the two differ only in the tokens CONF-KV chooses
+beyond it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from agent_kv.errors import ConfigError
 from agent_kv.kv.policies.base import Policy
+from agent_kv.kv.policies.conf_kv import ConfidenceGate
 
 
 @dataclass
@@ -38,7 +40,7 @@ class PinsOnly(Policy):
     )
     takes_budget = False
     evict_slack: int = field(default=0, init=False)
-    protect_recent: int = 64
+    protect_recent: int = ConfidenceGate.protect_recent
 
     def validate(self) -> None:
         """Attention sinks would keep more unpinned tokens than the newest: `sinks` stays 0
